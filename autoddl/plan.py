@@ -1,0 +1,147 @@
+"""Plan: a mesh, one SBP signature per op and a storage NdSbp per parameter.
+
+A plan is what search produces, what the cost model scores and what the
+executor runs. It round-trips through JSON (``Plan.save`` / ``Plan.load``) with
+a schema version, and names the traced graph it belongs to by its fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autoddl.sbp import NdSbp, Signature
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """An N-D device mesh, outermost axis first (the innermost axis stays inside a node)."""
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if not self.shape or any(s < 1 for s in self.shape):
+            raise ValueError(f"mesh shape must be positive sizes, got {self.shape}")
+        names = tuple(self.axis_names) or tuple(f"axis{i}" for i in range(len(self.shape)))
+        if len(names) != len(self.shape):
+            raise ValueError(f"mesh {self.shape} needs {len(self.shape)} axis names, got {names}")
+        object.__setattr__(self, "axis_names", names)
+
+    @classmethod
+    def parse(cls, text: str, axis_names: tuple[str, ...] = ()) -> "Mesh":
+        """``"2x4"`` -> Mesh((2, 4))."""
+        try:
+            shape = tuple(int(p) for p in text.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"cannot parse mesh {text!r}: expected sizes joined by 'x', e.g. 2x4") from None
+        return cls(shape, axis_names)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def __str__(self) -> str:
+        return "x".join(map(str, self.shape))
+
+
+@dataclass
+class Plan:
+    name: str                                   # "found", "dp", "tp", "dp_tp", "zero3", "sp", ...
+    mesh: Mesh
+    signatures: dict[str, Signature]            # op / input / buffer node name -> signature
+    param_storage: dict[str, NdSbp]             # parameter fqn -> how it is kept between steps
+    graph_hash: str
+    model: str = ""                             # model file or name the plan was made for
+    cluster: str = ""
+    optimizer: str = "adamw"
+    cost: dict[str, Any] = field(default_factory=dict)      # costmodel breakdown, seconds / bytes
+    op_costs: list[dict[str, Any]] = field(default_factory=list)  # per-op rows (summary table)
+    notes: list[str] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def devices(self) -> int:
+        return self.mesh.size
+
+    # -- JSON -----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "name": self.name,
+            "model": self.model,
+            "cluster": self.cluster,
+            "graph_hash": self.graph_hash,
+            "optimizer": self.optimizer,
+            "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
+            "signatures": {k: str(v) for k, v in self.signatures.items()},
+            "param_storage": {k: str(v) for k, v in self.param_storage.items()},
+            "cost": self.cost,
+            "op_costs": self.op_costs,
+            "notes": self.notes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "plan") -> "Plan":
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"{source}: schema_version {version!r} is not supported "
+                             f"(this autoddl reads {SCHEMA_VERSION}); re-run `autoddl plan`")
+        try:
+            mesh = Mesh(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["axis_names"]))
+            return cls(
+                name=data["name"], mesh=mesh,
+                signatures={k: Signature.parse(v) for k, v in data["signatures"].items()},
+                param_storage={k: NdSbp.parse(v) for k, v in data["param_storage"].items()},
+                graph_hash=data["graph_hash"], model=data.get("model", ""),
+                cluster=data.get("cluster", ""), optimizer=data.get("optimizer", "adamw"),
+                cost=data.get("cost", {}), op_costs=data.get("op_costs", []), notes=data.get("notes", []),
+            )
+        except KeyError as exc:
+            raise ValueError(f"{source}: missing field {exc.args[0]!r}; re-run `autoddl plan`") from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write JSON atomically (temporary file, then rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no such plan file; make one with `autoddl plan MODEL_PY`") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not a JSON plan ({exc})") from None
+        return cls.from_dict(data, source=str(path))
+
+    def summary(self):
+        """Per-op DataFrame: op, output shape, signature, compute µs, comm µs, memory."""
+        import pandas as pd
+
+        cols = ["op", "output_shape", "signature", "compute_us", "comm_us", "memory_mb"]
+        if self.op_costs:
+            return pd.DataFrame(self.op_costs)
+        return pd.DataFrame([{"op": k, "signature": str(v)} for k, v in self.signatures.items()],
+                            columns=cols)
+
+    def __str__(self) -> str:
+        step = self.cost.get("step_time_s")
+        t = f", predicted step {step * 1e3:.3f} ms" if step is not None else ""
+        return f"Plan {self.name!r} on mesh {self.mesh} for {self.model or 'model'}{t}"
