@@ -1,10 +1,15 @@
 """autoddl: automatic SBP parallelisation planning for PyTorch training."""
 
+from autoddl.cluster import (
+    DEFAULT_CLUSTER_PATH, Backend, Cluster, ClusterConfigError, DeviceSpec, Efficiency, LinkSpec, bundled_config,
+)
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
 from autoddl.sbp import B, P, S, Broadcast, NdSbp, Partial, Signature, Split, parse_sbp
 from autoddl.trace import TraceError, trace
 
 __all__ = [
+    "Backend", "Cluster", "ClusterConfigError", "DeviceSpec", "Efficiency", "LinkSpec",
+    "DEFAULT_CLUSTER_PATH", "bundled_config",
     "B", "P", "S", "Broadcast", "NdSbp", "Partial", "Signature", "Split", "parse_sbp",
     "NodeKind", "OpGraph", "OpNode", "TensorMeta", "TensorRef",
     "TraceError", "trace",

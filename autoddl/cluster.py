@@ -1,0 +1,461 @@
+"""Cluster: the hardware a plan is scored for, loaded from a YAML file.
+
+A cluster is ``nodes`` x ``devices_per_node`` identical devices, one link spec
+inside a node and one between nodes, a collective backend and derating
+efficiencies. Units are in the field names: ``*_gbps`` is GB/s (1e9 bytes per
+second, per device, one direction), ``*_us`` microseconds, ``*_gb`` 1e9 bytes.
+
+Loading validates everything at once and reports every problem, one per line,
+each naming the file and the dotted field (like torchtitan's ``ParallelDims``
+printing every degree), so a config is fixed in one pass. ``to_yaml`` writes a
+file ``from_yaml`` reads back equal, with optional end-of-line comments that
+record where a number came from (``autoddl calibrate`` uses them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+DEFAULT_CLUSTER_PATH = CONFIG_DIR / "dgx-a100-8.yaml"
+DEFAULT_CLUSTER = DEFAULT_CLUSTER_PATH          # alias used in the shared interface notes
+
+DEVICE_KINDS = ("cuda", "cpu")
+
+
+class ClusterConfigError(ValueError):
+    """A cluster description is wrong; ``errors`` holds one line per problem."""
+
+    def __init__(self, errors: list[str] | str, source: str = "") -> None:
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        self.source = source
+        if len(self.errors) == 1:
+            msg = self.errors[0]
+        else:
+            where = f" in {source}" if source else ""
+            msg = f"{len(self.errors)} problems{where}:\n" + "\n".join(self.errors)
+        super().__init__(msg)
+
+
+class Backend(str, Enum):
+    NCCL = "nccl"
+    GLOO = "gloo"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    kind: str                       # "cuda" | "cpu"
+    peak_tflops: float              # dense peak of the training dtype, 1e12 FLOP/s
+    memory_gb: float                # 1e9 bytes
+    memory_bandwidth_gbps: float    # GB/s
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    bandwidth_gbps: float           # GB/s per device, one direction
+    latency_us: float               # per message (alpha of the alpha-beta model)
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of peak really reached (derating); ``autoddl calibrate`` measures them."""
+
+    compute: float = 1.0
+    memory: float = 1.0
+    network: float = 1.0
+
+
+# -- schema -------------------------------------------------------------------
+# (dotted field, expected, kind): kind is "str", "int", "pos" (> 0), "nonneg" (>= 0), "frac" (0, 1].
+_DEVICE_FIELDS = {
+    "name": ("a device name, e.g. A100-SXM4-80GB", "str"),
+    "kind": ("one of " + ", ".join(DEVICE_KINDS), "kind"),
+    "peak_tflops": ("a positive number in TFLOPS (dense peak of the training dtype)", "pos"),
+    "memory_gb": ("a positive number in GB (1e9 bytes) of device memory", "pos"),
+    "memory_bandwidth_gbps": ("a positive number in GB/s of memory bandwidth", "pos"),
+}
+_LINK_FIELDS = {
+    "bandwidth_gbps": ("a positive number in GB/s per device, one direction", "pos"),
+    "latency_us": ("a non-negative number in microseconds", "nonneg"),
+}
+_EFFICIENCY_FIELDS = {k: ("a fraction in (0, 1]", "frac") for k in ("compute", "memory", "network")}
+_TOP_KEYS = ("name", "nodes", "devices_per_node", "device", "links", "backend", "efficiency",
+             "op_overhead_us")
+_LINK_KEYS = ("intra_node", "inter_node")
+_NUMBER_WITH_UNIT = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([^\d\s].*?)\s*$")
+
+
+def _unknown_key(src: str, where: str, key: Any, known: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(key), known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{src}: {where}{key}: unknown key; {hint}known keys: {', '.join(known)}"
+
+
+def _unit_of(dotted: str) -> str:
+    """The unit a field's name promises: ``*_gbps`` GB/s, ``*_tflops`` TFLOPS, ``*_gb`` GB, ``*_us`` us."""
+    for suffix, unit in (("_gbps", "GB/s"), ("_tflops", "TFLOPS"), ("_gb", "GB"), ("_us", "microseconds")):
+        if dotted.endswith(suffix):
+            return unit
+    return ""
+
+
+def _number(src: str, dotted: str, value: Any, expected: str, kind: str, errors: list[str]) -> Any:
+    """Check one numeric field; append an error and return None when it is wrong."""
+    where = f"{src}: {dotted}: expected {expected}"
+    if isinstance(value, str):
+        try:
+            value = float(value)            # "1e3": PyYAML 1.1 reads exponents without a dot as strings
+        except ValueError:
+            m = _NUMBER_WITH_UNIT.match(value)
+            if m:
+                unit = m.group(2)
+                bits = re.search(r"(?<![A-Za-z])[GMTk]?(b(?!yte)|bit|bps)", unit) is not None
+                hint = (f"; if that is gigabits per second, {m.group(1)} Gb/s = "
+                        f"{float(m.group(1)) / 8:g} GB/s" if bits and "gbps" in dotted else "")
+                errors.append(f"{where}, got {value!r}: wrong unit, drop the unit {unit!r} and give "
+                              f"the bare number{' in ' + _unit_of(dotted) if _unit_of(dotted) else ''}{hint}")
+            else:
+                errors.append(f"{where}, got {value!r}")
+            return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        errors.append(f"{where}, got {value!r}")
+        return None
+    if kind == "int":
+        if isinstance(value, float) and not value.is_integer() or value < 1:
+            errors.append(f"{where}, got {value!r}")
+            return None
+        return int(value)
+    bad = (not math.isfinite(value) or (kind == "pos" and value <= 0) or (kind == "nonneg" and value < 0)
+           or (kind == "frac" and not 0 < value <= 1))
+    if bad:
+        errors.append(f"{where}, got {value!r}")
+        return None
+    return float(value)
+
+
+def _section(src: str, dotted: str, value: Any, fields: dict[str, tuple[str, str]],
+             errors: list[str], defaults: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Validate a nested mapping against ``fields``; returns parsed values or None on any error."""
+    if not isinstance(value, dict):
+        keys = ", ".join(fields)
+        errors.append(f"{src}: {dotted}: expected a mapping with keys {keys}, got {value!r}")
+        return None
+    n_before = len(errors)
+    out: dict[str, Any] = {}
+    for key in value:
+        if key not in fields:
+            errors.append(_unknown_key(src, f"{dotted}.", key, tuple(fields)))
+    for key, (expected, kind) in fields.items():
+        sub = f"{dotted}.{key}"
+        if key not in value:
+            if defaults is not None and key in defaults:
+                out[key] = defaults[key]
+            else:
+                errors.append(f"{src}: {sub}: missing; expected {expected}")
+            continue
+        raw = value[key]
+        if kind in ("str", "kind"):
+            if not isinstance(raw, str) or not raw.strip():
+                errors.append(f"{src}: {sub}: expected {expected}, got {raw!r}")
+            elif kind == "kind" and raw not in DEVICE_KINDS:
+                errors.append(f"{src}: {sub}: unknown device kind {raw!r}; known kinds: "
+                              f"{', '.join(DEVICE_KINDS)}")
+            else:
+                out[key] = raw
+        else:
+            out[key] = _number(src, sub, raw, expected, kind, errors)
+    return out if len(errors) == n_before else None
+
+
+def _parse(d: Any, src: str) -> tuple[dict[str, Any], list[str]]:
+    """Validate a raw cluster mapping; returns (constructor kwargs, every error found)."""
+    if not isinstance(d, dict):
+        return {}, [f"{src}: expected a YAML mapping of cluster fields ({', '.join(_TOP_KEYS)}), "
+                    f"got {type(d).__name__}"]
+    errors: list[str] = []
+    kw: dict[str, Any] = {}
+    for key in d:
+        if key not in _TOP_KEYS:
+            errors.append(_unknown_key(src, "", key, _TOP_KEYS))
+
+    name = d.get("name")
+    if name is None:
+        errors.append(f"{src}: name: missing; expected a cluster name, e.g. dgx-a100-8")
+    elif not isinstance(name, str) or not name.strip():
+        errors.append(f"{src}: name: expected a non-empty string, got {name!r}")
+    kw["name"] = name
+
+    for key, what in (("nodes", "number of nodes"), ("devices_per_node", "number of devices per node")):
+        expected = f"a positive integer ({what}; nodes * devices_per_node must be at least 1)"
+        if key not in d:
+            errors.append(f"{src}: {key}: missing; expected {expected}")
+        else:
+            kw[key] = _number(src, key, d[key], expected, "int", errors)
+
+    if "device" not in d:
+        errors.append(f"{src}: device: missing; expected a mapping with keys {', '.join(_DEVICE_FIELDS)}")
+    else:
+        dev = _section(src, "device", d["device"], _DEVICE_FIELDS, errors)
+        kw["device"] = DeviceSpec(**dev) if dev else None
+
+    links = d.get("links")
+    if links is None:
+        errors.append(f"{src}: links: missing; expected a mapping with intra_node "
+                      "(and inter_node when nodes > 1), each {bandwidth_gbps, latency_us}")
+    elif not isinstance(links, dict):
+        errors.append(f"{src}: links: expected a mapping with keys intra_node, inter_node, got {links!r}")
+    else:
+        for key in links:
+            if key not in _LINK_KEYS:
+                errors.append(_unknown_key(src, "links.", key, _LINK_KEYS))
+        if "intra_node" not in links:
+            errors.append(f"{src}: links.intra_node: missing; expected "
+                          "{bandwidth_gbps: GB/s per device, latency_us: microseconds}")
+        else:
+            intra = _section(src, "links.intra_node", links["intra_node"], _LINK_FIELDS, errors)
+            kw["intra_node"] = LinkSpec(**intra) if intra else None
+        if "inter_node" in links:
+            inter = _section(src, "links.inter_node", links["inter_node"], _LINK_FIELDS, errors)
+            kw["inter_node"] = LinkSpec(**inter) if inter else None
+        elif isinstance(kw.get("nodes"), int) and kw["nodes"] > 1:
+            errors.append(f"{src}: links.inter_node: missing; required when nodes > 1 (nodes is "
+                          f"{kw['nodes']}); expected {{bandwidth_gbps: GB/s per device, latency_us: microseconds}}")
+        else:
+            kw["inter_node"] = kw.get("intra_node")     # one node: never used by a mesh, kept for resized()
+
+    backend = d.get("backend")
+    known = ", ".join(b.value for b in Backend)
+    if backend is None:
+        errors.append(f"{src}: backend: missing; expected one of {known}")
+    elif backend not in {b.value for b in Backend}:
+        errors.append(f"{src}: backend: unknown backend {backend!r}; known backends: {known}")
+    else:
+        kw["backend"] = Backend(backend)
+        dev = kw.get("device")
+        if backend == Backend.NCCL.value and dev is not None and dev.kind != "cuda":
+            errors.append(f"{src}: backend: nccl needs cuda devices but device.kind is {dev.kind!r}; "
+                          "use backend: gloo")
+
+    if "efficiency" in d:
+        eff = _section(src, "efficiency", d["efficiency"], _EFFICIENCY_FIELDS, errors,
+                       defaults=dataclasses.asdict(Efficiency()))
+        kw["efficiency"] = Efficiency(**eff) if eff else None
+    if "op_overhead_us" in d:
+        kw["op_overhead_us"] = _number(src, "op_overhead_us", d["op_overhead_us"],
+                                       "a non-negative number in microseconds per op launch", "nonneg",
+                                       errors)
+    return kw, errors
+
+
+# -- YAML writing ---------------------------------------------------------------
+def _scalar(v: Any) -> str:
+    if isinstance(v, Enum):
+        v = v.value
+    if isinstance(v, str):
+        plain = "#" not in v and "\n" not in v and v == v.strip() and yaml.safe_load(f"k: {v}") == {"k": v}
+        return v if plain else yaml.safe_dump(v, default_style='"', width=10**9).strip()
+    if isinstance(v, int) or float(v).is_integer() and abs(v) < 1e15:
+        return str(int(v))
+    text = repr(float(v))
+    if "e" in text and "." not in text:             # PyYAML 1.1 needs a dot to read 1e-05 as a float
+        text = text.replace("e", ".0e")
+    return text
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` x ``devices_per_node`` identical devices with two link levels.
+
+    ``inter_node`` may be left out of the YAML when ``nodes == 1``: it then
+    defaults to the ``intra_node`` values (no mesh axis of a one-node cluster
+    crosses nodes). Give it anyway when the cluster may be ``resized`` to
+    several nodes. ``source`` is the file it came from (not compared).
+    """
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    backend: Backend
+    efficiency: Efficiency = Efficiency()
+    op_overhead_us: float = 5.0
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "backend", Backend(self.backend))
+        except ValueError:
+            raise ClusterConfigError(f"{self.source or self.name}: backend: unknown backend {self.backend!r}; "
+                                     f"known backends: {', '.join(b.value for b in Backend)}") from None
+        _, errors = _parse(self.to_dict(), self.source or f"Cluster {self.name!r}")
+        if errors:
+            raise ClusterConfigError(errors, self.source)
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    # -- loading / saving -------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "<dict>") -> "Cluster":
+        kw, errors = _parse(d, source)
+        if errors:
+            raise ClusterConfigError(errors, source)
+        return cls(**kw, source=source)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "Cluster":
+        src = str(path)
+        try:
+            text = Path(path).read_text()
+        except FileNotFoundError:
+            names = available_configs()
+            close = difflib.get_close_matches(Path(path).stem, names, n=1)
+            hint = f" Did you mean {CONFIG_DIR / (close[0] + '.yaml')}?" if close else ""
+            raise ClusterConfigError(f"{src}: no such cluster config file.{hint} Bundled configs in "
+                                     f"{CONFIG_DIR}: {', '.join(names)}", src) from None
+        except (IsADirectoryError, UnicodeDecodeError) as exc:
+            raise ClusterConfigError(f"{src}: cannot read as a YAML text file ({exc})", src) from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ClusterConfigError(f"{src}: not valid YAML{at}: {problem}; expected a mapping like "
+                                     f"{DEFAULT_CLUSTER_PATH}", src) from None
+        return cls.from_dict(data, source=src)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML schema as plain data (``from_dict(c.to_dict()) == c``)."""
+        return {
+            "name": self.name,
+            "nodes": self.nodes,
+            "devices_per_node": self.devices_per_node,
+            "device": dataclasses.asdict(self.device),
+            "links": {"intra_node": dataclasses.asdict(self.intra_node),
+                      "inter_node": dataclasses.asdict(self.inter_node)},
+            "backend": Backend(self.backend).value,
+            "efficiency": dataclasses.asdict(self.efficiency),
+            "op_overhead_us": self.op_overhead_us,
+        }
+
+    def to_yaml(self, path: str | os.PathLike, comments: dict[str, str] | None = None) -> None:
+        """Write YAML atomically; ``comments`` maps dotted fields (``device.peak_tflops``,
+        ``links.intra_node``) to a comment placed at the end of that line."""
+        comments = dict(comments or {})
+        lines: list[tuple[str, str]] = []           # (dotted key, text)
+
+        def emit(mapping: dict[str, Any], prefix: str, indent: int) -> None:
+            for key, value in mapping.items():
+                dotted = f"{prefix}{key}"
+                pad = "  " * indent
+                if isinstance(value, dict):
+                    lines.append((dotted, f"{pad}{key}:"))
+                    emit(value, dotted + ".", indent + 1)
+                else:
+                    lines.append((dotted, f"{pad}{key}: {_scalar(value)}"))
+
+        emit(self.to_dict(), "", 0)
+        known = [k for k, _ in lines]
+        unknown = [k for k in comments if k not in known]
+        if unknown:
+            raise KeyError(f"to_yaml comments name unknown fields {unknown}; known fields: {', '.join(known)}")
+        text = "".join(
+            f"{line}  # {' '.join(comments[k].split())}\n" if comments.get(k) else f"{line}\n"
+            for k, line in lines)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    # -- shape ----------------------------------------------------------------------
+    def resized(self, num_devices: int) -> "Cluster":
+        """Same hardware on ``num_devices`` devices: a part of one node (a divisor of
+        ``devices_per_node``) or whole nodes (a multiple of it). Named ``base@N``."""
+        n, per = num_devices, self.devices_per_node
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ClusterConfigError(f"{self.name}: cannot resize to {n!r} devices: expected a positive integer")
+        if n == self.num_devices:
+            return self
+        if n <= per and per % n == 0:
+            nodes, dpn = 1, n
+        elif n % per == 0:
+            nodes, dpn = n // per, per
+        else:
+            divisors = [k for k in range(1, per + 1) if per % k == 0]
+            lower = (n // per) * per
+            multiples = [m for m in (lower, lower + per) if m > 0]
+            raise ClusterConfigError(
+                f"{self.name}: cannot lay out {n} devices on nodes of {per} devices: use a divisor of "
+                f"{per} (one partial node: {', '.join(map(str, divisors))}) or a multiple of {per} "
+                f"(whole nodes, e.g. {' or '.join(map(str, multiples))})")
+        base = self.name.split("@")[0]
+        return dataclasses.replace(self, name=f"{base}@{n}", nodes=nodes, devices_per_node=dpn)
+
+    def link_for_axis(self, mesh_shape: tuple[int, ...], axis: int) -> LinkSpec:
+        """The link a collective on mesh axis ``axis`` crosses (outermost axis first,
+        devices numbered row-major, node-major): intra-node when the axis and every
+        axis inside it fit in one node, i.e. ``prod(mesh_shape[axis:]) <= devices_per_node``."""
+        shape = tuple(mesh_shape)
+        if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
+            raise ValueError(f"{self.name}: mesh shape must be positive integers, got {mesh_shape!r}")
+        if not -len(shape) <= axis < len(shape):
+            raise ValueError(f"{self.name}: axis {axis} out of range for mesh {shape} "
+                             f"(axes 0..{len(shape) - 1})")
+        axis %= len(shape)
+        return self.intra_node if math.prod(shape[axis:]) <= self.devices_per_node else self.inter_node
+
+    def summary(self) -> str:
+        d, a, e = self.device, self.intra_node, self.inter_node
+        f = self.efficiency
+        inter = f" | inter {e.bandwidth_gbps:g} GB/s {e.latency_us:g} us" if self.nodes > 1 else ""
+        return (f"{self.name}: {self.nodes}x{self.devices_per_node} {d.name} ({d.kind}, "
+                f"{d.peak_tflops:g} TFLOPS, {d.memory_gb:g} GB, {d.memory_bandwidth_gbps:g} GB/s) "
+                f"| intra {a.bandwidth_gbps:g} GB/s {a.latency_us:g} us{inter} | {Backend(self.backend).value} "
+                f"| eff compute {f.compute:g} memory {f.memory:g} network {f.network:g} "
+                f"| op overhead {self.op_overhead_us:g} us")
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def available_configs() -> list[str]:
+    """Names of the bundled configs in ``configs/`` (without ``.yaml``)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def bundled_config(name: str) -> Path:
+    """Path of a bundled config: ``"dgx-a100-8"`` or ``"dgx-a100-8.yaml"``."""
+    stem = name[:-5] if name.endswith(".yaml") else name
+    path = CONFIG_DIR / f"{stem}.yaml"
+    if "/" in stem or os.sep in stem or not path.is_file():
+        names = available_configs()
+        close = difflib.get_close_matches(stem, names, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ClusterConfigError(f"no bundled cluster config {name!r} in {CONFIG_DIR}.{hint} "
+                                 f"Available: {', '.join(names) or '(none)'}")
+    return path

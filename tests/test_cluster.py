@@ -1,0 +1,308 @@
+"""Cluster YAML: bundled configs, validation messages, round trip, resizing, mesh-axis links."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from autoddl.cluster import (
+    CONFIG_DIR, DEFAULT_CLUSTER_PATH, Backend, Cluster, ClusterConfigError, DeviceSpec, Efficiency,
+    LinkSpec, available_configs, bundled_config,
+)
+
+BUNDLED = ["dgx-a100-8", "h100-4x8", "v100-16x1", "local-cpu"]
+
+GOOD = {
+    "name": "toy-2x4",
+    "nodes": 2,
+    "devices_per_node": 4,
+    "device": {"name": "A100-SXM4-80GB", "kind": "cuda", "peak_tflops": 312, "memory_gb": 80,
+               "memory_bandwidth_gbps": 2039},
+    "links": {"intra_node": {"bandwidth_gbps": 300, "latency_us": 2.0},
+              "inter_node": {"bandwidth_gbps": 25, "latency_us": 5.0}},
+    "backend": "nccl",
+    "efficiency": {"compute": 0.6, "memory": 0.7, "network": 0.8},
+    "op_overhead_us": 10,
+}
+
+
+def write(tmp_path: Path, data, name: str = "x.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def errors_of(tmp_path: Path, data) -> tuple[Path, list[str], str]:
+    path = write(tmp_path, data)
+    with pytest.raises(ClusterConfigError) as info:
+        Cluster.from_yaml(path)
+    return path, info.value.errors, str(info.value)
+
+
+def edited(**changes) -> dict:
+    """GOOD with dotted fields replaced (value None deletes the field)."""
+    d = copy.deepcopy(GOOD)
+    for dotted, value in changes.items():
+        *parents, last = dotted.split("__")
+        target = d
+        for p in parents:
+            target = target[p]
+        if value is None:
+            del target[last]
+        else:
+            target[last] = value
+    return d
+
+
+# -- bundled configs --------------------------------------------------------------
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_config_loads_with_yaml_values(name):
+    path = bundled_config(name)
+    assert path == CONFIG_DIR / f"{name}.yaml" and bundled_config(f"{name}.yaml") == path
+    raw = yaml.safe_load(path.read_text())
+    c = Cluster.from_yaml(path)
+    assert c.name == raw["name"] == name
+    assert (c.nodes, c.devices_per_node) == (raw["nodes"], raw["devices_per_node"])
+    assert c.num_devices == raw["nodes"] * raw["devices_per_node"]
+    assert dataclasses.asdict(c.device) == raw["device"]
+    assert dataclasses.asdict(c.intra_node) == raw["links"]["intra_node"]
+    assert dataclasses.asdict(c.inter_node) == raw["links"]["inter_node"]
+    assert c.backend is Backend(raw["backend"])
+    assert dataclasses.asdict(c.efficiency) == raw["efficiency"]
+    assert c.op_overhead_us == raw["op_overhead_us"]
+    assert c.source == str(path)
+    assert "\n" not in c.summary() and name in c.summary()
+
+
+def test_bundled_hardware_numbers():
+    a100 = Cluster.from_yaml(DEFAULT_CLUSTER_PATH)
+    assert DEFAULT_CLUSTER_PATH.name == "dgx-a100-8.yaml"
+    assert (a100.num_devices, a100.device.peak_tflops, a100.device.memory_bandwidth_gbps) == (8, 312, 2039)
+    assert a100.intra_node == LinkSpec(300, 2.0) and a100.inter_node.bandwidth_gbps == 25
+    h100 = Cluster.from_yaml(bundled_config("h100-4x8"))
+    assert (h100.nodes, h100.devices_per_node, h100.device.peak_tflops) == (4, 8, 989)
+    assert (h100.intra_node.bandwidth_gbps, h100.inter_node.bandwidth_gbps) == (450, 400 / 8)
+    v100 = Cluster.from_yaml(bundled_config("v100-16x1"))
+    assert (v100.nodes, v100.devices_per_node, v100.inter_node.bandwidth_gbps) == (16, 1, 25 / 8)
+    cpu = Cluster.from_yaml(bundled_config("local-cpu"))
+    assert (cpu.device.kind, cpu.backend, cpu.num_devices) == ("cpu", Backend.GLOO, 2)
+    assert set(available_configs()) >= set(BUNDLED)
+
+
+def test_bundled_config_unknown_name_lists_available():
+    with pytest.raises(ClusterConfigError) as info:
+        bundled_config("h100-4x9")
+    msg = str(info.value)
+    assert "'h100-4x9'" in msg and "Did you mean 'h100-4x8'" in msg
+    assert all(n in msg for n in BUNDLED)
+
+
+# -- from_dict, defaults ---------------------------------------------------------------
+def test_from_dict_and_defaults():
+    c = Cluster.from_dict(GOOD)
+    assert c.device == DeviceSpec("A100-SXM4-80GB", "cuda", 312.0, 80.0, 2039.0)
+    assert c.efficiency == Efficiency(0.6, 0.7, 0.8) and c.source == "<dict>"
+    d = edited(efficiency=None, op_overhead_us=None, nodes=1, links__inter_node=None)
+    one = Cluster.from_dict(d)
+    assert one.efficiency == Efficiency() and one.op_overhead_us == 5.0
+    assert one.inter_node == one.intra_node == LinkSpec(300, 2.0)     # nodes 1: inter defaults to intra
+    partial = Cluster.from_dict(edited(efficiency={"network": 0.5}))
+    assert partial.efficiency == Efficiency(1.0, 1.0, 0.5)
+    assert Cluster.from_dict(edited(device__peak_tflops="1e3")).device.peak_tflops == 1000.0
+
+
+def test_direct_construction_is_validated():
+    c = Cluster.from_dict(GOOD)
+    assert dataclasses.replace(c, backend="gloo").backend is Backend.GLOO
+    with pytest.raises(ClusterConfigError, match=r"device.peak_tflops: expected a positive number"):
+        dataclasses.replace(c, device=dataclasses.replace(c.device, peak_tflops=0.0))
+    with pytest.raises(ClusterConfigError, match=r"backend: unknown backend 'mpi'; known backends: nccl, gloo"):
+        dataclasses.replace(c, backend="mpi")
+
+
+# -- validation: one error each ------------------------------------------------------------
+@pytest.mark.parametrize("changes, field, expected", [
+    ({"device__peak_tflops": None}, "device.peak_tflops", "missing; expected a positive number in TFLOPS"),
+    ({"name": None}, "name", "missing"),
+    ({"backend": None}, "backend", "missing; expected one of nccl, gloo"),
+    ({"links": None}, "links", "missing"),
+    ({"links__intra_node": None}, "links.intra_node", "missing"),
+    ({"links__inter_node": None}, "links.inter_node", "required when nodes > 1 (nodes is 2)"),
+    ({"links__intra_node__latency_us": None}, "links.intra_node.latency_us", "missing; expected a non-negative"),
+    ({"device__memory_gb": -80}, "device.memory_gb", "expected a positive number in GB (1e9 bytes) of device memory, got -80"),
+    ({"device__memory_bandwidth_gbps": 0}, "device.memory_bandwidth_gbps", "expected a positive number in GB/s"),
+    ({"links__inter_node__latency_us": -1.0}, "links.inter_node.latency_us", "expected a non-negative number in microseconds, got -1.0"),
+    ({"op_overhead_us": -2}, "op_overhead_us", "expected a non-negative number"),
+    ({"nodes": 0}, "nodes", "expected a positive integer (number of nodes; nodes * devices_per_node must be at least 1), got 0"),
+    ({"devices_per_node": 2.5}, "devices_per_node", "expected a positive integer"),
+    ({"devices_per_node": True}, "devices_per_node", "expected a positive integer"),
+    ({"device__peak_tflops": "fast"}, "device.peak_tflops", "expected a positive number in TFLOPS"),
+    ({"device__peak_tflops": float("inf")}, "device.peak_tflops", "got inf"),
+    ({"device__kind": "tpu"}, "device.kind", "unknown device kind 'tpu'; known kinds: cuda, cpu"),
+    ({"device__name": ""}, "device.name", "expected a device name"),
+    ({"backend": "mpi"}, "backend", "unknown backend 'mpi'; known backends: nccl, gloo"),
+    ({"device__kind": "cpu"}, "backend", "nccl needs cuda devices but device.kind is 'cpu'; use backend: gloo"),
+    ({"efficiency__compute": 1.5}, "efficiency.compute", "expected a fraction in (0, 1], got 1.5"),
+    ({"efficiency__network": 0}, "efficiency.network", "expected a fraction in (0, 1], got 0"),
+    ({"device": "A100"}, "device", "expected a mapping with keys name, kind, peak_tflops"),
+    ({"device__peak_tflop": 1}, "device.peak_tflop", "unknown key; did you mean 'peak_tflops'?"),
+    ({"links__inter": {"bandwidth_gbps": 1, "latency_us": 1}}, "links.inter", "unknown key; did you mean 'inter_node'?"),
+])
+def test_single_validation_error(tmp_path, changes, field, expected):
+    path, errors, _ = errors_of(tmp_path, edited(**changes))
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"{path}: {field}: "), errors[0]
+    assert expected in errors[0], errors[0]
+
+
+def test_wrong_unit_gigabits(tmp_path):
+    path, errors, msg = errors_of(tmp_path, edited(links__intra_node__bandwidth_gbps="300 Gb/s"))
+    assert errors == [msg]
+    assert msg.startswith(f"{path}: links.intra_node.bandwidth_gbps: expected a positive number in GB/s")
+    assert "got '300 Gb/s': wrong unit, drop the unit 'Gb/s' and give the bare number in GB/s" in msg
+    assert f"300 Gb/s = {300 / 8:g} GB/s" in msg
+
+
+def test_wrong_unit_bytes(tmp_path):
+    _, errors, _ = errors_of(tmp_path, edited(device__memory_gb="80 GB", device__peak_tflops="312TFLOPS"))
+    assert len(errors) == 2                                          # reported in schema order
+    assert "device.peak_tflops" in errors[0] and "drop the unit 'TFLOPS' and give the bare number in TFLOPS" in errors[0]
+    assert "device.memory_gb" in errors[1] and "drop the unit 'GB' and give the bare number in GB" in errors[1]
+    assert "Gb/s =" not in errors[1]
+
+
+def test_unknown_top_level_key_suggests_closest(tmp_path):
+    d = edited(devices_per_node=None)
+    d["devices_per_nod"] = 4
+    path, errors, _ = errors_of(tmp_path, d)
+    assert f"{path}: devices_per_nod: unknown key; did you mean 'devices_per_node'?" in errors[0]
+    assert f"{path}: devices_per_node: missing" in errors[1]
+    _, errors, _ = errors_of(tmp_path, dict(GOOD, zzz=1))
+    assert errors == [f"{tmp_path / 'x.yaml'}: zzz: unknown key; known keys: name, nodes, devices_per_node, "
+                      "device, links, backend, efficiency, op_overhead_us"]
+
+
+def test_not_yaml_not_mapping_missing_file(tmp_path):
+    path, errors, msg = errors_of(tmp_path, "name: [unclosed\nnodes: 1\n")
+    assert errors == [msg] and msg.startswith(f"{path}: not valid YAML at line ") and "expected a mapping" in msg
+    path, _, msg = errors_of(tmp_path, "- a\n- b\n")
+    assert msg.startswith(f"{path}: expected a YAML mapping of cluster fields") and "got list" in msg
+    path, _, msg = errors_of(tmp_path, "")
+    assert "got NoneType" in msg
+    missing = tmp_path / "h100-4x9.yaml"
+    with pytest.raises(ClusterConfigError) as info:
+        Cluster.from_yaml(missing)
+    msg = str(info.value)
+    assert msg.startswith(f"{missing}: no such cluster config file") and "h100-4x8.yaml?" in msg
+    assert all(n in msg for n in BUNDLED)
+
+
+def test_all_errors_reported_together(tmp_path):
+    bad = edited(devices_per_node=0, device__kind="tpu", device__peak_tflops=-1,
+                 links__intra_node__bandwidth_gbps="300 Gb/s", links__inter_node=None,
+                 backend="mpi", efficiency__compute=2)
+    bad["nodez"] = 2
+    path, errors, msg = errors_of(tmp_path, bad)
+    fields = ["nodez", "devices_per_node", "device.kind", "device.peak_tflops",
+              "links.intra_node.bandwidth_gbps", "links.inter_node", "backend", "efficiency.compute"]
+    assert [e.split(": ")[1] for e in errors] == fields
+    assert all(e.startswith(f"{path}: ") for e in errors)
+    lines = msg.splitlines()
+    assert lines[0] == f"{len(fields)} problems in {path}:" and lines[1:] == errors
+
+
+# -- to_yaml ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", BUNDLED)
+def test_round_trip(tmp_path, name):
+    c = Cluster.from_yaml(bundled_config(name))
+    out = tmp_path / "sub" / "out.yaml"
+    c.to_yaml(out)
+    back = Cluster.from_yaml(out)
+    assert back == c and back.source == str(out)
+    assert list(tmp_path.joinpath("sub").iterdir()) == [out]      # no temporary file left behind
+
+
+def test_round_trip_awkward_values_and_comments(tmp_path):
+    c = Cluster.from_dict(edited(name="weird: name # x", device__name="yes",
+                                 device__peak_tflops=1e-05, links__intra_node__latency_us=0.1 + 0.2,
+                                 efficiency__memory=1 / 3, op_overhead_us=0))
+    out = tmp_path / "c.yaml"
+    c.to_yaml(out, comments={"device.peak_tflops": "measured: 5 s matmul\non 1 thread",
+                             "links.intra_node": "calibrated", "efficiency.memory": "copy # bench"})
+    text = out.read_text()
+    assert "  peak_tflops: 1.0e-05  # measured: 5 s matmul on 1 thread\n" in text
+    assert "  intra_node:  # calibrated\n" in text
+    assert "  memory: 0.3333333333333333  # copy # bench\n" in text
+    back = Cluster.from_yaml(out)
+    assert back == c and back.name == "weird: name # x" and back.device.name == "yes"
+    assert back.intra_node.latency_us == 0.1 + 0.2 and back.efficiency.memory == 1 / 3
+    with pytest.raises(KeyError, match="device.peak_tflop"):
+        c.to_yaml(out, comments={"device.peak_tflop": "typo"})
+    assert Cluster.from_yaml(out) == c                               # failed write left the file alone
+
+
+# -- resized ----------------------------------------------------------------------------------
+def test_resized():
+    h100 = Cluster.from_yaml(bundled_config("h100-4x8"))
+    big = h100.resized(64)
+    assert (big.name, big.nodes, big.devices_per_node, big.num_devices) == ("h100-4x8@64", 8, 8, 64)
+    assert (big.device, big.intra_node, big.inter_node, big.backend) == \
+        (h100.device, h100.intra_node, h100.inter_node, h100.backend)
+    assert (h100.resized(8).nodes, h100.resized(8).devices_per_node) == (1, 8)
+    four = h100.resized(4)
+    assert (four.name, four.nodes, four.devices_per_node) == ("h100-4x8@4", 1, 4)
+    assert four.resized(16).name == "h100-4x8@16"                   # no stacked suffixes
+    assert h100.resized(32) is h100
+    v100 = Cluster.from_yaml(bundled_config("v100-16x1"))
+    assert (v100.resized(5).nodes, v100.resized(5).devices_per_node) == (5, 1)
+
+
+@pytest.mark.parametrize("n, expected", [
+    (12, "cannot lay out 12 devices on nodes of 8 devices: use a divisor of 8 (one partial node: 1, 2, 4, 8) "
+         "or a multiple of 8 (whole nodes, e.g. 8 or 16)"),
+    (3, "cannot lay out 3 devices on nodes of 8 devices"),
+    (20, "e.g. 16 or 24"),
+    (0, "cannot resize to 0 devices: expected a positive integer"),
+])
+def test_resized_errors(n, expected):
+    h100 = Cluster.from_yaml(bundled_config("h100-4x8"))
+    with pytest.raises(ClusterConfigError) as info:
+        h100.resized(n)
+    assert str(info.value).startswith("h100-4x8: ") and expected in str(info.value)
+
+
+# -- link_for_axis ----------------------------------------------------------------------------
+@pytest.mark.parametrize("mesh, links", [
+    ((32,), ["inter"]),
+    ((8,), ["intra"]),
+    ((4, 8), ["inter", "intra"]),
+    ((8, 4), ["inter", "intra"]),
+    ((16, 2), ["inter", "intra"]),
+    ((2, 2, 8), ["inter", "inter", "intra"]),
+    ((8, 2, 2), ["inter", "intra", "intra"]),
+    ((2, 16), ["inter", "inter"]),
+])
+def test_link_for_axis_h100(mesh, links):
+    h100 = Cluster.from_yaml(bundled_config("h100-4x8"))
+    by_name = {"intra": h100.intra_node, "inter": h100.inter_node}
+    for axis, expected in enumerate(links):
+        assert h100.link_for_axis(mesh, axis) == by_name[expected]
+        inner = math.prod(mesh[axis:])
+        assert (expected == "intra") == (inner <= h100.devices_per_node)
+    assert h100.link_for_axis(mesh, -1) == h100.link_for_axis(mesh, len(mesh) - 1)
+
+
+def test_link_for_axis_errors_and_single_gpu_nodes():
+    h100 = Cluster.from_yaml(bundled_config("h100-4x8"))
+    with pytest.raises(ValueError, match=r"axis 2 out of range for mesh \(4, 8\)"):
+        h100.link_for_axis((4, 8), 2)
+    with pytest.raises(ValueError, match="mesh shape must be positive integers"):
+        h100.link_for_axis((4, 0), 0)
+    v100 = Cluster.from_yaml(bundled_config("v100-16x1"))
+    assert v100.link_for_axis((4, 4), 1) == v100.inter_node == LinkSpec(3.125, 30.0)
+    assert v100.link_for_axis((16, 1), 1) == v100.intra_node       # a size-1 axis never leaves the device
