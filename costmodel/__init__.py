@@ -1,0 +1,26 @@
+"""Analytical cost model: pure functions from (graph, plan, cluster) to seconds and bytes.
+
+collectives  alpha-beta time per collective kind, mesh axis and backend
+boxing       NdSbp -> NdSbp transitions, forward and the dual gradient transition
+compute      roofline per op on its local shard, backward per op family, optimizer step
+edges        which collectives a plan runs (forward, backward, gradient sync)
+memory       per-device memory by category
+breakdown    plan_cost -> CostBreakdown, predicted_collectives
+"""
+
+from costmodel.boxing import (backward_boxing_collectives, backward_boxing_time_s, boxing_collectives,
+                              boxing_time_s, grad_ndsbp, grad_sbp, needed_grad_ndsbp, needed_grad_sbp)
+from costmodel.breakdown import CostBreakdown, plan_cost, predicted_collectives
+from costmodel.collectives import (BACKENDS, Collective, CollectiveKind, carried_out_as, collective_time_s,
+                                   native_time_s)
+from costmodel.compute import (backward_factor, op_backward_time_s, op_compute_time_s, op_forward_time_s,
+                               optimizer_time_s, roofline_time_s, work_divisor)
+from costmodel.memory import memory_bytes
+
+__all__ = [
+    "BACKENDS", "Collective", "CollectiveKind", "CostBreakdown", "backward_boxing_collectives",
+    "backward_boxing_time_s", "backward_factor", "boxing_collectives", "boxing_time_s", "carried_out_as",
+    "collective_time_s", "grad_ndsbp", "grad_sbp", "memory_bytes", "native_time_s", "needed_grad_ndsbp",
+    "needed_grad_sbp", "op_backward_time_s", "op_compute_time_s", "op_forward_time_s", "optimizer_time_s",
+    "plan_cost", "predicted_collectives", "roofline_time_s", "work_divisor",
+]

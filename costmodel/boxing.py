@@ -1,0 +1,137 @@
+"""Boxing: the collectives that turn one tensor's NdSbp into another, forward and backward.
+
+Per mesh axis (DESIGN.md "Boxing"):
+
+    S -> B  all-gather        P -> B  all-reduce       P -> S  reduce-scatter
+    S(i) -> S(j)  all-to-all  B -> S, B -> P, S -> P  local (no communication)
+    same -> same  nothing
+
+``S -> P`` is local: each device keeps its own piece, zero-padded to full size
+(memory only). N-D transitions are done axis by axis, outermost first. The bytes
+moved on axis k are computed on the tensor as sharded by all OTHER axes' SBPs of
+the source: ``M_k = nbytes / prod(mesh[j] for j != k if src[j] is S)``. This is
+an approximation: a real redistribute works axis after axis on a tensor the
+earlier axes already changed. E.g. [S(0), S(1)] -> [B, B] on a 2x2 mesh costs
+here two all-gathers of nbytes/2; DTensor gathers one axis on nbytes/2, then the
+other on the full nbytes. Exact for 1-D meshes and for transitions on one axis.
+
+Backward (the dual transition): the gradient arrives with the SBP the consumer
+produces for that input (:func:`grad_sbp`) and must reach the SBP the producer
+needs for its output's gradient (:func:`needed_grad_sbp`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from autoddl.cluster import Cluster
+from autoddl.graph import TensorMeta
+from autoddl.sbp import B, Broadcast, NdSbp, Partial, Sbp, Split
+from costmodel.collectives import CollectiveKind, collective_time_s
+
+Transition = tuple[CollectiveKind, int, int]   # (kind, mesh axis, M bytes)
+
+
+def grad_sbp(input_sbp: Sbp, op_output_sbps_on_axis: Sequence[Sbp]) -> Sbp:
+    """SBP of the gradient an op hands back for one input, on one mesh axis (DESIGN.md "Executor").
+
+    input S(d) -> S(d); input P -> B; input B -> B when every output of the op is B on
+    this axis (every device computed the same thing), else P (each holds its share).
+    """
+    if isinstance(input_sbp, Split):
+        return input_sbp
+    if isinstance(input_sbp, Partial):
+        return B
+    if not isinstance(input_sbp, Broadcast):
+        raise TypeError(f"grad_sbp: expected an SBP (S(d), B or P), got {input_sbp!r}")
+    return B if all(isinstance(o, Broadcast) for o in op_output_sbps_on_axis) else Partial()
+
+
+def needed_grad_sbp(output_sbp: Sbp) -> Sbp:
+    """SBP a producer needs its output's gradient in: S(d) for S(d), B for B or P."""
+    return output_sbp if isinstance(output_sbp, Split) else B
+
+
+def grad_ndsbp(input_nd: NdSbp, op_outputs: Sequence[NdSbp]) -> NdSbp:
+    """:func:`grad_sbp` on every mesh axis: the gradient NdSbp a consumer produces for an input."""
+    return NdSbp(tuple(grad_sbp(s, [o[axis] for o in op_outputs]) for axis, s in enumerate(input_nd)))
+
+
+def needed_grad_ndsbp(output_nd: NdSbp) -> NdSbp:
+    return NdSbp(tuple(needed_grad_sbp(s) for s in output_nd))
+
+
+def transition_kind(src: Sbp, dst: Sbp) -> CollectiveKind | None:
+    """The collective one mesh axis needs to go from ``src`` to ``dst``; None when local or equal."""
+    if src == dst:
+        return None
+    if isinstance(src, Split):
+        if isinstance(dst, Broadcast):
+            return CollectiveKind.ALL_GATHER
+        if isinstance(dst, Split):
+            return CollectiveKind.ALL_TO_ALL
+        return None                                   # S -> P: keep own piece zero-padded
+    if isinstance(src, Partial):
+        return CollectiveKind.ALL_REDUCE if isinstance(dst, Broadcast) else CollectiveKind.REDUCE_SCATTER
+    return None                                       # B -> S, B -> P: local
+
+
+def boxing_collectives(meta: TensorMeta, src: NdSbp, dst: NdSbp,
+                       mesh_shape: Sequence[int]) -> list[Transition]:
+    """Collectives (kind before backend emulation, axis, M bytes) taking ``meta`` from ``src`` to ``dst``."""
+    mesh = tuple(mesh_shape)
+    if len(src) != len(mesh) or len(dst) != len(mesh):
+        raise ValueError(f"boxing {meta}: {src} -> {dst} does not match the {len(mesh)}-axis mesh {mesh}")
+    for name, nd in (("source", src), ("target", dst)):
+        if not nd.divides(meta.shape, mesh):
+            raise ValueError(f"boxing {meta}: {name} {nd} does not divide shape {meta.shape} on mesh {mesh}; "
+                             "pick a signature whose split dims divide evenly")
+    out: list[Transition] = []
+    for axis, (s, d) in enumerate(zip(src, dst)):
+        kind = transition_kind(s, d)
+        if kind is None or mesh[axis] == 1:
+            continue
+        others = math.prod(n for j, (sj, n) in enumerate(zip(src, mesh)) if j != axis and isinstance(sj, Split))
+        out.append((kind, axis, meta.nbytes // others))
+    return out
+
+
+def backward_boxing_collectives(meta: TensorMeta, src: NdSbp, dst: NdSbp, mesh_shape: Sequence[int],
+                                consumer_outputs: Sequence[NdSbp] | None = None) -> list[Transition]:
+    """Collectives of the gradient of an edge boxed ``src`` (producer) -> ``dst`` (consumer input).
+
+    ``consumer_outputs`` (the consumer's output NdSbps) decide the gradient of a B input;
+    they are required when ``dst`` has B on a mesh axis of size > 1.
+    """
+    if not meta.is_floating:
+        return []                                     # integer tensors carry no gradient
+    mesh = tuple(mesh_shape)
+    if consumer_outputs is None:
+        if any(isinstance(s, Broadcast) and n > 1 for s, n in zip(dst, mesh)):
+            raise ValueError(
+                f"backward boxing of {meta} {src} -> {dst}: the gradient of a B input depends on the "
+                "consumer's outputs (B if they are B on that axis, else P); pass consumer_outputs="
+                "signature.outputs of the consuming op")
+        consumer_outputs = ()
+    return boxing_collectives(meta, grad_ndsbp(dst, consumer_outputs), needed_grad_ndsbp(src), mesh)
+
+
+def transitions_time_s(transitions: Sequence[Transition], mesh_shape: Sequence[int], cluster: Cluster) -> float:
+    """Sum of the collectives' times, each on the link of its mesh axis, as the backend runs it."""
+    mesh = tuple(mesh_shape)
+    return sum(collective_time_s(kind, nbytes, mesh[axis], cluster.link_for_axis(mesh, axis),
+                                 cluster.backend, cluster.efficiency.network)
+               for kind, axis, nbytes in transitions)
+
+
+def boxing_time_s(meta: TensorMeta, src: NdSbp, dst: NdSbp, mesh_shape: Sequence[int], cluster: Cluster) -> float:
+    """Forward boxing time of ``meta`` from ``src`` to ``dst``."""
+    return transitions_time_s(boxing_collectives(meta, src, dst, mesh_shape), mesh_shape, cluster)
+
+
+def backward_boxing_time_s(meta: TensorMeta, src: NdSbp, dst: NdSbp, mesh_shape: Sequence[int],
+                           cluster: Cluster, consumer_outputs: Sequence[NdSbp] | None = None) -> float:
+    """Time of the dual gradient transition of the edge ``src`` -> ``dst`` (see module docstring)."""
+    return transitions_time_s(backward_boxing_collectives(meta, src, dst, mesh_shape, consumer_outputs),
+                              mesh_shape, cluster)

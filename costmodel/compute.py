@@ -1,0 +1,112 @@
+"""Compute time of one op on its local shard (roofline), forward + backward, and the optimizer step.
+
+Roofline: ``max(flops / (peak * eff_compute), bytes / (mem_bw * eff_memory)) + op_overhead``.
+Local work = full work / product of the mesh sizes of the axes that divide it.
+An axis divides an op's work when some input or output is ``S`` on it (a
+contracted split gives ``P`` outputs but still splits the work). An axis where
+everything is ``B`` or ``P`` does not: replicated compute, and ``add(P, P) -> P``
+or ``mul(P, B) -> P`` run full-size on every device.
+
+Backward by op family (the same roofline on the scaled work, plus one overhead):
+matmul-like ops (mm, addmm, linear, bmm, matmul, conv, SDPA) 2x the forward
+FLOPs and bytes (grad of input and grad of weight); every other op 1x; views,
+getitem and copies-by-view (autoddl.flops.VIEW_OPS) cost 0, forward and
+backward, no launch overhead either. An op none of whose inputs needs a
+gradient has no backward (``needs_backward=False``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from autoddl.cluster import Cluster
+from autoddl.flops import VIEW_OPS
+from autoddl.graph import OpNode
+from autoddl.sbp import Signature, Split
+
+MATMUL_LIKE = frozenset({
+    "mm", "addmm", "linear", "bmm", "baddbmm", "matmul", "conv1d", "conv2d", "conv3d", "convolution",
+    "_convolution", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_cudnn_attention",
+})
+ZERO_COST = VIEW_OPS | {"getitem"}
+
+OPTIMIZERS = ("sgd", "adamw")
+_OPTIMIZER_ALIASES = {"sgd": "sgd", "adamw": "adamw", "adam": "adamw"}
+
+
+def backward_factor(op_name: str) -> float:
+    """Backward work as a multiple of the forward work: 2 matmul-like, 0 views, 1 otherwise."""
+    if op_name in ZERO_COST:
+        return 0.0
+    return 2.0 if op_name in MATMUL_LIKE else 1.0
+
+
+def roofline_time_s(flops: float, nbytes: float, cluster: Cluster) -> float:
+    """max(compute time, memory time) on one device, without overhead."""
+    dev, eff = cluster.device, cluster.efficiency
+    return max(flops / (dev.peak_tflops * 1e12 * eff.compute),
+               nbytes / (dev.memory_bandwidth_gbps * 1e9 * eff.memory))
+
+
+def work_divisor(sig: Signature, mesh_shape: Sequence[int]) -> int:
+    """Product of the mesh sizes of the axes on which some input or output of ``sig`` is split."""
+    nds = sig.inputs + sig.outputs
+    return math.prod(n for axis, n in enumerate(mesh_shape)
+                     if any(isinstance(nd[axis], Split) for nd in nds))
+
+
+def op_forward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster) -> float:
+    if not node.is_op or node.op_name in ZERO_COST:
+        return 0.0
+    d = work_divisor(sig, mesh_shape)
+    return roofline_time_s(node.flops / d, (node.bytes_read + node.bytes_written) / d, cluster) \
+        + cluster.op_overhead_us * 1e-6
+
+
+def op_backward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster) -> float:
+    factor = backward_factor(node.op_name)
+    if not node.is_op or factor == 0:
+        return 0.0
+    d = work_divisor(sig, mesh_shape)
+    return roofline_time_s(factor * node.flops / d, factor * (node.bytes_read + node.bytes_written) / d,
+                           cluster) + cluster.op_overhead_us * 1e-6
+
+
+def op_compute_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster,
+                      needs_backward: bool = True) -> float:
+    """Forward + backward seconds of ``node`` run with signature ``sig`` on ``mesh_shape``."""
+    fwd = op_forward_time_s(node, sig, mesh_shape, cluster)
+    return fwd + (op_backward_time_s(node, sig, mesh_shape, cluster) if needs_backward else 0.0)
+
+
+def optimizer_bytes(param_bytes_local: float, param_numel_local: float, optimizer: str) -> float:
+    """Bytes one optimizer step moves per device.
+
+    SGD (no momentum): read param + grad, write param = 3 x param bytes.
+    AdamW: read param, grad, m, v; write param, m, v; m and v are fp32 (4 bytes per
+    element): 3 x param bytes + 4 x 4 x numel (= 7 x param bytes for fp32 params).
+    """
+    kind = _OPTIMIZER_ALIASES.get(str(optimizer).lower())
+    if kind is None:
+        raise ValueError(f"unknown optimizer {optimizer!r} (Plan.optimizer); choose one of {OPTIMIZERS}")
+    if kind == "sgd":
+        return 3.0 * param_bytes_local
+    return 3.0 * param_bytes_local + 16.0 * param_numel_local
+
+
+def optimizer_state_bytes(param_numel_local: float, optimizer: str) -> float:
+    """Optimizer state kept per device: AdamW 2 fp32 states per element, SGD none."""
+    kind = _OPTIMIZER_ALIASES.get(str(optimizer).lower())
+    if kind is None:
+        raise ValueError(f"unknown optimizer {optimizer!r} (Plan.optimizer); choose one of {OPTIMIZERS}")
+    return 8.0 * param_numel_local if kind == "adamw" else 0.0
+
+
+def optimizer_time_s(param_bytes_local: float, param_numel_local: float, optimizer: str,
+                     cluster: Cluster) -> float:
+    """Memory-bound optimizer step over the local parameters (no overhead: one fused/foreach pass)."""
+    return optimizer_bytes(param_bytes_local, param_numel_local, optimizer) / (
+        cluster.device.memory_bandwidth_gbps * 1e9 * cluster.efficiency.memory)

@@ -1,0 +1,110 @@
+"""Peak memory per device of one training step, by category.
+
+- ``parameters``: each parameter's local piece under its storage NdSbp (P counts full size);
+- ``gradients``: the same size as the parameters (kept in the storage NdSbp);
+- ``optimizer_states``: AdamW 2 fp32 states per local parameter element, SGD none;
+- ``buffers``: module buffers, local by their signature's output NdSbp;
+- ``activations``: what autograd saves for backward, taken as the user inputs plus
+  every output of a non-view op that some op consumes, each at its local size under
+  the producing signature's output NdSbp (views alias their source and add nothing);
+- ``gathered_params``: parameters materialised larger than stored for a use (ZeRO-3 /
+  FSDP gathers S -> B); one op's gathered parameters are alive at a time, so the
+  largest per-op sum counts;
+- ``boxing_buffer``: the largest tensor a collective materialises, other than the
+  parameter gathers above: M for all-gather / all-reduce / reduce-scatter / broadcast,
+  M/n for a native all-to-all.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from autoddl.graph import NodeKind, OpGraph
+from autoddl.plan import Plan
+from autoddl.sbp import NdSbp
+from costmodel.collectives import Collective, CollectiveKind
+from costmodel.compute import ZERO_COST, optimizer_state_bytes
+from costmodel.edges import signature_of, storage_of, used_parameters
+
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "buffers", "activations",
+              "gathered_params", "boxing_buffer")
+
+
+def local_bytes(nbytes: int, nd: NdSbp, mesh_shape: Sequence[int]) -> int:
+    """Bytes of one device's piece of a tensor of ``nbytes`` held as ``nd``."""
+    return int(round(nbytes * nd.shard_fraction(mesh_shape)))
+
+
+def local_parameters(graph: OpGraph, plan: Plan) -> tuple[int, int]:
+    """(bytes, elements) of the parameters one device stores (used ones: see edges.used_parameters)."""
+    mesh = plan.mesh.shape
+    nbytes = numel = 0
+    for fqn, node in used_parameters(graph).items():
+        frac = storage_of(plan, fqn, plan.mesh.ndim).shard_fraction(mesh)
+        nbytes += int(round(node.outputs[0].nbytes * frac))
+        numel += int(round(node.outputs[0].numel * frac))
+    return nbytes, numel
+
+
+def activation_bytes(graph: OpGraph, plan: Plan) -> dict[str, int]:
+    """Saved-activation bytes per node (inputs and non-view ops), per the module docstring's rule."""
+    mesh, ndim = plan.mesh.shape, plan.mesh.ndim
+    out: dict[str, int] = {}
+    for node in graph.topo():
+        if node.kind is NodeKind.INPUT or (node.is_op and node.op_name not in ZERO_COST):
+            sig = signature_of(plan, node, ndim)
+            used = {i for c, i, _ in graph.uses(node.name) if c.is_op}
+            out[node.name] = sum(local_bytes(node.outputs[i].nbytes, sig.outputs[i], mesh)
+                                 for i in used if node.outputs[i].dtype != "none")
+    return out
+
+
+def gathered_param_bytes(graph: OpGraph, plan: Plan) -> int:
+    """Largest per-op sum of parameters used at a larger local size than stored."""
+    mesh, ndim = plan.mesh.shape, plan.mesh.ndim
+    params = graph.parameters()
+    best = 0
+    for op in graph.ops():
+        sig = None
+        total = 0
+        for slot, ref in enumerate(op.inputs):
+            p = graph[ref.node]
+            if p.kind is not NodeKind.PARAMETER:
+                continue
+            sig = sig or signature_of(plan, op, ndim)
+            meta = params[p.target].outputs[0]
+            used = local_bytes(meta.nbytes, sig.inputs[slot], mesh)
+            if used > local_bytes(meta.nbytes, storage_of(plan, p.target, ndim), mesh):
+                total += used
+        best = max(best, total)
+    return best
+
+
+def boxing_buffer_bytes(collectives: Sequence[Collective], graph: OpGraph, mesh_shape: Sequence[int]) -> int:
+    params = graph.parameters()
+    sizes = [c.bytes // mesh_shape[c.axis] if c.kind is CollectiveKind.ALL_TO_ALL else c.bytes
+             for c in collectives if not (c.phase == "forward" and c.tensor in params)]
+    return max(sizes, default=0)
+
+
+def memory_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective] = ()) -> dict[str, int]:
+    """Bytes per device by category (see module docstring), plus ``total``.
+
+    ``collectives`` are the step's collectives after backend emulation
+    (:func:`costmodel.breakdown.predicted_collectives`); they size ``boxing_buffer``.
+    """
+    mesh, ndim = plan.mesh.shape, plan.mesh.ndim
+    param_bytes, param_numel = local_parameters(graph, plan)
+    buffers = sum(local_bytes(n.outputs[0].nbytes, signature_of(plan, n, ndim).outputs[0], mesh)
+                  for n in graph.nodes_of(NodeKind.BUFFER) if n.outputs)
+    mem = {
+        "parameters": param_bytes,
+        "gradients": param_bytes,
+        "optimizer_states": int(optimizer_state_bytes(param_numel, plan.optimizer)),
+        "buffers": buffers,
+        "activations": sum(activation_bytes(graph, plan).values()),
+        "gathered_params": gathered_param_bytes(graph, plan),
+        "boxing_buffer": boxing_buffer_bytes(collectives, graph, mesh),
+    }
+    mem["total"] = sum(mem[k] for k in CATEGORIES)
+    return mem

@@ -1,0 +1,293 @@
+"""plan_cost / predicted_collectives on hand-built plans: data parallel, Megatron, ZeRO-3, GPT memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import autoddl
+from autoddl.cluster import DEFAULT_CLUSTER_PATH, CONFIG_DIR, Cluster
+from autoddl.graph import NodeKind, OpGraph
+from autoddl.plan import Mesh, Plan
+from autoddl.sbp import B, P, S, NdSbp, Signature
+from costmodel import CollectiveKind, op_compute_time_s, plan_cost, predicted_collectives
+from costmodel.compute import ZERO_COST
+
+K = CollectiveKind
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def nd(*sbps):
+    return NdSbp(tuple(sbps))
+
+
+def sum_loss(out, *inputs):
+    return out.sum()
+
+
+def batch_split_plan(graph: OpGraph, n: int, storage: NdSbp, name: str, optimizer: str = "adamw") -> Plan:
+    """1-D mesh of n: user inputs S(0); an op with a batch-split input outputs S(0) (scalars P),
+    reads other inputs (parameters, positions) as B; parameters stored as ``storage``."""
+    split: set[tuple[str, int]] = set()
+    sigs: dict[str, Signature] = {}
+    for node in graph.topo():
+        if node.kind is NodeKind.INPUT:
+            ok = node.outputs[0].ndim >= 1 and node.outputs[0].shape[0] % n == 0
+            sigs[node.name] = Signature((), (nd(S(0) if ok else B),))
+            if ok:
+                split.add((node.name, 0))
+        elif node.kind is NodeKind.BUFFER:
+            sigs[node.name] = Signature((), (nd(B),))
+        elif node.is_op:
+            ins = tuple(nd(S(0)) if (r.node, r.index) in split else nd(B) for r in node.inputs)
+            batched = any((r.node, r.index) in split for r in node.inputs)
+            outs = []
+            for i, o in enumerate(node.outputs):
+                if batched and o.ndim >= 1:
+                    outs.append(nd(S(0)))
+                    split.add((node.name, i))
+                else:
+                    outs.append(nd(P) if batched else nd(B))
+            sigs[node.name] = Signature(ins, tuple(outs))
+    return Plan(name=name, mesh=Mesh((n,)), signatures=sigs,
+                param_storage={fqn: storage for fqn in graph.parameters()}, graph_hash=graph.fingerprint(),
+                optimizer=optimizer)
+
+
+def mlp_graph(batch=16):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    return autoddl.trace(model, (torch.randn(batch, 32),), sum_loss, name="mlp")
+
+
+@pytest.fixture(scope="module")
+def a100():
+    return Cluster.from_yaml(DEFAULT_CLUSTER_PATH)
+
+
+@pytest.fixture(scope="module")
+def cpu2():
+    return Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml")
+
+
+def _ar(nbytes, n, link, eff):
+    b, a = link.bandwidth_gbps * 1e9 * eff, link.latency_us * 1e-6
+    return 2 * (n - 1) / n * nbytes / b + 2 * (n - 1) * a
+
+
+# -- data parallel -------------------------------------------------------------------
+def test_data_parallel_mlp(a100):
+    g = mlp_graph()
+    n = a100.num_devices
+    plan = batch_split_plan(g, n, nd(B), "dp")
+    cost = plan_cost(g, plan, a100)
+    params = g.parameters()
+    expected_sync = sum(_ar(p.outputs[0].nbytes, n, a100.intra_node, a100.efficiency.network)
+                        for p in params.values())
+    assert cost.grad_sync_s == pytest.approx(expected_sync, rel=1e-12)
+    assert cost.boxing_forward_s == 0 and cost.boxing_backward_s == 0
+    colls = predicted_collectives(g, plan, a100)
+    assert Counter((c.kind, c.phase, c.tensor, c.bytes) for c in colls) == Counter(
+        (K.ALL_REDUCE, "grad_sync", fqn, p.outputs[0].nbytes) for fqn, p in params.items())
+    # compute: every op's forward, plus backward for those downstream of a parameter
+    expected_compute = sum(op_compute_time_s(op, plan.signatures[op.name], (n,), a100) for op in g.ops())
+    assert cost.compute_s == pytest.approx(expected_compute)
+    bw = a100.device.memory_bandwidth_gbps * 1e9 * a100.efficiency.memory
+    assert cost.optimizer_s == pytest.approx(7 * g.parameter_bytes / bw)       # AdamW, replicated params
+    assert cost.step_time_s == pytest.approx(cost.compute_s + cost.comm_s + cost.optimizer_s)
+    assert cost.comm_s == pytest.approx(cost.grad_sync_s)
+    # per-op table: one row per op, comm charged to the consuming ops adds up to comm_s
+    assert list(cost.per_op["op"]) == [op.name for op in g.ops()]
+    assert cost.per_op["comm_us"].sum() == pytest.approx(cost.comm_s * 1e6)
+    assert cost.per_op["compute_us"].sum() == pytest.approx(cost.compute_s * 1e6)
+    d = json.loads(json.dumps(cost.to_dict()))
+    assert d["grad_sync_s"] == pytest.approx(expected_sync)
+    assert d["collectives"]["grad_sync"]["all_reduce"]["count"] == len(params)
+    json.dumps(cost.op_rows())
+
+
+def test_data_parallel_sgd_optimizer_and_compute_split(a100):
+    g = mlp_graph()
+    dp8 = plan_cost(g, batch_split_plan(g, 8, nd(B), "dp", optimizer="sgd"), a100)
+    bw = a100.device.memory_bandwidth_gbps * 1e9 * a100.efficiency.memory
+    assert dp8.optimizer_s == pytest.approx(3 * g.parameter_bytes / bw)
+    one = a100.resized(1)
+    single = plan_cost(g, batch_split_plan(g, 1, nd(B), "single", optimizer="sgd"), one)
+    assert single.comm_s == 0
+    # with no overhead every op's roofline work is split 8 ways
+    no_ov = dataclasses.replace(a100, op_overhead_us=0.0)
+    c8 = plan_cost(g, batch_split_plan(g, 8, nd(B), "dp"), no_ov).compute_s
+    c1 = plan_cost(g, batch_split_plan(g, 1, nd(B), "one"), no_ov.resized(1)).compute_s
+    assert c8 == pytest.approx(c1 / 8)
+
+
+# -- Megatron column -> row pair ---------------------------------------------------------
+class ColRow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(32)
+        self.fc1 = nn.Linear(32, 64, bias=False)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(self.ln(x))))       # (16, 32) -> (16, 64) -> (16, 32)
+
+
+def megatron_plan(g: OpGraph, n: int) -> Plan:
+    names = {op.op_name: op.name for op in g.ops() if op.op_name != "linear"}
+    lin = [op.name for op in g.ops() if op.op_name == "linear"]
+    x = g.nodes_of(NodeKind.INPUT)[0].name
+    sigs = {
+        x: Signature((), (nd(B),)),
+        names["layer_norm"]: Signature((nd(B), nd(B), nd(B)), (nd(B),)),
+        lin[0]: Signature((nd(B), nd(S(0))), (nd(S(1)),)),     # column parallel: W1 (64, 32) split rows
+        names["gelu"]: Signature((nd(S(1)),), (nd(S(1)),)),
+        lin[1]: Signature((nd(S(1)), nd(S(1))), (nd(P),)),     # row parallel: W2 (32, 64) split columns
+        names["sum"]: Signature((nd(B),), (nd(B),)),            # P -> B boxing into the loss
+    }
+    storage = {"ln.weight": nd(B), "ln.bias": nd(B), "fc1.weight": nd(S(0)), "fc2.weight": nd(S(1))}
+    return Plan("tp", Mesh((n,)), sigs, storage, g.fingerprint())
+
+
+def test_megatron_pair_one_all_reduce_each_way(a100):
+    g = autoddl.trace(ColRow(), (torch.randn(16, 32),), sum_loss, name="colrow")
+    n = 4
+    cluster = a100.resized(n)
+    plan = megatron_plan(g, n)
+    colls = predicted_collectives(g, plan, cluster)
+    act = 16 * 32 * 4
+    assert [(c.kind, c.phase, c.bytes) for c in colls] == [(K.ALL_REDUCE, "forward", act),
+                                                           (K.ALL_REDUCE, "backward", act)]
+    lin = [op.name for op in g.ops() if op.op_name == "linear"]
+    assert colls[0].tensor.startswith(lin[1] + "->")          # fc2's partial output into the loss
+    assert colls[1].tensor.endswith("->" + lin[0])            # x's gradient out of fc1 (P -> B)
+    cost = plan_cost(g, plan, cluster)
+    t = _ar(act, n, cluster.intra_node, cluster.efficiency.network)
+    assert cost.boxing_forward_s == pytest.approx(t) and cost.boxing_backward_s == pytest.approx(t)
+    assert cost.grad_sync_s == 0
+    # memory: fc1/fc2 weights sharded 4 ways, LayerNorm replicated
+    assert cost.memory["parameters"] == (64 * 32 + 32 * 64) * 4 // n + 2 * 32 * 4
+
+
+# -- ZeRO-3 ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_zero3_gather_forward_reduce_scatter_backward(a100, cpu2, backend):
+    g = mlp_graph()
+    cluster = a100.resized(4) if backend == "nccl" else cpu2
+    n = cluster.num_devices
+    plan = batch_split_plan(g, n, nd(S(0)), "zero3")
+    colls = predicted_collectives(g, plan, cluster)
+    params = g.parameters()
+    sync_kind = K.REDUCE_SCATTER if backend == "nccl" else K.ALL_REDUCE     # gloo: all-reduce + chunk
+    expected = Counter()
+    for fqn, p in params.items():
+        expected[(K.ALL_GATHER, "forward", fqn, p.outputs[0].nbytes)] += 1
+        expected[(sync_kind, "grad_sync", fqn, p.outputs[0].nbytes)] += 1
+    assert Counter((c.kind, c.phase, c.tensor, c.bytes) for c in colls) == expected
+    cost = plan_cost(g, plan, cluster)
+    b = cluster.intra_node.bandwidth_gbps * 1e9 * cluster.efficiency.network
+    a = cluster.intra_node.latency_us * 1e-6
+    gather = sum((n - 1) / n * p.outputs[0].nbytes / b + (n - 1) * a for p in params.values())
+    sync = (gather if backend == "nccl"
+            else sum(_ar(p.outputs[0].nbytes, n, cluster.intra_node, cluster.efficiency.network)
+                     for p in params.values()))
+    assert cost.boxing_forward_s == pytest.approx(gather)
+    assert cost.grad_sync_s == pytest.approx(sync)
+    assert cost.boxing_backward_s == 0
+
+
+# -- memory: data parallel vs ZeRO-3 on GPT ---------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt_graph():
+    path = ROOT / "examples" / "gpt.py"
+    if path.exists():
+        spec = importlib.util.spec_from_file_location("autoddl_example_gpt", path)
+        gpt = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(gpt)
+        preset = "gpt2-small"
+        return autoddl.trace(gpt.build_model(preset), gpt.example_inputs(preset), gpt.loss_fn, name=preset)
+    pytest.skip("examples/gpt.py not present")
+
+
+def test_memory_dp_vs_zero3_gpt(gpt_graph, a100):
+    g = gpt_graph
+    n = a100.num_devices
+    dp_plan = batch_split_plan(g, n, nd(B), "dp")
+    dp = plan_cost(g, dp_plan, a100)
+    z3 = plan_cost(g, batch_split_plan(g, n, nd(S(0)), "zero3"), a100)
+    used = {fqn: p for fqn, p in g.parameters().items() if g.consumers(p.name)}   # a tied alias is unused
+    n_params = sum(p.outputs[0].numel for p in used.values())
+    assert dp.memory["parameters"] == 4 * n_params
+    assert dp.memory["optimizer_states"] == 8 * n_params
+    sharded = ("parameters", "gradients", "optimizer_states")
+    diff = sum(dp.memory[k] - z3.memory[k] for k in sharded)
+    assert diff == pytest.approx((4 + 4 + 8) * n_params * (1 - 1 / n), abs=16)
+    assert dp.memory["activations"] == z3.memory["activations"]
+    assert dp.memory["gathered_params"] == 0
+    largest_op_params = max(sum(g[r.node].outputs[0].nbytes for r in op.inputs
+                                if g[r.node].kind is NodeKind.PARAMETER) for op in g.ops())
+    assert z3.memory["gathered_params"] == largest_op_params
+    largest_param = max(p.outputs[0].nbytes for p in used.values())
+    assert dp.memory["boxing_buffer"] == z3.memory["boxing_buffer"] == largest_param
+    assert dp.memory_bytes_per_device - z3.memory_bytes_per_device == pytest.approx(
+        16 * n_params * (1 - 1 / n) - largest_op_params, abs=16)
+    # one all-reduce per parameter; the tied wte / lm_head weight once (both uses hand back P,
+    # accumulated locally); wpe's embedding runs replicated (positions are B), so its output's
+    # gradient is all-reduced as an activation (P -> B into the add) and wpe needs no sync
+    syncs = Counter(c.tensor for c in dp.collectives if c.phase == "grad_sync")
+    assert syncs == Counter(set(used) - {"transformer.wpe.weight"})
+    backward = [c for c in dp.collectives if c.phase == "backward"]
+    seq = g.nodes_of(NodeKind.INPUT)[0].outputs[0].shape[1]
+    width = used["transformer.wpe.weight"].outputs[0].shape[1]
+    assert [(c.kind, c.bytes) for c in backward] == [(K.ALL_REDUCE, seq * width * 4)]
+    # activations: user inputs + outputs of non-view ops that an op consumes, an n-th of batch-split ones
+    expected_act = 0
+    for node in g.topo():
+        if node.kind is NodeKind.INPUT or (node.is_op and node.op_name not in ZERO_COST):
+            for i in {i for c, i, _ in g.uses(node.name) if c.is_op}:
+                meta = node.outputs[i]
+                split = dp_plan.signatures[node.name].outputs[i] == nd(S(0))
+                expected_act += meta.nbytes // n if split else meta.nbytes
+    assert dp.memory["activations"] == expected_act
+    assert dp.fits_memory
+
+
+def test_output_signature_boxes_the_loss(a100):
+    g = mlp_graph()
+    n = a100.num_devices
+    plan = batch_split_plan(g, n, nd(B), "dp")
+    out = g.nodes_of(NodeKind.OUTPUT)[0]
+    plan.signatures[out.name] = Signature((nd(B),), ())         # all-reduce the P loss to B
+    colls = [c for c in predicted_collectives(g, plan, a100) if c.phase != "grad_sync"]
+    loss = g[out.inputs[0].node]
+    assert [(c.kind, c.phase, c.bytes, c.tensor) for c in colls] == \
+        [(K.ALL_REDUCE, "forward", 4, f"{loss.name}->{out.name}")]     # the seed gradient needs nothing
+    cost = plan_cost(g, plan, a100)
+    assert cost.boxing_forward_s == pytest.approx(_ar(4, n, a100.intra_node, a100.efficiency.network))
+    assert cost.per_op["comm_us"].sum() == pytest.approx(cost.comm_s * 1e6)    # charged to the loss op
+    plan.signatures[out.name] = Signature((nd(B), nd(B)), ())
+    with pytest.raises(ValueError, match="has 2 inputs"):
+        plan_cost(g, plan, a100)
+
+
+def test_missing_entries_are_named(a100):
+    g = mlp_graph()
+    plan = batch_split_plan(g, 8, nd(B), "dp")
+    first = g.ops()[0].name
+    del plan.signatures[first]
+    with pytest.raises(ValueError, match=f"no entry for op '{first}'"):
+        plan_cost(g, plan, a100)
+    plan = batch_split_plan(g, 8, nd(B), "dp")
+    del plan.param_storage["0.weight"]
+    with pytest.raises(ValueError, match="param_storage has no entry for parameter '0.weight'"):
+        predicted_collectives(g, plan, a100)
+    with pytest.raises(ValueError, match="resized"):
+        plan_cost(g, batch_split_plan(g, 16, nd(B), "dp16"), a100)

@@ -1,0 +1,256 @@
+"""Unit tests of costmodel: collective formulas, boxing, gradient SBPs, roofline, optimizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from autoddl.cluster import DEFAULT_CLUSTER_PATH, Backend, Cluster, Efficiency, LinkSpec
+from autoddl.graph import NodeKind, OpNode, TensorMeta
+from autoddl.sbp import B, P, S, NdSbp, Signature
+from costmodel import (BACKENDS, CollectiveKind, backward_boxing_collectives, backward_boxing_time_s,
+                       backward_factor, boxing_collectives, boxing_time_s, carried_out_as, collective_time_s,
+                       grad_sbp, needed_grad_sbp, op_compute_time_s, optimizer_time_s)
+from costmodel.compute import op_backward_time_s, op_forward_time_s, work_divisor
+
+K = CollectiveKind
+LINK = LinkSpec(bandwidth_gbps=100.0, latency_us=3.0)
+M = 64 * 2**20
+EFF = 0.8
+
+
+def nd(*sbps):
+    return NdSbp(tuple(sbps))
+
+
+@pytest.fixture(scope="module")
+def a100():
+    return Cluster.from_yaml(DEFAULT_CLUSTER_PATH)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(a100):
+    """2 DGX nodes x 8: mesh axes inside a node use NVLink, the outer one InfiniBand."""
+    return a100.resized(16)
+
+
+def _b_a(link=LINK, eff=EFF):
+    return link.bandwidth_gbps * 1e9 * eff, link.latency_us * 1e-6
+
+
+# -- collectives -----------------------------------------------------------------
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_nccl_formulas_each_kind(n):
+    b, a = _b_a()
+    expected = {
+        K.ALL_REDUCE: 2 * (n - 1) / n * M / b + 2 * (n - 1) * a,
+        K.ALL_GATHER: (n - 1) / n * M / b + (n - 1) * a,
+        K.REDUCE_SCATTER: (n - 1) / n * M / b + (n - 1) * a,
+        K.ALL_TO_ALL: (n - 1) / n * (M / n) / b + (n - 1) * a,
+        K.BROADCAST: M / b + (n - 1) * a,
+    }
+    for kind, want in expected.items():
+        assert collective_time_s(kind, M, n, LINK, Backend.NCCL, EFF) == pytest.approx(want, rel=1e-12), kind
+
+
+def test_gloo_emulation():
+    n = 4
+    b, a = _b_a()
+    all_reduce = 2 * (n - 1) / n * M / b + 2 * (n - 1) * a
+    all_gather = (n - 1) / n * M / b + (n - 1) * a
+    assert collective_time_s(K.REDUCE_SCATTER, M, n, LINK, Backend.GLOO, EFF) == pytest.approx(all_reduce)
+    assert collective_time_s(K.ALL_TO_ALL, M, n, LINK, Backend.GLOO, EFF) == pytest.approx(all_gather)
+    assert collective_time_s(K.ALL_REDUCE, M, n, LINK, "gloo", EFF) == pytest.approx(all_reduce)
+    assert collective_time_s(K.ALL_GATHER, M, n, LINK, "gloo", EFF) == pytest.approx(all_gather)
+    # gloo's reduce-scatter costs twice NCCL's bandwidth term
+    assert collective_time_s(K.REDUCE_SCATTER, M, n, LINK, "gloo", EFF) > \
+        1.9 * collective_time_s(K.REDUCE_SCATTER, M, n, LINK, "nccl", EFF)
+
+
+def test_backend_table():
+    assert carried_out_as(K.REDUCE_SCATTER, "gloo") is K.ALL_REDUCE
+    assert carried_out_as(K.ALL_TO_ALL, Backend.GLOO) is K.ALL_GATHER
+    assert all(carried_out_as(k, "nccl") is k for k in K)
+    assert set(BACKENDS) == set(Backend)
+    with pytest.raises(ValueError, match="unknown backend"):
+        carried_out_as(K.ALL_REDUCE, "mpi")
+
+
+def test_one_device_is_free_and_bad_inputs():
+    assert all(collective_time_s(k, M, 1, LINK, "nccl") == 0.0 for k in K)
+    with pytest.raises(ValueError):
+        collective_time_s(K.ALL_REDUCE, M, 0, LINK, "nccl")
+    with pytest.raises(ValueError, match="network_eff"):
+        collective_time_s(K.ALL_REDUCE, M, 2, LINK, "nccl", network_eff=0)
+
+
+def test_link_selection_on_2d_mesh(two_nodes):
+    mesh = (2, 8)
+    assert two_nodes.link_for_axis(mesh, 0) == two_nodes.inter_node
+    assert two_nodes.link_for_axis(mesh, 1) == two_nodes.intra_node
+    meta = TensorMeta((64, 1024), "float32")
+    # P -> B on the outer axis only: an all-reduce over 2 devices on InfiniBand,
+    # on the tensor as split by the inner axis (S(1) over 8 devices)
+    src, dst = nd(P, S(1)), nd(B, S(1))
+    assert boxing_collectives(meta, src, dst, mesh) == [(K.ALL_REDUCE, 0, meta.nbytes // 8)]
+    b, a = _b_a(two_nodes.inter_node, two_nodes.efficiency.network)
+    m = meta.nbytes / 8
+    assert boxing_time_s(meta, src, dst, mesh, two_nodes) == pytest.approx(m / b + 2 * a)
+    # the same on the inner axis uses NVLink over 8 devices
+    src2, dst2 = nd(S(0), P), nd(S(0), B)
+    b2, a2 = _b_a(two_nodes.intra_node, two_nodes.efficiency.network)
+    m2 = meta.nbytes / 2
+    assert boxing_time_s(meta, src2, dst2, mesh, two_nodes) == pytest.approx(2 * 7 / 8 * m2 / b2 + 14 * a2)
+
+
+# -- boxing ------------------------------------------------------------------------
+def test_boxing_table_1d():
+    meta = TensorMeta((8, 16), "float32")
+    mesh = (4,)
+    cases = {
+        (S(0), B): K.ALL_GATHER, (P, B): K.ALL_REDUCE, (P, S(1)): K.REDUCE_SCATTER,
+        (S(0), S(1)): K.ALL_TO_ALL, (B, S(0)): None, (B, P): None, (S(0), P): None,
+        (B, B): None, (P, P): None, (S(1), S(1)): None,
+    }
+    for (s, d), kind in cases.items():
+        got = boxing_collectives(meta, nd(s), nd(d), mesh)
+        assert got == ([] if kind is None else [(kind, 0, meta.nbytes)]), (s, d)
+
+
+def test_boxing_nd_uses_other_axes_split_of_source():
+    meta = TensorMeta((16, 32), "bfloat16")
+    mesh = (2, 4)
+    got = boxing_collectives(meta, nd(S(0), S(1)), nd(B, B), mesh)
+    assert got == [(K.ALL_GATHER, 0, meta.nbytes // 4), (K.ALL_GATHER, 1, meta.nbytes // 2)]
+    # a size-1 axis never communicates
+    assert boxing_collectives(meta, nd(S(0), P), nd(B, B), (1, 4)) == [(K.ALL_REDUCE, 1, meta.nbytes)]
+
+
+def test_boxing_rejects_non_dividing_split():
+    with pytest.raises(ValueError, match="does not divide"):
+        boxing_collectives(TensorMeta((6, 4), "float32"), nd(S(0)), nd(B), (4,))
+
+
+def test_grad_sbp_rule():
+    assert grad_sbp(S(1), [B]) == S(1)
+    assert grad_sbp(P, [S(0)]) == B
+    assert grad_sbp(B, [B, B]) == B
+    assert grad_sbp(B, [S(1)]) == P
+    assert grad_sbp(B, [B, P]) == P
+    assert needed_grad_sbp(S(2)) == S(2) and needed_grad_sbp(B) == B and needed_grad_sbp(P) == B
+
+
+def test_backward_boxing_dual(a100):
+    meta = TensorMeta((32, 64), "float32")
+    mesh = (8,)
+    # Megatron column-parallel input: x is B, the op's output S(1) -> gradient P -> all-reduce
+    assert backward_boxing_collectives(meta, nd(B), nd(B), mesh, [nd(S(1))]) == [(K.ALL_REDUCE, 0, meta.nbytes)]
+    # replicated op (output B): gradient B, nothing to do
+    assert backward_boxing_collectives(meta, nd(B), nd(B), mesh, [nd(B)]) == []
+    # forward all-gather S(0) -> B into a split op: backward P -> S(0) reduce-scatter
+    assert backward_boxing_collectives(meta, nd(S(0)), nd(B), mesh, [nd(S(1))]) == \
+        [(K.REDUCE_SCATTER, 0, meta.nbytes)]
+    # forward P -> B all-reduce: the gradient of B into a replicated op is B, P needs B: free
+    assert backward_boxing_collectives(meta, nd(P), nd(B), mesh, [nd(B)]) == []
+    # forward B -> S(0) (local): backward S(0) -> B all-gather
+    assert backward_boxing_collectives(meta, nd(B), nd(S(0)), mesh, [nd(S(0))]) == [(K.ALL_GATHER, 0, meta.nbytes)]
+    # integer tensors have no gradient
+    assert backward_boxing_collectives(TensorMeta((32,), "int64"), nd(B), nd(B), mesh, [nd(S(0))]) == []
+    # a B target needs the consumer's outputs
+    with pytest.raises(ValueError, match="consumer_outputs"):
+        backward_boxing_collectives(meta, nd(S(0)), nd(B), mesh)
+    b, a = _b_a(a100.intra_node, a100.efficiency.network)
+    assert backward_boxing_time_s(meta, nd(B), nd(B), mesh, a100, [nd(S(1))]) == \
+        pytest.approx(2 * 7 / 8 * meta.nbytes / b + 14 * a)
+
+
+# -- compute -----------------------------------------------------------------------
+def _op(target, inputs, outputs, flops, bytes_read, bytes_written):
+    return OpNode(name=target.split(".")[1], kind=NodeKind.OP, target=target, input_metas=tuple(inputs),
+                  outputs=tuple(outputs), flops=flops, bytes_read=bytes_read, bytes_written=bytes_written)
+
+
+def test_roofline_compute_bound_matmul(a100):
+    n = 8192
+    a_, b_ = TensorMeta((n, n), "float32"), TensorMeta((n, n), "float32")
+    node = _op("aten.mm.default", [a_, b_], [a_], 2 * n**3, 2 * a_.nbytes, a_.nbytes)
+    dev, eff = a100.device, a100.efficiency
+    flops_t = 2 * n**3 / (dev.peak_tflops * 1e12 * eff.compute)
+    mem_t = 3 * a_.nbytes / (dev.memory_bandwidth_gbps * 1e9 * eff.memory)
+    assert flops_t > mem_t                                       # compute-bound regime
+    ov = a100.op_overhead_us * 1e-6
+    sig = Signature((nd(B), nd(B)), (nd(B),))
+    assert op_forward_time_s(node, sig, (8,), a100) == pytest.approx(flops_t + ov)
+    assert op_backward_time_s(node, sig, (8,), a100) == pytest.approx(2 * flops_t + ov)
+    assert op_compute_time_s(node, sig, (8,), a100) == pytest.approx(3 * flops_t + 2 * ov)
+    # row-split over 8 devices: an eighth of the work
+    sig8 = Signature((nd(S(0)), nd(B)), (nd(S(0)),))
+    assert op_forward_time_s(node, sig8, (8,), a100) == pytest.approx(flops_t / 8 + ov)
+    # contracted split -> P output still divides the work
+    sigp = Signature((nd(S(1)), nd(S(0))), (nd(P),))
+    assert work_divisor(sigp, (8,)) == 8
+    assert op_compute_time_s(node, sig, (8,), a100, needs_backward=False) == pytest.approx(flops_t + ov)
+
+
+def test_roofline_memory_bound_elementwise(a100):
+    x = TensorMeta((4096, 4096), "float32")
+    node = _op("aten.gelu.default", [x], [x], x.numel, x.nbytes, x.nbytes)
+    dev, eff = a100.device, a100.efficiency
+    mem_t = 2 * x.nbytes / (dev.memory_bandwidth_gbps * 1e9 * eff.memory)
+    assert mem_t > x.numel / (dev.peak_tflops * 1e12 * eff.compute)   # memory-bound regime
+    ov = a100.op_overhead_us * 1e-6
+    sig = Signature((nd(S(0), B),), (nd(S(0), B),))
+    # 2-D mesh (2, 4): split on axis 0 only divides by 2; replicated axis 1 does not
+    assert op_forward_time_s(node, sig, (2, 4), a100) == pytest.approx(mem_t / 2 + ov)
+    assert op_backward_time_s(node, sig, (2, 4), a100) == pytest.approx(mem_t / 2 + ov)
+    # add(P, P) -> P runs full-size on every device
+    add = _op("aten.add.Tensor", [x, x], [x], x.numel, 2 * x.nbytes, x.nbytes)
+    assert work_divisor(Signature((nd(P), nd(P)), (nd(P),)), (8,)) == 1
+    assert op_forward_time_s(add, Signature((nd(P), nd(P)), (nd(P),)), (8,), a100) == \
+        pytest.approx(3 * x.nbytes / (dev.memory_bandwidth_gbps * 1e9 * eff.memory) + ov)
+
+
+def test_backward_factor_per_family(a100):
+    for op in ("mm", "addmm", "linear", "bmm", "matmul", "conv2d", "scaled_dot_product_attention"):
+        assert backward_factor(op) == 2.0, op
+    for op in ("gelu", "add", "layer_norm", "softmax", "sum", "embedding"):
+        assert backward_factor(op) == 1.0, op
+    for op in ("view", "transpose", "getitem", "reshape", "permute"):
+        assert backward_factor(op) == 0.0, op
+    x = TensorMeta((1024, 1024), "float32")
+    view = _op("aten.view.default", [x], [x], 0, 0, 0)
+    sig = Signature((nd(B),), (nd(B),))
+    assert op_compute_time_s(view, sig, (8,), a100) == 0.0       # no launch overhead for views
+    # with zero overhead, an elementwise op's backward equals its forward, a matmul's is twice
+    no_ov = dataclasses.replace(a100, op_overhead_us=0.0)
+    relu = _op("aten.relu.default", [x], [x], x.numel, x.nbytes, x.nbytes)
+    mm = _op("aten.mm.default", [x, x], [x], 2 * 1024**3, 2 * x.nbytes, x.nbytes)
+    assert op_backward_time_s(relu, sig, (8,), no_ov) == pytest.approx(op_forward_time_s(relu, sig, (8,), no_ov))
+    sig2 = Signature((nd(B), nd(B)), (nd(B),))
+    assert op_backward_time_s(mm, sig2, (8,), no_ov) == pytest.approx(2 * op_forward_time_s(mm, sig2, (8,), no_ov))
+
+
+def test_optimizer_sgd_vs_adamw(a100):
+    numel = 10_000_000
+    pbytes = 4 * numel
+    bw = a100.device.memory_bandwidth_gbps * 1e9 * a100.efficiency.memory
+    assert optimizer_time_s(pbytes, numel, "sgd", a100) == pytest.approx(3 * pbytes / bw)
+    assert optimizer_time_s(pbytes, numel, "adamw", a100) == pytest.approx(7 * pbytes / bw)
+    # bf16 params keep fp32 states: 3 x 2-byte param traffic + 4 x 4-byte state traffic
+    assert optimizer_time_s(2 * numel, numel, "AdamW", a100) == pytest.approx((6 + 16) * numel / bw)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        optimizer_time_s(pbytes, numel, "lion", a100)
+
+
+def test_efficiency_scales_times(a100):
+    slow = dataclasses.replace(a100, efficiency=Efficiency(compute=0.3, memory=0.35, network=0.4))
+    meta = TensorMeta((1 << 20,), "float32")
+    t_fast = boxing_time_s(meta, nd(P), nd(B), (8,), a100)
+    t_slow = boxing_time_s(meta, nd(P), nd(B), (8,), slow)
+    b_fast, a_ = _b_a(a100.intra_node, a100.efficiency.network)
+    b_slow, _ = _b_a(a100.intra_node, 0.4)
+    assert t_fast == pytest.approx(2 * 7 / 8 * meta.nbytes / b_fast + 14 * a_)
+    assert t_slow == pytest.approx(2 * 7 / 8 * meta.nbytes / b_slow + 14 * a_)
+    assert not math.isclose(t_fast, t_slow)
