@@ -4,10 +4,12 @@ from autoddl.cluster import (
     DEFAULT_CLUSTER_PATH, Backend, Cluster, ClusterConfigError, DeviceSpec, Efficiency, LinkSpec, bundled_config,
 )
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
+from autoddl.loader import ModelFile, ModelFileError, default_loss, load_model_file, trace_model_file
 from autoddl.sbp import B, P, S, Broadcast, NdSbp, Partial, Signature, Split, parse_sbp
 from autoddl.trace import TraceError, trace
 
 __all__ = [
+    "ModelFile", "ModelFileError", "default_loss", "load_model_file", "trace_model_file",
     "Backend", "Cluster", "ClusterConfigError", "DeviceSpec", "Efficiency", "LinkSpec",
     "DEFAULT_CLUSTER_PATH", "bundled_config",
     "B", "P", "S", "Broadcast", "NdSbp", "Partial", "Signature", "Split", "parse_sbp",

@@ -1,61 +1,89 @@
 """Trace an nn.Module with torch.export on the meta device into an OpGraph.
 
 The model is copied onto the meta device first (parameters become meta tensors
-of the same shape, no weight memory is allocated), so a 175B-parameter model
-traces in seconds on a laptop.
+of the same shape, no weight memory is allocated, the caller's model is not
+touched), and export runs under ``torch.device("meta")`` so tensors created
+inside ``forward()`` are meta too: a 175B-parameter model traces in seconds on
+a laptop. When export fails, :class:`TraceError` names the construct, where it
+is in the user's code, and what to change.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
+import io
+import logging
 import operator
+import os
+import re
+import sys
+import sysconfig
+import traceback
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
 from torch import nn
 
-from autoddl.flops import op_bytes, op_flops
+from autoddl.flops import op_bytes, op_flops, short_name
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
 
 
 class TraceError(RuntimeError):
-    """The model could not be exported; the message names the construct and what to do."""
+    """The model could not be exported; the message names the construct, where it is and what to do.
+
+    ``construct``, ``location`` and ``hint`` hold the three parts of the message;
+    ``details`` the full original error and whatever torch printed while failing.
+    """
+
+    def __init__(self, message: str, *, construct: str = "", location: str = "", hint: str = "",
+                 details: str = ""):
+        super().__init__(message)
+        self.construct, self.location, self.hint, self.details = construct, location, hint, details
 
 
-_HINTS = (
-    ("data-dependent", "data-dependent control flow or shapes: replace Python `if tensor...` with "
-                       "torch.cond or make the branch depend on static sizes/config only"),
-    ("guard", "a branch depends on a tensor value or a dynamic size: make it depend on static "
-              "sizes/config only, or use torch.cond"),
-    ("Unsupported", "an unsupported Python construct in forward(): keep forward() to tensor ops, "
-                    "static loops and module calls"),
-    ("item()", "a .item()/.tolist() call pulls a tensor value into Python: compute with tensors instead"),
-    ("meta", "an op has no meta-device kernel: build the model with standard torch ops"),
-)
+# Ops export inserts to check metadata at run time; they produce nothing and nothing uses them.
+_ASSERT_OPS = frozenset({"_assert_tensor_metadata", "_assert_scalar", "_assert_async",
+                         "sym_constrain_range", "sym_constrain_range_for_size"})
+
+LOSS_MODULE_TYPE = "loss_fn"  # module_type of the ops that loss_fn adds
 
 
 def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor],
           loss_fn: Callable[..., torch.Tensor] | None = None, *, name: str = "") -> OpGraph:
-    """Export ``model`` (and ``loss_fn(output, *inputs)`` if given) to an OpGraph on the meta device."""
+    """Export ``model`` (and ``loss_fn(output, *inputs)`` if given) to an OpGraph on the meta device.
+
+    With ``loss_fn`` the graph is the whole training step's forward (its output is
+    the loss); parameter fqns and module paths are those of ``model``.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"trace() needs an nn.Module, got {type(model).__name__}")
+    name = name or type(model).__name__
     example_inputs = tuple(example_inputs)
     meta_model = to_meta(model)
     meta_inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in example_inputs)
     root: nn.Module = _WithLoss(meta_model, loss_fn) if loss_fn is not None else meta_model
-    prefix = "model." if loss_fn is not None else ""
-    try:
-        exported = torch.export.export(root, meta_inputs, strict=False)
-    except Exception as exc:  # torch raises many types here; all mean "not exportable"
-        raise TraceError(_explain(exc, name or type(model).__name__)) from exc
-    return graph_from_exported(exported, name=name or type(model).__name__, strip_prefix=prefix)
+    with _captured_torch_output() as printed:
+        try:
+            with torch.device("meta"):
+                exported = torch.export.export(root, meta_inputs, strict=False)
+        except Exception as exc:  # torch raises many types here; all mean "not exportable"
+            raise _explain(exc, name, printed.getvalue()) from exc
+    if printed.getvalue():
+        sys.stderr.write(printed.getvalue())  # export succeeded: pass its warnings on
+    return graph_from_exported(exported, name=name, strip_prefix="model." if loss_fn is not None else "")
 
 
 def to_meta(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers live on the meta device (no data copied)."""
+    """A copy of ``model`` whose parameters, buffers and plain tensor attributes live on the meta device.
+
+    No data is copied; tied parameters stay tied.
+    """
     memo: dict[int, Any] = {}
-    for t in list(model.parameters()) + list(model.buffers()):
+    attrs = [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    for t in list(model.parameters()) + list(model.buffers()) + attrs:
         if id(t) in memo:
             continue
         meta = torch.empty_like(t, device="meta")
@@ -64,29 +92,56 @@ def to_meta(model: nn.Module) -> nn.Module:
 
 
 class _WithLoss(nn.Module):
+    """``loss_fn(model(*inputs), *inputs)`` as one module; inputs keep the names of model.forward's arguments."""
+
     def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        try:
+            signature = inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            return
+        call = self._step
+
+        def forward(*inputs):
+            return call(*inputs)
+
+        forward.__signature__ = signature  # export names input placeholders after these
+        self.forward = forward
+
+    def _step(self, *inputs):
+        return self.loss_fn(self.model(*inputs), *inputs)
 
     def forward(self, *inputs):
-        return self.loss_fn(self.model(*inputs), *inputs)
+        return self._step(*inputs)
 
 
 def graph_from_exported(exported: "torch.export.ExportedProgram", *, name: str = "",
                         strip_prefix: str = "") -> OpGraph:
-    """Convert an ExportedProgram's graph into OpNodes (FLOPs, bytes, parameter fqns, module paths)."""
+    """Convert an ExportedProgram's graph into OpNodes (FLOPs, bytes, parameter fqns, module paths).
+
+    ``strip_prefix`` ("model." when a loss wrapper was traced) is removed from
+    parameter/buffer fqns and module paths; ops of the wrapper itself get
+    ``module_type == "loss_fn"``.
+    """
     sig = exported.graph_signature
     param_of = dict(sig.inputs_to_parameters)
-    buffer_of = dict(sig.inputs_to_buffers)
+    buffer_of = {**dict(sig.inputs_to_buffers), **dict(getattr(sig, "inputs_to_lifted_tensor_constants", {}))}
+    root_path = strip_prefix.rstrip(".")
 
     def fqn(s: str) -> str:
+        if strip_prefix and s == root_path:
+            return ""
         return s[len(strip_prefix):] if strip_prefix and s.startswith(strip_prefix) else s
 
+    alias = tied_aliases(exported)
     nodes: list[OpNode] = []
     param_placeholder: dict[str, str] = {}
     for fx_node in exported.graph.nodes:
         if fx_node.op == "placeholder":
+            if fx_node.name in alias:
+                continue
             if fx_node.name in param_of:
                 kind, target = NodeKind.PARAMETER, fqn(param_of[fx_node.name])
                 param_placeholder[fx_node.name] = target
@@ -94,44 +149,73 @@ def graph_from_exported(exported: "torch.export.ExportedProgram", *, name: str =
                 kind, target = NodeKind.BUFFER, fqn(buffer_of[fx_node.name])
             else:
                 kind, target = NodeKind.INPUT, fx_node.name
-            nodes.append(OpNode(fx_node.name, kind, target, outputs=_metas(fx_node.meta.get("val"))))
+            nodes.append(OpNode(fx_node.name, kind, target, outputs=_metas(fx_node, name)))
         elif fx_node.op == "call_function":
-            nodes.append(_op_node(fx_node, param_placeholder, fqn))
+            if short_name(_target_name(fx_node.target)) in _ASSERT_OPS and not fx_node.users:
+                continue
+            nodes.append(_op_node(fx_node, param_placeholder, fqn, name, alias, loss_wrapped=bool(strip_prefix)))
         elif fx_node.op == "output":
-            refs, args = _refs_and_args(fx_node.args[0])
+            refs, args = _refs_and_args(fx_node.args[0], alias)
             nodes.append(OpNode(fx_node.name, NodeKind.OUTPUT, "output", inputs=refs,
                                 input_metas=tuple(_meta_of_ref(nodes, r) for r in refs), args=(args,)))
         else:
-            raise TraceError(f"unexpected fx node {fx_node.op} {fx_node.target} in the exported graph")
+            raise TraceError(f"cannot convert the exported graph of {name}: unexpected fx node "
+                             f"{fx_node.op} {fx_node.target}; autoddl handles placeholder, call_function "
+                             f"and output nodes only")
     return OpGraph(nodes, model_name=name, exported=exported)
 
 
-def _op_node(fx_node: torch.fx.Node, param_placeholder: dict[str, str], fqn) -> OpNode:
+def tied_aliases(exported: "torch.export.ExportedProgram") -> dict[str, str]:
+    """Placeholder name -> the placeholder it duplicates, for tied parameters/buffers.
+
+    Export gives a tied tensor (e.g. ``lm_head.weight is wte.weight``) one placeholder
+    per name. The OpGraph keeps only the first; every use of the others points at
+    it, so a tied weight is one node (counted once, planned once). An executor
+    walking the exported graph feeds an alias placeholder the value of its target.
+    """
+    sig = exported.graph_signature
+    alias: dict[str, str] = {}
+    first_holder: dict[int, str] = {}
+    for ph_name, state_name in [*sig.inputs_to_parameters.items(), *sig.inputs_to_buffers.items()]:
+        tensor = exported.state_dict.get(state_name)
+        if tensor is None:  # non-persistent buffers are not in state_dict
+            continue
+        target = first_holder.setdefault(id(tensor), ph_name)
+        if target != ph_name:
+            alias[ph_name] = target
+    return alias
+
+
+def _op_node(fx_node: torch.fx.Node, param_placeholder: dict[str, str], fqn, model_name: str,
+             alias: dict[str, str], *, loss_wrapped: bool) -> OpNode:
     target = _target_name(fx_node.target)
     if fx_node.target is operator.getitem:
         src, index = fx_node.args
-        refs, args = (TensorRef(src.name, int(index)),), (TensorRef(src.name, int(index)), index)
+        ref = TensorRef(alias.get(src.name, src.name), int(index))
+        refs, args = (ref,), (ref, index)
     else:
-        refs, args = _refs_and_args(fx_node.args)
-    kw_refs, kwargs = _refs_and_args(fx_node.kwargs)
+        refs, args = _refs_and_args(fx_node.args, alias)
+    kw_refs, kwargs = _refs_and_args(fx_node.kwargs, alias)
     refs = refs + kw_refs
-    outputs = _metas(fx_node.meta.get("val"))
-    by_name = {n.name: n for n in fx_node.all_input_nodes}
-    input_metas = tuple(_metas(by_name[r.node].meta.get("val"))[r.index] for r in refs)
-    short = target.split(".")[1] if target.startswith("aten.") else target
-    read, written = op_bytes(short, input_metas, outputs)
+    outputs = _metas(fx_node, model_name)
+    by_name = {alias.get(n.name, n.name): n for n in fx_node.all_input_nodes}
+    input_metas = tuple(_metas(by_name[r.node], model_name)[r.index] for r in refs)
+    short = short_name(target)
+    read, written = op_bytes(short, input_metas, outputs, args)
     stack = fx_node.meta.get("nn_module_stack") or {}
-    module_path, module_type = ("", "")
+    module_path, module_type = "", ""
     if stack:
         path, mtype = list(stack.values())[-1]
-        module_path = path
+        module_path = fqn(path)
         module_type = getattr(mtype, "__name__", str(mtype)).rsplit(".", 1)[-1]
+        if loss_wrapped and len(stack) == 1:  # only the wrapper on the stack: an op of loss_fn
+            module_type = LOSS_MODULE_TYPE
     return OpNode(
         name=fx_node.name, kind=NodeKind.OP, target=target, inputs=refs, input_metas=input_metas,
         outputs=outputs, args=args, kwargs=kwargs,
         flops=op_flops(short, input_metas, outputs, args), bytes_read=read, bytes_written=written,
         params=tuple(param_placeholder[r.node] for r in refs if r.node in param_placeholder),
-        module_path=fqn(module_path), module_type=module_type,
+        module_path=module_path, module_type=module_type,
     )
 
 
@@ -143,13 +227,14 @@ def _target_name(target: Any) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def _refs_and_args(value: Any) -> tuple[tuple[TensorRef, ...], Any]:
-    """Replace fx Nodes inside (nested) args with TensorRefs; return the refs in order too."""
+def _refs_and_args(value: Any, alias: dict[str, str] | None = None) -> tuple[tuple[TensorRef, ...], Any]:
+    """Replace fx Nodes inside (nested) args with TensorRefs (through ``alias``); return the refs in order too."""
     refs: list[TensorRef] = []
+    alias = alias or {}
 
     def walk(v: Any) -> Any:
         if isinstance(v, torch.fx.Node):
-            ref = TensorRef(v.name, 0)
+            ref = TensorRef(alias.get(v.name, v.name), 0)
             refs.append(ref)
             return ref
         if isinstance(v, (list, tuple)):
@@ -162,28 +247,143 @@ def _refs_and_args(value: Any) -> tuple[tuple[TensorRef, ...], Any]:
     return tuple(refs), walked
 
 
-def _metas(val: Any) -> tuple[TensorMeta, ...]:
-    if isinstance(val, torch.Tensor):
-        return (TensorMeta(tuple(val.shape), str(val.dtype).removeprefix("torch.")),)
-    if isinstance(val, (list, tuple)):
-        return tuple(
-            TensorMeta(tuple(v.shape), str(v.dtype).removeprefix("torch."))
-            if isinstance(v, torch.Tensor) else TensorMeta((), "none")
-            for v in val
-        )
-    return ()  # a node that returns nothing (e.g. an in-place update's unused result) or a scalar
+def _metas(fx_node: torch.fx.Node, model_name: str = "") -> tuple[TensorMeta, ...]:
+    """TensorMeta of each tensor the fx node produces; a TraceError for a data-dependent shape."""
+    val = fx_node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else (val,)
+    out = []
+    for v in vals:
+        if not isinstance(v, torch.Tensor):
+            if isinstance(val, (list, tuple)):
+                out.append(TensorMeta((), "none"))  # keeps output indices aligned
+            continue
+        if any(not isinstance(d, int) for d in v.shape):
+            _raise_dynamic_shape(fx_node, v, model_name)
+        out.append(TensorMeta(tuple(v.shape), str(v.dtype).removeprefix("torch.")))
+    return tuple(out)
+
+
+def _raise_dynamic_shape(fx_node: torch.fx.Node, value: torch.Tensor, model_name: str) -> None:
+    location = _fx_location(fx_node)
+    hint = ("autoddl needs every shape to be known from the example inputs' shapes: use a fixed-shape "
+            "form (torch.where / masked_fill instead of x[mask] or nonzero(); pad to a maximum length)")
+    construct = f"op {_target_name(fx_node.target)} returns a data-dependent shape {list(value.shape)}"
+    raise TraceError(f"cannot trace {model_name or 'the model'}: {construct}" + (f"\n  at {location}" if location else "")
+                     + f"\n  what to do: {hint}", construct=construct, location=location, hint=hint)
+
+
+def _fx_location(fx_node: torch.fx.Node) -> str:
+    trace_text = fx_node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', trace_text)
+    if not frames:
+        return ""
+    file, line, func, code = frames[-1]
+    return f"{file}:{line} in {func}: `{code.strip()}`"
 
 
 def _meta_of_ref(nodes: list[OpNode], ref: TensorRef) -> TensorMeta:
     for n in reversed(nodes):
         if n.name == ref.node:
             return n.outputs[ref.index] if ref.index < len(n.outputs) else TensorMeta((), "none")
-    raise TraceError(f"output refers to unknown node {ref.node!r}")
+    raise TraceError(f"the exported graph's output refers to unknown node {ref.node!r}")
 
 
-def _explain(exc: Exception, model_name: str) -> str:
+@contextlib.contextmanager
+def _captured_torch_output():
+    """Collect what torch prints or logs during export (a failing export dumps partial graphs)."""
+    buf = io.StringIO()
+
+    class _Capture(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if record.levelno < logging.WARNING:
+                return True
+            buf.write(f"{record.levelname} {record.name}: {record.getMessage()}\n")
+            return False
+
+    capture = _Capture()
+    handlers = {h for name, lg in list(logging.root.manager.loggerDict.items())
+                if name.split(".")[0] == "torch" and not name.startswith("torch.__")
+                and isinstance(lg, logging.Logger) for h in lg.handlers}
+    for h in handlers:
+        h.addFilter(capture)
+    try:
+        with contextlib.redirect_stderr(buf):
+            yield buf
+    finally:
+        for h in handlers:
+            h.removeFilter(capture)
+
+
+# (predicate on "<ExceptionType>: <message>", construct, what to do)
+_DATA_DEPENDENT_HINT = (
+    "autoddl traces on the meta device, where tensors have shapes but no values, so Python cannot "
+    "branch on or read a tensor's value. Make the branch depend on shapes or config only (e.g. "
+    "`if x.shape[1] > 512`), compute both sides and pick with torch.where, or use torch.cond")
+_CASES: tuple[tuple[Callable[[str], bool], str, str], ...] = (
+    (lambda t: "GuardOnDataDependentSymNode" in t and "extract specialized" in t,
+     "data-dependent value: a tensor's value is turned into a Python number (.item(), int(), float(), "
+     ".tolist()) and used as a size, index or in a branch",
+     _DATA_DEPENDENT_HINT),
+    (lambda t: "GuardOnDataDependentSymNode" in t or "data-dependent" in t.lower(),
+     "data-dependent control flow: a Python `if`/`while`/`assert`/`bool()` on a tensor's value "
+     "(export cannot guard on it)",
+     _DATA_DEPENDENT_HINT),
+    (lambda t: "DynamicOutputShapeException" in t or "DataDependentOutputException" in t,
+     "an op whose output shape depends on tensor values (nonzero, unique, boolean-mask indexing x[mask])",
+     "use a fixed-shape form: torch.where or masked_fill instead of x[mask] / nonzero()"),
+    (lambda t: "DeviceMismatch" in t or "found at least two devices" in t,
+     "a tensor pinned to a real device inside forward() (e.g. torch.tensor(..., device='cpu'), "
+     ".cuda(), .to('cpu'), or a plain tensor attribute that is not a registered buffer)",
+     "create tensors with device=x.device, and register constant tensors with register_buffer() "
+     "so they move with the model"),
+    (lambda t: "Meta" in t and ("NotImplementedError" in t or "Could not run" in t),
+     "an op without a meta-device kernel (a custom or backend-only op)",
+     "use standard torch ops in forward(), or register a fake/meta implementation for the custom op "
+     "(torch.library.register_fake)"),
+    (lambda t: "Unsupported" in t.split(":", 1)[0],
+     "an unsupported Python construct in forward()",
+     "keep forward() to tensor ops, static Python loops and submodule calls"),
+)
+_DEFAULT_HINT = ("run `model(*example_inputs)` eagerly to check that forward() works on these inputs, "
+                 "and keep forward() free of data-dependent branches, .item() and device-pinned tensors")
+
+
+def _explain(exc: Exception, model_name: str, printed: str = "") -> TraceError:
+    """Turn an export failure into a TraceError naming the construct, its location and the fix."""
     text = f"{type(exc).__name__}: {exc}"
-    first = text.strip().splitlines()[0][:400]
-    hint = next((h for key, h in _HINTS if key.lower() in text.lower()), None)
-    hint = hint or "simplify forward() to static tensor code (no data-dependent branches, no .item())"
-    return f"cannot trace {model_name} with torch.export: {first}\n  what to do: {hint}"
+    torch_says = text.strip().splitlines()[0][:300]
+    construct, hint = "forward() failed while exporting", _DEFAULT_HINT
+    for matches, what, fix in _CASES:
+        if matches(text):
+            construct, hint = what, fix
+            break
+    location = _user_location(exc)
+    message = (f"cannot trace {model_name} with torch.export: {construct}"
+               + (f"\n  at {location}" if location else "")
+               + f"\n  torch says: {torch_says}"
+               + f"\n  what to do: {hint}")
+    details = "".join(traceback.format_exception(exc)) + (f"\ntorch printed:\n{printed}" if printed else "")
+    return TraceError(message, construct=construct, location=location, hint=hint, details=details)
+
+
+_NOT_USER = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, __file__)) + (
+    sysconfig.get_paths()["stdlib"] + os.sep,)
+
+
+def _user_location(exc: BaseException) -> str:
+    """``file:line in func: `code` `` of the innermost frame of user code in the failure's traceback."""
+    original, found = exc, ""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for fr in traceback.extract_tb(exc.__traceback__):
+            path = os.path.abspath(fr.filename)
+            if fr.filename.startswith("<") or path.startswith(_NOT_USER):
+                continue
+            found = f"{fr.filename}:{fr.lineno} in {fr.name}: `{(fr.line or '').strip()}`"
+        if found:
+            return found
+        exc = exc.__cause__ or exc.__context__
+    m = re.search(r'The following call raised this error:\n\s*File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)',
+                  str(original))
+    return f"{m.group(1)}:{m.group(2)} in {m.group(3)}: `{m.group(4).strip()}`" if m else ""

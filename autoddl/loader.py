@@ -1,0 +1,182 @@
+"""Load a model file: a Python file defining ``build_model`` and ``example_inputs``.
+
+A model file is the unit every CLI command takes::
+
+    def build_model(**sizes) -> nn.Module: ...           # sizes by keyword, e.g. preset="small"
+    def example_inputs(**sizes) -> tuple[Tensor, ...]: ... # one training step's batch
+    def loss_fn(output, *inputs) -> Tensor: ...          # optional; default_loss otherwise
+
+The file is imported by path under a unique module name, and both functions run
+under ``torch.device(device)`` (``"meta"`` by default) so a 175B-parameter
+model is built without allocating its weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from autoddl.graph import OpGraph
+from autoddl.trace import trace
+
+_SIGNATURES = {
+    "build_model": "def build_model(**sizes) -> torch.nn.Module",
+    "example_inputs": "def example_inputs(**sizes) -> tuple[torch.Tensor, ...]",
+}
+
+
+class ModelFileError(ValueError):
+    """A model file is missing, lacks a required function, or one of its functions failed."""
+
+
+@dataclass
+class ModelFile:
+    path: str                     # absolute path of the file
+    name: str                     # file stem, e.g. "gpt"
+    model: nn.Module
+    example_inputs: tuple[torch.Tensor, ...]
+    loss_fn: Callable[..., torch.Tensor]
+
+
+def default_loss(output: Any, *inputs: Any) -> torch.Tensor:
+    """Mean of every floating-point tensor in ``output`` (a tensor, or a tuple/list/dict of them), summed."""
+    tensors = [t for t in _flatten(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise ModelFileError(f"default_loss: the model output ({type(output).__name__}) holds no floating-point "
+                             "tensor to take a loss of; define loss_fn(output, *inputs) in the model file")
+    loss = tensors[0].mean()
+    for t in tensors[1:]:
+        loss = loss + t.mean()
+    return loss
+
+
+def load_model_file(path: str | os.PathLike, *, device: str | torch.device = "meta", **overrides: Any) -> ModelFile:
+    """Import the model file at ``path`` and build its model and example inputs on ``device``.
+
+    ``overrides`` (e.g. ``preset="small"``, ``n_layer=2``) are passed by keyword to
+    ``build_model`` and ``example_inputs``, each getting those its signature accepts.
+    """
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise ModelFileError(f"model file {str(path)!r} does not exist" if not file.exists()
+                             else f"model file {str(path)!r} is not a file")
+    module = _import(file)
+    build = _required(module, file, "build_model")
+    make_inputs = _required(module, file, "example_inputs")
+    _check_overrides(file, overrides, build, make_inputs)
+    with torch.device(device):
+        model = _call(file, "build_model", build, overrides)
+        inputs = _call(file, "example_inputs", make_inputs, overrides)
+    if not isinstance(model, nn.Module):
+        raise ModelFileError(f"{file}: build_model() returned {type(model).__name__}, expected an nn.Module "
+                             f"({_SIGNATURES['build_model']})")
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
+        got = type(inputs).__name__ if not isinstance(inputs, (tuple, list)) else \
+            "a sequence holding " + ", ".join(sorted({type(t).__name__ for t in inputs}))
+        raise ModelFileError(f"{file}: example_inputs() returned {got}, expected a tuple of tensors "
+                             f"({_SIGNATURES['example_inputs']})")
+    loss_fn = getattr(module, "loss_fn", None)
+    if loss_fn is not None and not callable(loss_fn):
+        raise ModelFileError(f"{file}: loss_fn is a {type(loss_fn).__name__}, expected a function "
+                             "def loss_fn(output, *inputs) -> torch.Tensor")
+    return ModelFile(path=str(file), name=file.stem, model=model, example_inputs=tuple(inputs),
+                     loss_fn=loss_fn or default_loss)
+
+
+def trace_model_file(path: str | os.PathLike, **overrides: Any) -> tuple[ModelFile, OpGraph]:
+    """Load ``path`` on the meta device and trace one training step's forward, loss included."""
+    mf = load_model_file(path, **overrides)
+    graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name)
+    return mf, graph
+
+
+def _import(file: Path) -> ModuleType:
+    digest = hashlib.sha1(str(file).encode()).hexdigest()[:10]
+    module_name = f"autoddl_model_{_identifier(file.stem)}_{digest}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"{file}: cannot be imported as a Python module (is it a .py file?)")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise ModelFileError(f"{file}: importing the file failed: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def _identifier(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text)
+
+
+def _required(module: ModuleType, file: Path, name: str) -> Callable[..., Any]:
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ModelFileError(f"{file}: model file defines no {name}(); expected a function "
+                             f"`{_SIGNATURES[name]}`")
+    if not callable(fn):
+        raise ModelFileError(f"{file}: {name} is a {type(fn).__name__}, expected a function "
+                             f"`{_SIGNATURES[name]}`")
+    return fn
+
+
+def _accepted(fn: Callable[..., Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``overrides`` that ``fn`` takes by keyword (all of them with ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return dict(overrides)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(overrides)
+    names = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                   inspect.Parameter.KEYWORD_ONLY)}
+    return {k: v for k, v in overrides.items() if k in names}
+
+
+def _check_overrides(file: Path, overrides: dict[str, Any], *fns: Callable[..., Any]) -> None:
+    """Every override must be taken by at least one of the functions, else it is a typo."""
+    used = set().union(*(_accepted(fn, overrides) for fn in fns)) if fns else set()
+    unknown = sorted(set(overrides) - used)
+    if unknown:
+        accepted = sorted({p for fn in fns for p in _parameter_names(fn)})
+        raise ModelFileError(f"{file}: neither build_model() nor example_inputs() takes "
+                             f"{', '.join(repr(k) for k in unknown)}; they accept: "
+                             f"{', '.join(accepted) or 'no keyword arguments'}")
+
+
+def _parameter_names(fn: Callable[..., Any]) -> list[str]:
+    try:
+        return [p.name for p in inspect.signature(fn).parameters.values()
+                if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    except (TypeError, ValueError):
+        return []
+
+
+def _call(file: Path, name: str, fn: Callable[..., Any], overrides: dict[str, Any]) -> Any:
+    kwargs = _accepted(fn, overrides)
+    try:
+        return fn(**kwargs)
+    except Exception as exc:
+        args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise ModelFileError(f"{file}: {name}({args}) raised {type(exc).__name__}: {exc}") from exc
+
+
+def _flatten(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _flatten(v)]
+    if isinstance(value, (tuple, list)):
+        return [x for v in value for x in _flatten(v)]
+    return [value]
