@@ -98,7 +98,10 @@ class NdSbp:
         inner = body[1:-1].strip()
         if not inner:
             raise ValueError(f"cannot parse NdSbp {text!r}: it names no mesh axis")
-        return cls(tuple(parse_sbp(part) for part in inner.split(",")))
+        try:
+            return cls(tuple(parse_sbp(part.strip()) for part in inner.split(",")))
+        except ValueError as exc:
+            raise ValueError(f"cannot parse NdSbp {text!r}: {exc}") from None
 
     def __str__(self) -> str:
         return "[" + ", ".join(str(s) for s in self.sbps) + "]"
@@ -224,4 +227,10 @@ class Signature:
 
 
 def _parse_nd_list(text: str) -> tuple[NdSbp, ...]:
-    return tuple(NdSbp.parse(m) for m in re.findall(r"\[[^\]]*\]", text))
+    """``"[S(0), B], [B, P]"`` -> two NdSbps; anything outside the brackets but commas is an error."""
+    pieces = re.findall(r"\[[^\]]*\]", text)
+    leftover = re.sub(r"\[[^\]]*\]", "", text)
+    if leftover.replace(",", "").strip() or leftover.count(",") != max(len(pieces) - 1, 0):
+        raise ValueError(f"cannot parse NdSbp list {text!r}: expected NdSbps separated by commas, "
+                         "e.g. '[S(0), B], [B, B]'")
+    return tuple(NdSbp.parse(p) for p in pieces)
