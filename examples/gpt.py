@@ -1,0 +1,190 @@
+"""GPT: a nanoGPT-style decoder-only transformer (GPT-2 / GPT-3 shapes).
+
+Token + position embedding, pre-LayerNorm blocks of causal self-attention
+(F.scaled_dot_product_attention, is_causal=True) and a 4x GELU MLP, a final
+LayerNorm and an lm_head tied to the token embedding. No dropout: the model is
+meant for planning (torch.export on the meta device) and small CPU runs.
+
+Presets (PRESETS below; default "gpt2-small"):
+  tiny        2 layers, 4 heads, 64 wide, vocab 512, batch 4 x seq 32 (tests)
+  gpt2-small  12/12/768, vocab 50304, seq 1024, batch 16    (124.5M params)
+  gpt2-xl     48/25/1600, vocab 50304, seq 1024, batch 16   (1.56B params)
+  gpt3-175b   96/96/12288, vocab 50304, seq 2048, batch 32  (175B params)
+
+Sizes are set by keyword, then environment variable, then preset:
+  build_model("tiny", n_layer=1)            keyword wins
+  AUTODDL_GPT_PRESET=tiny or AUTODDL_PRESET=tiny   picks the preset
+  AUTODDL_GPT_<FIELD>=value, FIELD one of N_LAYER N_HEAD N_EMBD VOCAB_SIZE
+      BLOCK_SIZE BIAS BATCH_SIZE SEQ_LEN, e.g. AUTODDL_GPT_N_LAYER=2
+
+Inputs: (idx, targets), both (B, T) int64; forward(idx, targets=None) returns
+logits (B, T, vocab); loss_fn(logits, idx, targets) is the cross entropy.
+"""
+
+# No `from __future__ import annotations`: dataclasses would then need this module in
+# sys.modules, which a loader importing the file by path may not have set up.
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int
+    n_head: int
+    n_embd: int
+    vocab_size: int = 50304     # GPT-2's 50257 padded up to a multiple of 64
+    block_size: int = 1024      # longest sequence the position embedding covers
+    bias: bool = True           # biases in Linear and LayerNorm, as GPT-2
+    batch_size: int = 16        # example_inputs batch
+    seq_len: int = 1024         # example_inputs sequence length, <= block_size
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"gpt config: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.seq_len > self.block_size:
+            raise ValueError(f"gpt config: seq_len={self.seq_len} exceeds block_size={self.block_size}; "
+                             "raise block_size or lower seq_len")
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=512, block_size=64, batch_size=4, seq_len=32),
+    "gpt2-small": GPTConfig(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),
+    "gpt3-175b": GPTConfig(n_layer=96, n_head=96, n_embd=12288, block_size=2048, batch_size=32, seq_len=2048),
+}
+DEFAULT_PRESET = "gpt2-small"
+ENV_PREFIX = "AUTODDL_GPT_"
+
+
+def config(preset: str | None = None, **overrides) -> GPTConfig:
+    """The preset's config with env-var and keyword overrides applied (keyword > env > preset)."""
+    name = preset or os.environ.get(ENV_PREFIX + "PRESET") or os.environ.get("AUTODDL_PRESET") or DEFAULT_PRESET
+    if name not in PRESETS:
+        raise ValueError(f"gpt: unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    base = PRESETS[name]
+    fields = {f.name for f in dataclasses.fields(base)}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise TypeError(f"gpt: unknown config field(s) {sorted(unknown)}; valid fields: {sorted(fields)}")
+    values = {}
+    for field in sorted(fields):
+        env = os.environ.get(ENV_PREFIX + field.upper())
+        if field in overrides:
+            values[field] = overrides[field]
+        elif env is not None:
+            values[field] = _parse(env, getattr(base, field), ENV_PREFIX + field.upper())
+    return dataclasses.replace(base, **values)
+
+
+def _parse(text: str, like, var: str):
+    """Convert an env-var string to the type of the preset's value ``like``."""
+    try:
+        if isinstance(like, bool):
+            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("1", "true", "yes")
+        return type(like)(text)
+    except ValueError:
+        raise ValueError(f"{var}={text!r} is not a valid {type(like).__name__}") from None
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v projections at once
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)                      # 3 x (B, T, C)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)    # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)               # (B, T, C)
+        return self.c_proj(y)                                          # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))  # (B, T, C) -> (B, T, 4C) -> (B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+        x = x + self.mlp(self.ln_2(x))   # (B, T, C)
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+            ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
+        if not self.lm_head.weight.is_meta:
+            self.apply(self._init_weights)
+            for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
+                if name.endswith("c_proj.weight"):
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        B, T = idx.shape
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)   # (T,)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)    # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)                                             # (B, T, C)
+        x = self.transformer.ln_f(x)                                 # (B, T, C)
+        return self.lm_head(x)                                       # (B, T, vocab)
+
+
+def build_model(preset: str | None = None, **overrides) -> GPT:
+    """A GPT with the preset's sizes (see the module docstring for presets and overrides)."""
+    return GPT(config(preset, **overrides))
+
+
+def example_inputs(preset: str | None = None, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's batch: (idx, targets), both (batch_size, seq_len) int64 token ids."""
+    cfg = config(preset, **overrides)
+    idx = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), dtype=torch.long)  # (B, T)
+    targets = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), dtype=torch.long)  # (B, T)
+    return idx, targets
+
+
+def loss_fn(logits: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of logits (B, T, V) against targets (B, T)."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
