@@ -1,0 +1,110 @@
+"""Record the collectives a training step really runs: kind, mesh axis, bytes, phase.
+
+``CommRecorder`` is a TorchDispatchMode. DTensor's ``redistribute`` (forward and
+in autograd's backward) issues c10d functional ops (``_c10d_functional.*``) on
+plain local tensors; the mode sees each one with its process-group name, which
+maps to a mesh axis through ``mesh.get_group(axis).group_name``. What is recorded
+is what ran, including backend fallbacks: on a CPU (gloo) mesh DTensor turns an
+S(i)->S(j) all-to-all into an all-gather plus a local chunk, and the record says
+``all_gather``.
+
+``bytes`` is the size M of the full buffer of the alpha-beta formulas in
+DESIGN.md: the tensor for all-reduce and broadcast, the gathered output for
+all-gather, the (unscattered) input for reduce-scatter and all-to-all.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+PHASES = ("setup", "forward", "backward", "grad_sync", "optimizer")
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    kind: str        # one of KINDS (CollectiveKind values of costmodel)
+    axis: int        # mesh axis the process group belongs to; -1 when it is no mesh axis
+    bytes: int       # M of the alpha-beta formula (see module docstring)
+    phase: str       # one of PHASES
+    tensor: str = "" # graph edge / parameter fqn being moved, when known
+    dtype: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _functional_ops() -> dict[Any, str]:
+    f = torch.ops._c10d_functional
+    table = {
+        f.all_reduce.default: "all_reduce",
+        f.all_reduce_coalesced.default: "all_reduce",
+        f.all_gather_into_tensor.default: "all_gather",
+        f.all_gather_into_tensor_coalesced.default: "all_gather",
+        f.reduce_scatter_tensor.default: "reduce_scatter",
+        f.reduce_scatter_tensor_coalesced.default: "reduce_scatter",
+        f.all_to_all_single.default: "all_to_all",
+        f.broadcast.default: "broadcast",
+        torch.ops._c10d_functional_autograd.all_to_all_single.default: "all_to_all",
+    }
+    for name in ("all_reduce_", "all_reduce_coalesced_"):
+        if hasattr(f, name):
+            table[getattr(f, name).default] = "all_reduce"
+    return table
+
+
+# position of the group-name argument and of the group size (None: no size arg) per kind
+_GROUP_ARG = {"all_reduce": (2, None), "all_gather": (2, 1), "reduce_scatter": (3, 2),
+              "all_to_all": (3, None), "broadcast": (2, None)}
+
+
+class CommRecorder(TorchDispatchMode):
+    """Records every c10d functional collective dispatched while active.
+
+    Set ``phase`` (and optionally ``tensor``) from the caller to label records.
+    """
+
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        self.records: list[CommRecord] = []
+        self.phase = "forward"
+        self.tensor = ""
+        self._ops = _functional_ops()
+        self._axis_of_group = {mesh.get_group(i).group_name: i for i in range(mesh.ndim)}
+        self._axis_size = {i: mesh.size(i) for i in range(mesh.ndim)}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = self._ops.get(func)
+        if kind is not None:
+            self._record(kind, args)
+        return func(*args, **kwargs)
+
+    def _record(self, kind: str, args: tuple) -> None:
+        group_pos, size_pos = _GROUP_ARG[kind]
+        tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+        group = args[group_pos] if len(args) > group_pos else None
+        axis = self._axis_of_group.get(group, -1)
+        n = int(args[size_pos]) if size_pos is not None else self._axis_size.get(axis, 1)
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if kind == "all_gather":
+                nbytes *= n  # the gathered output
+            self.records.append(CommRecord(kind, axis, int(nbytes), self.phase, self.tensor,
+                                           str(t.dtype).removeprefix("torch.")))
+
+
+def summarize(records: list[CommRecord]) -> dict[str, dict[str, int]]:
+    """Counts and bytes per ``phase/kind/axis``: ``{"forward/all_gather/axis0": {"count": 2, "bytes": 512}}``."""
+    counts: Counter = Counter()
+    nbytes: Counter = Counter()
+    for r in records:
+        key = f"{r.phase}/{r.kind}/axis{r.axis}"
+        counts[key] += 1
+        nbytes[key] += r.bytes
+    return {k: {"count": counts[k], "bytes": nbytes[k]} for k in sorted(counts)}

@@ -1,0 +1,280 @@
+"""Executor runtime: mesh, parameters placed by storage NdSbp, one planned training step.
+
+Inside a torchrun (or test) process::
+
+    mesh = init_mesh(plan)
+    dmodel = DistributedModel(model, graph, plan, mesh)   # graph = autoddl.trace(model, inputs, loss_fn)
+    opt = build_optimizer(plan.optimizer, dmodel.parameters())
+    loss = train_step(dmodel, inputs, opt)
+
+A step is: forward through ``PlanInterpreter`` (every edge boxed as planned), the
+loss boxed to B, ``backward()``, then an explicit grad sync that reduces each
+parameter's use-gradients to its storage NdSbp (P->B all-reduce for data
+parallel, P->S(0) reduce-scatter for ZeRO), then the optimizer on local shards.
+``run_check`` compares all of it with a single-process run.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from autoddl.graph import NodeKind, OpGraph
+from autoddl.plan import Plan
+from autoddl.sbp import NdSbp
+from autoddl.trace import tied_aliases
+from executor.audit import CommRecord, CommRecorder
+from executor.interpreter import PlanExecutionError, PlanInterpreter, box, place
+
+
+def init_mesh(plan: Plan, device: str = "cpu", timeout_s: float = 120.0) -> DeviceMesh:
+    """Initialise the process group (gloo on CPU, nccl on CUDA) and the plan's DeviceMesh."""
+    use_cuda = device == "cuda" and torch.cuda.is_available()
+    if not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    if world != plan.mesh.size:
+        raise PlanExecutionError(f"plan {plan.name!r} is for mesh {plan.mesh} ({plan.mesh.size} devices) but "
+                                 f"{world} processes were launched; run with --nproc {plan.mesh.size}")
+    return init_device_mesh("cuda" if use_cuda else "cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.axis_names)
+
+
+def validate_plan(graph: OpGraph, plan: Plan) -> None:
+    """Raise one error listing every way ``plan`` does not fit ``graph``."""
+    problems: list[str] = []
+    if plan.graph_hash and plan.graph_hash != graph.fingerprint():
+        problems.append(f"graph_hash {plan.graph_hash} != traced graph {graph.fingerprint()} "
+                        f"(the model changed since planning: re-run `autoddl plan`)")
+    mesh = plan.mesh.shape
+    for node in graph.ops():
+        if node.target == "getitem":
+            continue
+        sig = plan.signatures.get(node.name)
+        if sig is None:
+            problems.append(f"op {node.name} ({node.target}): no signature")
+            continue
+        if len(sig.inputs) != len(node.inputs) or len(sig.outputs) != len(node.outputs):
+            problems.append(f"op {node.name}: signature {sig} has {len(sig.inputs)} inputs / {len(sig.outputs)} "
+                            f"outputs, the op has {len(node.inputs)} / {len(node.outputs)}")
+            continue
+        for nd, meta in zip(sig.inputs + sig.outputs, node.input_metas + node.outputs):
+            if len(nd) != len(mesh) or (meta.dtype != "none" and not nd.divides(meta.shape, mesh)):
+                problems.append(f"op {node.name}: {nd} does not fit {meta} on mesh {plan.mesh}")
+    for node in graph.nodes_of(NodeKind.INPUT) + graph.nodes_of(NodeKind.BUFFER):
+        sig = plan.signatures.get(node.name)
+        if sig is None:
+            problems.append(f"{node.kind.value} {node.name}: no signature (want '-> [<NdSbp>]')")
+        elif len(sig.outputs) != 1 or len(sig.outputs[0]) != len(mesh) or (
+                node.outputs and not sig.outputs[0].divides(node.outputs[0].shape, mesh)):
+            problems.append(f"{node.kind.value} {node.name}: signature {sig} does not fit "
+                            f"{node.outputs[0] if node.outputs else 'it'} on mesh {plan.mesh}")
+    unknown = sorted(k for k in plan.signatures if k not in graph and k != "output")
+    if unknown:
+        problems.append(f"signatures for nodes not in the graph: {unknown}")
+    for fqn, node in graph.parameters().items():
+        nd = plan.param_storage.get(fqn)
+        if nd is None:
+            problems.append(f"parameter {fqn}: no storage NdSbp in param_storage")
+        elif nd.has_partial:
+            problems.append(f"parameter {fqn}: storage {nd} has P; store parameters as S or B")
+        elif len(nd) != len(mesh) or not nd.divides(node.outputs[0].shape, mesh):
+            problems.append(f"parameter {fqn}: storage {nd} does not fit {node.outputs[0]} on mesh {plan.mesh}")
+    if problems:
+        more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
+        raise PlanExecutionError(f"plan {plan.name!r} does not fit the traced graph of "
+                                 f"{graph.model_name or 'the model'}:\n  " + "\n  ".join(problems[:12]) + more)
+
+
+def _set_param(module: nn.Module, fqn: str, value: nn.Parameter) -> None:
+    owner_path, _, leaf = fqn.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    setattr(owner, leaf, value)
+
+
+class DistributedModel(nn.Module):
+    """``model``'s parameters as DTensors (storage NdSbp); ``forward`` runs the planned graph."""
+
+    def __init__(self, model: nn.Module, graph: OpGraph, plan: Plan, mesh: DeviceMesh, *,
+                 recorder: CommRecorder | None = None):
+        super().__init__()
+        validate_plan(graph, plan)
+        self.graph, self.plan, self.mesh, self.recorder = graph, plan, mesh, recorder
+        self.device = torch.device(mesh.device_type)
+        self.module = copy.deepcopy(model)  # the caller's model stays a plain single-device reference
+        placed: dict[int, nn.Parameter] = {}  # by id of the plain parameter: tied weights stay tied
+        for fqn, p in list(self.module.named_parameters(remove_duplicate=False)):
+            if id(p) not in placed:
+                dt = place(p.detach().to(self.device), plan.param_storage[fqn], mesh)
+                placed[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+            _set_param(self.module, fqn, placed[id(p)])
+        self.interp = PlanInterpreter(graph, plan, mesh, recorder, device=mesh.device_type)
+        ep = graph.exported
+        self._user_inputs = list(ep.graph_signature.user_inputs)
+        self._constants = dict(getattr(ep.graph_signature, "inputs_to_lifted_tensor_constants", {}))
+        self._placeholders = [n.name for n in ep.graph_module.graph.nodes if n.op == "placeholder"]
+        self._alias = tied_aliases(ep)  # tied-weight placeholders the OpGraph folds into their first name
+        # buffer mutations (e.g. BatchNorm running stats) come first among the outputs; they are
+        # not written back yet
+        kinds = [spec.kind.name for spec in ep.graph_signature.output_specs]
+        self._loss_index = kinds.index("USER_OUTPUT") if "USER_OUTPUT" in kinds else 0
+
+    def _nd(self, name: str) -> NdSbp:
+        sig = self.plan.signatures.get(name)  # validate_plan checked inputs and buffers have one
+        return sig.outputs[0] if sig is not None else NdSbp.broadcast(self.plan.mesh.ndim)
+
+    def _placeholder_values(self, inputs: Sequence[torch.Tensor]) -> list[Any]:
+        if len(inputs) != len(self._user_inputs):
+            raise PlanExecutionError(f"the traced graph takes {len(self._user_inputs)} inputs, got {len(inputs)}")
+        params = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
+        values = []
+        for name in self._placeholders:
+            node = self.graph[self._alias.get(name, name)]
+            if node.kind is NodeKind.PARAMETER:
+                values.append(params[node.target])
+            elif name in self._constants:  # a lifted tensor constant (the OpGraph calls it a buffer)
+                t = self.graph.exported.constants[self._constants[name]]
+                values.append(place(t.to(self.device), self._nd(node.name), self.mesh))
+            elif node.kind is NodeKind.BUFFER:
+                values.append(place(buffers[node.target].to(self.device), self._nd(node.name), self.mesh))
+            else:
+                t = inputs[self._user_inputs.index(name)]
+                values.append(place(t.to(self.device), self._nd(name), self.mesh)
+                              if isinstance(t, torch.Tensor) else t)
+        return values
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Run the planned graph; returns the loss as a plain local tensor (same on every rank)."""
+        if self.recorder is not None:
+            self.recorder.phase = "forward"
+        outs = self.interp.run_step(self._placeholder_values(inputs))
+        loss = outs[self._loss_index] if isinstance(outs, (tuple, list)) else outs
+        if not isinstance(loss, DTensor) or loss.numel() != 1:
+            raise PlanExecutionError("the traced graph's first output must be a scalar loss: trace with "
+                                     "autoddl.trace(model, inputs, loss_fn)")
+        out_sig = self.plan.signatures.get("output")
+        if out_sig is not None and out_sig.inputs:
+            loss = box(loss, out_sig.inputs[0].to_placements())
+        if self.recorder is not None:
+            self.recorder.tensor = "output"
+        loss = box(loss, (Replicate(),) * self.mesh.ndim)
+        return loss.to_local()
+
+    def sync_grads(self) -> None:
+        """Reduce every parameter's use-gradients to its storage NdSbp and set ``.grad``."""
+        if self.recorder is not None:
+            self.recorder.phase = "grad_sync"
+        for fqn, param in self.module.named_parameters():
+            grads = [leaf.grad for leaf in self.interp.param_uses.get(fqn, []) if leaf.grad is not None]
+            if not grads:
+                param.grad = None
+                continue
+            by_placements: dict[tuple, torch.Tensor] = {}
+            for g in grads:  # same placements add locally, so one collective per placement group
+                key = tuple(g.placements)
+                by_placements[key] = g.to_local() + by_placements[key] if key in by_placements else g.to_local()
+            total = None
+            if self.recorder is not None:
+                self.recorder.tensor = fqn
+            for key, local in by_placements.items():
+                g = DTensor.from_local(local, self.mesh, key, run_check=False, shape=param.shape,
+                                       stride=param.stride())
+                g = g.redistribute(self.mesh, param.placements)
+                total = g if total is None else total + g
+            param.grad = total
+        if self.recorder is not None:
+            self.recorder.tensor = ""
+        self.interp.param_uses.clear()
+
+
+def build_optimizer(name: str, params, lr: float = 1e-2) -> torch.optim.Optimizer:
+    """The plan's optimizer by name ("sgd" or "adamw"), the same for the reference run."""
+    name = name.lower()
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    raise ValueError(f"unknown optimizer {name!r}: use 'sgd' or 'adamw'")
+
+
+def train_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> float:
+    """forward, backward, grad sync, optimizer step; returns the loss."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = dmodel(*inputs)
+    rec = dmodel.recorder
+    if rec is not None:
+        rec.phase = "backward"
+    loss.backward()
+    dmodel.sync_grads()
+    if rec is not None:
+        rec.phase = "optimizer"
+    optimizer.step()
+    return float(loss.detach())
+
+
+def audit_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor],
+               optimizer: torch.optim.Optimizer) -> list[CommRecord]:
+    """Run one training step with a CommRecorder; return the collectives it ran."""
+    rec = CommRecorder(dmodel.mesh)
+    old, dmodel.recorder, dmodel.interp.recorder = dmodel.recorder, rec, rec
+    try:
+        with rec:
+            train_step(dmodel, inputs, optimizer)
+    finally:
+        dmodel.recorder = dmodel.interp.recorder = old
+    return rec.records
+
+
+def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |a - e| / max |e|: relative to the tensor's scale, so near-zero entries do not dominate."""
+    actual, expected = actual.detach().cpu().double(), expected.detach().cpu().double()
+    if actual.shape != expected.shape:
+        return float("inf")
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
+
+
+def run_check(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callable, graph: OpGraph,
+              plan: Plan, mesh: DeviceMesh, *, optimizer: str = "sgd", lr: float = 1e-2,
+              steps: int = 1) -> dict[str, float]:
+    """Train ``steps`` steps distributed and single-process; max relative errors per tensor.
+
+    Keys: ``loss`` (worst over steps), ``grad/<fqn>`` (last step), ``param/<fqn>`` (after the
+    last optimizer step). Every rank must call it (gathering to full tensors is collective).
+    """
+    ref = copy.deepcopy(model)
+    dmodel = DistributedModel(model, graph, plan, mesh)
+    d_opt = build_optimizer(optimizer, dmodel.parameters(), lr)
+    r_opt = build_optimizer(optimizer, ref.parameters(), lr)
+    errors: dict[str, float] = {"loss": 0.0}
+    for _ in range(steps):
+        d_loss = train_step(dmodel, inputs, d_opt)
+        r_opt.zero_grad(set_to_none=True)
+        r_loss = loss_fn(ref(*inputs), *inputs)
+        r_loss.backward()
+        r_grads = {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
+        r_opt.step()
+        errors["loss"] = max(errors["loss"], max_rel_error(torch.tensor(d_loss), r_loss))
+    d_params = dict(dmodel.module.named_parameters())
+    for fqn, p in ref.named_parameters():
+        dp = d_params[fqn]
+        if fqn in r_grads:
+            if dp.grad is None:
+                errors[f"grad/{fqn}"] = float("inf")
+            else:
+                if tuple(dp.grad.placements) != tuple(dp.placements):
+                    raise PlanExecutionError(f"{fqn}: grad placements {dp.grad.placements} != storage "
+                                             f"{dp.placements} after grad sync")
+                errors[f"grad/{fqn}"] = max_rel_error(dp.grad.full_tensor(), r_grads[fqn])
+        errors[f"param/{fqn}"] = max_rel_error(dp.detach().full_tensor(), p)
+    return errors

@@ -1,0 +1,414 @@
+"""Executor runtime: hand-written plans for a tiny MLP run on 2 and 4 gloo ranks and match
+a single-process run (loss, every gradient, every parameter after the optimizer step)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate
+
+from dist_utils import run_ranks
+
+RTOL = 1e-4
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 8, d_hidden: int = 16, d_out: int = 8):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x, y):  # y is the target; the loss reads it
+        return self.fc2(nn.functional.gelu(self.fc1(x)))  # (B, d_out)
+
+
+class ReshapeMLP(MLP):
+    """The MLP with view / reshape / expand in the middle: shape arguments must be made local."""
+
+    def forward(self, x, y):
+        h = self.fc1(x)                                                        # (B, 16)
+        h = nn.functional.gelu(h.reshape(h.shape[0], 4, 4)).view(h.shape[0], 16)
+        h = h.expand(2, -1, -1).sum(0)                                         # (2, B, 16) -> (B, 16)
+        return self.fc2(h)
+
+
+def mse(out, x, y):
+    return ((out - y) ** 2).mean()
+
+
+def build(batch: int = 8, model_cls=MLP):
+    torch.manual_seed(0)
+    model = model_cls()
+    x, y = torch.randn(batch, 8), torch.randn(batch, 8)
+    return model, (x, y)
+
+
+# Hand-written plans. Node names are the fx names autoddl.trace gives the MLP + mse graph:
+# x, y, linear, gelu, linear_1, sub, pow_1, mean.
+PLANS = {
+    # data parallel: batch split, weights replicated; mean over the split batch gives P
+    # (each rank's local mean scaled by local/global count), boxed to B at the end.
+    "dp": ((2,), {
+        "x": "-> [S(0)]", "y": "-> [S(0)]",
+        "linear": "[S(0)], [B], [B] -> [S(0)]", "gelu": "[S(0)] -> [S(0)]",
+        "linear_1": "[S(0)], [B], [B] -> [S(0)]", "sub": "[S(0)], [S(0)] -> [S(0)]",
+        "pow_1": "[S(0)] -> [S(0)]", "mean": "[S(0)] -> [P]",
+    }, {"fc1.weight": "[B]", "fc1.bias": "[B]", "fc2.weight": "[B]", "fc2.bias": "[B]"}),
+    # Megatron column -> row: fc1 split on its output features, fc2 on its input features
+    # (output P); fc2's bias is used as P (only one rank adds it); y is used as P in sub(P, P).
+    "tp": ((2,), {
+        "x": "-> [B]", "y": "-> [B]",
+        "linear": "[B], [S(0)], [S(0)] -> [S(1)]", "gelu": "[S(1)] -> [S(1)]",
+        "linear_1": "[S(1)], [S(1)], [P] -> [P]", "sub": "[P], [P] -> [P]",
+        "pow_1": "[B] -> [B]", "mean": "[B] -> [B]",
+    }, {"fc1.weight": "[S(0)]", "fc1.bias": "[S(0)]", "fc2.weight": "[S(1)]", "fc2.bias": "[B]"}),
+    # ZeRO-3: data parallel signatures, parameters stored S(0) and all-gathered to B at use.
+    "zero3": ((2,), {
+        "x": "-> [S(0)]", "y": "-> [S(0)]",
+        "linear": "[S(0)], [B], [B] -> [S(0)]", "gelu": "[S(0)] -> [S(0)]",
+        "linear_1": "[S(0)], [B], [B] -> [S(0)]", "sub": "[S(0)], [S(0)] -> [S(0)]",
+        "pow_1": "[S(0)] -> [S(0)]", "mean": "[S(0)] -> [P]",
+    }, {"fc1.weight": "[S(0)]", "fc1.bias": "[S(0)]", "fc2.weight": "[S(0)]", "fc2.bias": "[S(0)]"}),
+    # 2x2 mesh: data parallel on axis 0, Megatron on axis 1.
+    "dp_tp": ((2, 2), {
+        "x": "-> [S(0), B]", "y": "-> [S(0), B]",
+        "linear": "[S(0), B], [B, S(0)], [B, S(0)] -> [S(0), S(1)]",
+        "gelu": "[S(0), S(1)] -> [S(0), S(1)]",
+        "linear_1": "[S(0), S(1)], [B, S(1)], [B, P] -> [S(0), P]",
+        "sub": "[S(0), P], [S(0), P] -> [S(0), P]",
+        "pow_1": "[S(0), B] -> [S(0), B]", "mean": "[S(0), B] -> [P, B]",
+    }, {"fc1.weight": "[B, S(0)]", "fc1.bias": "[B, S(0)]", "fc2.weight": "[B, S(1)]", "fc2.bias": "[B, B]"}),
+    # data parallel, but gelu on B: an S(0)->B all-gather forward, its dual (B->S(0) slice)
+    # backward, and S(0) from B (a local slice) whose backward is an all-gather.
+    "dp_gather": ((2,), {
+        "x": "-> [S(0)]", "y": "-> [S(0)]",
+        "linear": "[S(0)], [B], [B] -> [S(0)]", "gelu": "[B] -> [B]",
+        "linear_1": "[S(0)], [B], [B] -> [S(0)]", "sub": "[S(0)], [S(0)] -> [S(0)]",
+        "pow_1": "[S(0)] -> [S(0)]", "mean": "[S(0)] -> [P]",
+    }, {"fc1.weight": "[B]", "fc1.bias": "[B]", "fc2.weight": "[B]", "fc2.bias": "[B]"}),
+    # Megatron + sequence parallel tail: fc2's P output reduce-scattered to S(0) (forward
+    # reduce_scatter, backward all-gather of its gradient).
+    "tp_sp": ((2,), {
+        "x": "-> [B]", "y": "-> [S(0)]",
+        "linear": "[B], [S(0)], [S(0)] -> [S(1)]", "gelu": "[S(1)] -> [S(1)]",
+        "linear_1": "[S(1)], [S(1)], [P] -> [P]", "sub": "[S(0)], [S(0)] -> [S(0)]",
+        "pow_1": "[S(0)] -> [S(0)]", "mean": "[S(0)] -> [P]",
+    }, {"fc1.weight": "[S(0)]", "fc1.bias": "[S(0)]", "fc2.weight": "[S(1)]", "fc2.bias": "[B]"}),
+    # batch-split fc1, then S(0)->S(1) (an all-to-all) into a row-parallel fc2.
+    "mixed": ((2,), {
+        "x": "-> [S(0)]", "y": "-> [B]",
+        "linear": "[S(0)], [B], [B] -> [S(0)]", "gelu": "[S(1)] -> [S(1)]",
+        "linear_1": "[S(1)], [S(1)], [P] -> [P]", "sub": "[P], [P] -> [P]",
+        "pow_1": "[B] -> [B]", "mean": "[B] -> [B]",
+    }, {"fc1.weight": "[B]", "fc1.bias": "[S(0)]", "fc2.weight": "[S(1)]", "fc2.bias": "[B]"}),
+    # data parallel with F.mse_loss (broadcast_tensors + getitem + mse_loss(reduction=mean)):
+    # the local loss is scaled to its share of the global mean, P
+    "dp_mse": ((2,), {
+        "x": "-> [S(0)]", "y": "-> [S(0)]",
+        "linear": "[S(0)], [B], [B] -> [S(0)]", "gelu": "[S(0)] -> [S(0)]",
+        "linear_1": "[S(0)], [B], [B] -> [S(0)]",
+        "broadcast_tensors": "[S(0)], [S(0)] -> [S(0)], [S(0)]", "mse_loss": "[S(0)], [S(0)] -> [P]",
+    }, {"fc1.weight": "[B]", "fc1.bias": "[B]", "fc2.weight": "[B]", "fc2.bias": "[B]"}),
+    # ReshapeMLP, data parallel: the batch dim moves to dim 1 under expand
+    "reshape_dp": ((2,), {
+        "x": "-> [S(0)]", "y": "-> [S(0)]",
+        "linear": "[S(0)], [B], [B] -> [S(0)]", "reshape": "[S(0)] -> [S(0)]", "gelu": "[S(0)] -> [S(0)]",
+        "view": "[S(0)] -> [S(0)]", "expand": "[S(0)] -> [S(1)]", "sum_1": "[S(1)] -> [S(0)]",
+        "linear_1": "[S(0)], [B], [B] -> [S(0)]", "sub": "[S(0)], [S(0)] -> [S(0)]",
+        "pow_1": "[S(0)] -> [S(0)]", "mean": "[S(0)] -> [P]",
+    }, {"fc1.weight": "[B]", "fc1.bias": "[B]", "fc2.weight": "[B]", "fc2.bias": "[B]"}),
+    # ReshapeMLP, Megatron: the split hidden dim (16 -> 8) is 2 of the 4 rows after reshape
+    "reshape_tp": ((2,), {
+        "x": "-> [B]", "y": "-> [B]",
+        "linear": "[B], [S(0)], [S(0)] -> [S(1)]", "reshape": "[S(1)] -> [S(1)]", "gelu": "[S(1)] -> [S(1)]",
+        "view": "[S(1)] -> [S(1)]", "expand": "[S(1)] -> [S(2)]", "sum_1": "[S(2)] -> [S(1)]",
+        "linear_1": "[S(1)], [S(1)], [P] -> [P]", "sub": "[P], [P] -> [P]",
+        "pow_1": "[B] -> [B]", "mean": "[B] -> [B]",
+    }, {"fc1.weight": "[S(0)]", "fc1.bias": "[S(0)]", "fc2.weight": "[S(1)]", "fc2.bias": "[B]"}),
+}
+
+
+def make_plan(graph, name: str):
+    from autoddl.plan import Mesh, Plan
+    from autoddl.sbp import NdSbp, Signature
+
+    shape, sigs, storage = PLANS[name]
+    return Plan(name=name, mesh=Mesh(shape), graph_hash=graph.fingerprint(), optimizer="adamw",
+                signatures={k: Signature.parse(v) for k, v in sigs.items()},
+                param_storage={k: NdSbp.parse(v) for k, v in storage.items()})
+
+
+def f_mse(out, x, y):
+    return nn.functional.mse_loss(out, y)
+
+
+@functools.lru_cache(maxsize=None)
+def traced(model_cls=MLP, loss_fn=mse):
+    """Model, inputs and graph, traced once in the test process; ranks inherit them by fork."""
+    import autoddl
+
+    model, inputs = build(model_cls=model_cls)
+    return model, inputs, autoddl.trace(model, inputs, loss_fn)
+
+
+def traced_for(name: str):
+    if name.startswith("reshape"):
+        return traced(ReshapeMLP)
+    return traced(MLP, f_mse) if name == "dp_mse" else traced()
+
+
+OPTIMIZER = {"dp_fallback": "sgd", "reshape_tp_fallback": "adamw", "dp_mse_fallback": "sgd", "dp": "sgd", "tp": "adamw", "zero3": "adamw", "dp_tp": "sgd", "dp_gather": "sgd",
+             "tp_sp": "adamw", "mixed": "adamw", "dp_no_rule": "sgd", "reshape_dp": "adamw",
+             "reshape_tp": "sgd", "dp_mse": "adamw"}
+
+
+def _check_plans(names: list[str]):
+    """On every rank: run_check (2 steps) and an audited step for each plan."""
+    from executor import interpreter
+    from executor.runtime import DistributedModel, audit_step, build_optimizer, init_mesh, run_check
+
+    mesh, out = None, {}
+    for name in names:
+        base = name.removesuffix("_no_rule").removesuffix("_fallback")
+        model, inputs, graph = traced_for(base)
+        loss_fn = f_mse if base == "dp_mse" else mse
+        plan = make_plan(graph, base)
+        mesh = mesh or init_mesh(plan)
+        rule, ops_local_args = interpreter.grad_placements_for, interpreter.ops_local_args
+        if name.endswith("_no_rule"):  # to_local's default grad placements (P -> B, else unchanged)
+            interpreter.grad_placements_for = lambda nd, outs: tuple(
+                Replicate() if p.is_partial() else p for p in nd.to_placements())
+        if name.endswith("_fallback"):  # the executor's own local args and mean scaling
+            interpreter.ops_local_args = None
+        try:
+            errors = run_check(model, inputs, loss_fn, graph, plan, mesh, optimizer=OPTIMIZER[name], steps=2)
+            dmodel = DistributedModel(model, graph, plan, mesh)
+            records = audit_step(dmodel, inputs, build_optimizer(OPTIMIZER[name], dmodel.parameters()))
+        finally:
+            interpreter.grad_placements_for, interpreter.ops_local_args = rule, ops_local_args
+        out[name] = (errors, records)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    names = ["dp", "tp", "zero3", "dp_gather", "tp_sp", "mixed", "dp_no_rule", "reshape_dp", "reshape_tp",
+             "dp_mse", "dp_fallback", "reshape_tp_fallback", "dp_mse_fallback"]
+    for name in names:
+        traced_for(name.removesuffix("_fallback"))
+    return run_ranks(_check_plans, 2, names,
+                     timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def four_rank_results():
+    traced()
+    return run_ranks(_check_plans, 4, ["dp_tp"], timeout_s=60)
+
+
+def _assert_matches(results, name):
+    for rank, res in enumerate(results):
+        errors, _ = res[name]
+        assert set(errors) == {"loss"} | {f"{k}/{p}" for k in ("grad", "param")
+                                          for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
+        bad = {k: v for k, v in errors.items() if not v <= RTOL}
+        assert not bad, f"rank {rank}, plan {name}: relative errors above {RTOL}: {bad}"
+
+
+def _comms(records) -> list[tuple]:
+    return sorted((r.phase, r.kind, r.axis, r.bytes) for r in records)
+
+
+F32 = 4
+B_LOCAL = 4  # batch 8 split over 2
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["dp", "tp", "zero3", "dp_gather", "tp_sp", "mixed", "reshape_dp",
+                                  "reshape_tp", "dp_mse", "dp_fallback", "reshape_tp_fallback",
+                                  "dp_mse_fallback"])
+def test_two_rank_plan_matches_single_process(two_rank_results, name):
+    _assert_matches(two_rank_results, name)
+
+
+@pytest.mark.distributed
+def test_dp_tp_2x2_matches_single_process(four_rank_results):
+    _assert_matches(four_rank_results, "dp_tp")
+    # tp axis: fc2's P output (local batch 4 x 8) all-reduced; dp axis: the scalar loss and
+    # the four parameter gradients (local tp shards) all-reduced
+    expected = sorted([("forward", "all_reduce", 1, B_LOCAL * 8 * F32), ("forward", "all_reduce", 0, F32)]
+                      + [("grad_sync", "all_reduce", 0, n * F32) for n in (8 * 8, 8, 8 * 8, 8)])
+    for res in four_rank_results:
+        assert _comms(res["dp_tp"][1]) == expected
+
+
+@pytest.mark.distributed
+def test_without_grad_placements_rule_dp_grads_are_wrong(two_rank_results):
+    """to_local's default labels a data-parallel weight's share as Replicate: no all-reduce."""
+    errors, records = two_rank_results[0]["dp_no_rule"]
+    assert errors["grad/fc1.weight"] > 1e-2 and errors["grad/fc2.weight"] > 1e-2
+    assert not [r for r in records if r.phase == "grad_sync"]
+
+
+PARAM_NUMEL = {"fc1.weight": 16 * 8, "fc1.bias": 16, "fc2.weight": 8 * 16, "fc2.bias": 8}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name,expected", [
+    ("dp", [("forward", "all_reduce", 0, F32)]
+     + [("grad_sync", "all_reduce", 0, n * F32) for n in PARAM_NUMEL.values()]),
+    ("zero3", [("forward", "all_reduce", 0, F32)]
+     + [("forward", "all_gather", 0, n * F32) for n in PARAM_NUMEL.values()]
+     + [("grad_sync", "reduce_scatter", 0, n * F32) for n in PARAM_NUMEL.values()]),
+    ("tp", [("forward", "all_reduce", 0, 8 * 8 * F32)]),
+    ("dp_gather", [("forward", "all_reduce", 0, F32), ("forward", "all_gather", 0, 8 * 16 * F32),
+                   ("backward", "all_gather", 0, 8 * 16 * F32)]
+     + [("grad_sync", "all_reduce", 0, n * F32) for n in PARAM_NUMEL.values()]),
+    ("tp_sp", [("forward", "reduce_scatter", 0, 8 * 8 * F32), ("forward", "all_reduce", 0, F32),
+               ("backward", "all_gather", 0, 8 * 8 * F32)]),
+])
+def test_audit_records_planned_collectives(two_rank_results, name, expected):
+    for res in two_rank_results:
+        assert _comms(res[name][1]) == sorted(expected)
+
+
+# -- single-process tests -----------------------------------------------------------------------
+
+def test_grad_placements_rule():
+    from torch.distributed.tensor import Partial as DPartial, Shard
+
+    from autoddl.sbp import NdSbp
+    from executor.interpreter import grad_placements_for
+
+    nd = NdSbp.parse
+    # DP weight: input B, output S(0) -> each rank holds a share: P
+    assert grad_placements_for(nd("[B]"), [nd("[S(0)]")]) == (DPartial(),)
+    # same computation everywhere: B
+    assert grad_placements_for(nd("[B]"), [nd("[B]")]) == (Replicate(),)
+    # Megatron row-parallel bias used as P: its gradient is the (B) output gradient
+    assert grad_placements_for(nd("[P]"), [nd("[P]")]) == (Replicate(),)
+    # split input: split gradient; per axis on a 2-D mesh
+    assert grad_placements_for(nd("[S(0), B]"), [nd("[S(0), S(1)]")]) == (Shard(0), DPartial())
+    assert grad_placements_for(nd("[B, B]"), [nd("[B, B]"), nd("[B, S(0)]")]) == (Replicate(), DPartial())
+
+
+@pytest.mark.parametrize("which", ["fallback", "ops"])
+def test_local_args_rewrite_shapes(which):
+    from autoddl.sbp import Signature
+    from executor import interpreter
+
+    local_args = interpreter.fallback_local_args if which == "fallback" else interpreter.ops_local_args
+
+    _, _, graph = traced(ReshapeMLP)
+    shape, sigs, _ = PLANS["reshape_tp"]
+    for op, want in [("reshape", [8, 2, 4]), ("view", [8, 8]), ("expand", [2, 8, 8])]:
+        args, _ = local_args(graph[op], Signature.parse(sigs[op]), shape)
+        assert args[1] == want, op
+    shape, sigs, _ = PLANS["reshape_dp"]
+    args, _ = local_args(graph["expand"], Signature.parse(sigs["expand"]), shape)
+    assert args[1] == [2, 4, 16]
+
+
+def test_validate_plan_names_every_problem():
+    from autoddl.sbp import NdSbp, Signature
+    from executor.interpreter import PlanExecutionError
+    from executor.runtime import validate_plan
+
+    _, _, graph = traced()
+    plan = make_plan(graph, "dp")
+    validate_plan(graph, plan)  # the hand plan itself is valid
+    del plan.signatures["gelu"]
+    plan.signatures["pow_1"] = Signature.parse("[S(0)], [B] -> [S(0)]")
+    plan.signatures["y"] = Signature.parse("-> [S(1)]")  # fine: 8 columns split in 2
+    plan.signatures["nonexistent"] = Signature.parse("-> [B]")
+    plan.signatures["linear"] = Signature.parse("[S(0)], [S(1)], [B] -> [S(0)]")
+    plan.param_storage["fc1.bias"] = NdSbp.parse("[P]")
+    del plan.param_storage["fc2.bias"]
+    with pytest.raises(PlanExecutionError) as exc:
+        validate_plan(graph, plan)
+    msg = str(exc.value)
+    for needle in ("op gelu", "op pow_1: signature", "nonexistent", "parameter fc1.bias: storage [P]",
+                   "parameter fc2.bias: no storage"):
+        assert needle in msg, needle
+    assert "y:" not in msg and "op linear" not in msg  # valid entries are not reported
+
+
+def _sleep_forever():
+    import time
+
+    time.sleep(60)
+
+
+def _fail_on_rank_1():
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one is broken")
+    return int(os.environ["RANK"]) * 10
+
+
+def test_run_ranks_reports_failures_and_timeouts():
+    with pytest.raises(RuntimeError, match="(?s)rank 1 .*rank one is broken"):
+        run_ranks(_fail_on_rank_1, 2, timeout_s=20)
+    with pytest.raises(TimeoutError, match="killed all ranks"):
+        run_ranks(_sleep_forever, 2, timeout_s=1)
+
+
+MODEL_FILE = '''
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x, y):
+        return self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+def build_model():
+    return MLP()
+
+
+def example_inputs():
+    return torch.randn(8, 8), torch.randn(8, 8)
+
+
+def loss_fn(out, x, y):
+    return ((out - y) ** 2).mean()
+'''
+
+
+def _worker_rank(argv):
+    from executor.worker import main
+
+    return main(argv)
+
+
+@pytest.mark.distributed
+def test_worker_main_checks_and_audits(tmp_path):
+    import json
+
+    from autoddl.loader import load_model_file
+    from autoddl.trace import trace
+
+    model_py = tmp_path / "mlp.py"
+    model_py.write_text(MODEL_FILE)
+    mf = load_model_file(model_py, device="cpu")
+    graph = trace(mf.model, mf.example_inputs, mf.loss_fn)
+    make_plan(graph, "zero3").save(tmp_path / "plan.json")
+    out = tmp_path / "result.json"
+    codes = run_ranks(_worker_rank, 2, ["--plan", str(tmp_path / "plan.json"), "--model", str(model_py),
+                                        "--steps", "2", "--check", "--out", str(out)], timeout_s=60)
+    assert codes == [0, 0]
+    result = json.loads(out.read_text())
+    assert result["check"]["ok"], result["check"]
+    assert max(result["check"]["max_rel_error"].values()) <= 1e-4
+    assert result["collectives_summary"]["grad_sync/reduce_scatter/axis0"] == {
+        "count": 4, "bytes": sum(PARAM_NUMEL.values()) * F32}
