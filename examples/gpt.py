@@ -98,15 +98,16 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v projections at once
+        # q, k, v projections at once, laid out head by head as Megatron-LM does
+        # ([q_h, k_h, v_h] for each head h), so splitting the output features keeps heads whole
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)                      # 3 x (B, T, C)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        hs = C // self.n_head
+        qkv = self.c_attn(x).view(B, T, self.n_head, 3 * hs)            # (B, T, nh, 3 hs)
+        q, k, v = qkv.transpose(1, 2).split(hs, dim=3)                  # 3 x (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)    # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)               # (B, T, C)
         return self.c_proj(y)                                          # (B, T, C)
