@@ -1,0 +1,169 @@
+"""SBP signature rules: which input/output layouts of an op give exactly the unsharded result.
+
+A 1-D rule (``rule_1d``) lists, for one mesh axis, every valid
+(input SBPs, output SBPs) pair of an op; ``candidate_signatures`` takes their
+product over the mesh axes and keeps those whose split dims divide. Validity
+is defined by execution: running the op on each device's local pieces, with
+``local_args`` (shape arguments rewritten to local shapes) and, where
+registered, ``local_kernel`` (a different local computation), and reading
+the outputs with the output SBP must give the unsharded result.
+tests/shard_sim.py checks every candidate of every family that way.
+
+Local kernels (few, all listed here):
+- embedding with the weight split on the vocab dim: masked lookup of the local rows -> P;
+- mean over a split dim (mean, mse/l1/cross-entropy "mean" losses): the local mean scaled
+  by 1/n (shards have equal sizes, the divisibility filter guarantees it) -> P;
+- squeeze.default: squeezes exactly the globally size-1 dims (a split can make a local dim 1).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Sequence
+
+import torch
+
+from autoddl.graph import NodeKind, OpGraph, OpNode
+from autoddl.ops.registry import RULES, Sig1D, all_b
+from autoddl.sbp import B, P, NdSbp, Signature, S
+
+# one module per op family; importing registers their rules
+from autoddl.ops import (  # noqa: E402,F401  (imported for their registrations)
+    attention, conv, creation, embedding, loss, matmul, norm, pointwise, pool, reduction, view,
+)
+
+__all__ = [
+    "Sig1D", "rule_1d", "candidate_signatures", "has_rule", "unsupported_ops", "placeholder_candidates",
+    "aten_op", "local_args", "local_kernel", "local_callable", "RULES",
+]
+
+
+def aten_op(node: OpNode) -> Callable[..., Any]:
+    """The torch callable of ``node.target`` (``aten.linear.default`` -> torch.ops.aten.linear.default).
+
+    ``getitem`` nodes read output i of a multi-output op; their input already is that
+    output, so the callable is the identity on its first argument."""
+    if node.target == "getitem":
+        return _getitem
+    parts = node.target.split(".")
+    if len(parts) != 3 or parts[0] != "aten":
+        raise ValueError(f"autoddl.ops: op {node.name} has target {node.target!r}, not an aten op "
+                         "'aten.<name>.<overload>'")
+    try:
+        return getattr(getattr(torch.ops.aten, parts[1]), parts[2])
+    except AttributeError:
+        raise ValueError(f"autoddl.ops: torch {torch.__version__} has no op {node.target!r} "
+                         f"(node {node.name})") from None
+
+
+def _getitem(x, index=None):
+    return x
+
+
+
+
+def _raw_rules(node: OpNode) -> list[Sig1D] | None:
+    if node.kind is NodeKind.OUTPUT:
+        return _output_rules(node)
+    if node.kind is not NodeKind.OP:
+        return None
+    rule = RULES.get(node.op_name)
+    if rule is None:
+        return None
+    return rule.sigs(node)
+
+
+def rule_1d(node: OpNode) -> list[Sig1D]:
+    """Every valid 1-D signature of ``node``, all-B first, no duplicates (all-B alone without a rule)."""
+    sigs = _raw_rules(node) or []
+    out: list[Sig1D] = [all_b(node)]
+    for ins, outs in sigs:
+        ins, outs = tuple(ins), tuple(outs)
+        if len(ins) != len(node.inputs) or len(outs) != len(node.outputs):
+            raise AssertionError(f"autoddl.ops rule for {node.target} gave {len(ins)} inputs / {len(outs)} "
+                                 f"outputs, node {node.name} has {len(node.inputs)} / {len(node.outputs)}")
+        if (ins, outs) not in out:
+            out.append((ins, outs))
+    return out
+
+
+def has_rule(node: OpNode) -> bool:
+    """True when ``node`` has a rule that covers this instance (placeholders count as covered)."""
+    if node.kind in (NodeKind.INPUT, NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.OUTPUT):
+        return True
+    return _raw_rules(node) is not None
+
+
+def unsupported_ops(graph: OpGraph) -> list[str]:
+    """Names of the op nodes that have no rule and therefore only get the all-B signature."""
+    return [n.name for n in graph.ops() if not has_rule(n)]
+
+
+def candidate_signatures(node: OpNode, mesh_shape: Sequence[int]) -> list[Signature]:
+    """Product of ``rule_1d`` over the mesh axes, keeping signatures whose split dims divide."""
+    mesh_shape = tuple(mesh_shape)
+    if node.kind in (NodeKind.INPUT, NodeKind.PARAMETER, NodeKind.BUFFER):
+        return placeholder_candidates(node, mesh_shape)
+    ones = rule_1d(node)
+    metas = tuple(node.input_metas) + tuple(node.outputs)
+    n_in = len(node.inputs)
+    out: list[Signature] = []
+    seen: set[Signature] = set()
+    for combo in itertools.product(ones, repeat=len(mesh_shape)):
+        nds = [NdSbp(tuple((c[0] + c[1])[i] for c in combo)) for i in range(len(metas))]
+        sig = Signature(tuple(nds[:n_in]), tuple(nds[n_in:]))
+        if sig in seen:
+            continue
+        seen.add(sig)
+        if all(nd.divides(m.shape, mesh_shape) for nd, m in zip(nds, metas)):
+            out.append(sig)
+    return out
+
+
+def placeholder_candidates(node: OpNode, mesh_shape: Sequence[int]) -> list[Signature]:
+    """Inputs, parameters and buffers: B or S(d) per mesh axis (no P), dims that divide; outputs only."""
+    mesh_shape = tuple(mesh_shape)
+    if not node.outputs:
+        return [Signature((), ())]
+    meta = node.outputs[0]
+    choices = [B] + [S(d) for d in range(meta.ndim)]
+    out = []
+    for combo in itertools.product(choices, repeat=len(mesh_shape)):
+        nd = NdSbp(combo)
+        if nd.divides(meta.shape, mesh_shape):
+            out.append(Signature((), (nd,)))
+    return out
+
+
+def _output_rules(node: OpNode) -> list[Sig1D]:
+    """The graph output takes each value as B or P (P only for floating values); 2^k for k <= 4."""
+    choices = [(B, P) if m.dtype.startswith(("float", "bfloat")) else (B,) for m in node.input_metas]
+    if len(choices) > 4:
+        return [(tuple(B for _ in choices), ()), (tuple(c[-1] for c in choices), ())]
+    return [(tuple(c), ()) for c in itertools.product(*choices)]
+
+
+def local_args(node: OpNode, sig: Signature, mesh_shape: Sequence[int]) -> tuple[tuple, dict]:
+    """``node``'s (args, kwargs), TensorRefs kept, with shape-like arguments rewritten to the
+    local shapes of ``sig`` on ``mesh_shape`` (view/reshape/expand sizes, unflatten sizes, ...)."""
+    rule = RULES.get(node.op_name)
+    if rule is None or rule.local_args is None:
+        return tuple(node.args), dict(node.kwargs)
+    return rule.local_args(node, sig, tuple(mesh_shape))
+
+
+def local_kernel(node: OpNode, sig: Signature, mesh_shape: Sequence[int],
+                 coord: Sequence[int]) -> Callable[..., Any] | None:
+    """A replacement for the aten op on device ``coord`` when ``sig`` needs one, else None.
+
+    The callable takes the same arguments as the aten op (local tensors, ``local_args``)."""
+    rule = RULES.get(node.op_name)
+    if rule is None or rule.local_kernel is None:
+        return None
+    return rule.local_kernel(node, sig, tuple(mesh_shape), tuple(coord))
+
+
+def local_callable(node: OpNode, sig: Signature, mesh_shape: Sequence[int],
+                   coord: Sequence[int]) -> Callable[..., Any]:
+    """What device ``coord`` runs for ``node`` under ``sig``: the local kernel or the aten op."""
+    return local_kernel(node, sig, mesh_shape, coord) or aten_op(node)
