@@ -25,8 +25,9 @@ from autoddl.trace import TraceError, trace
 AddFn = Callable[["argparse._SubParsersAction"], None]
 
 SUBCOMMANDS: dict[str, AddFn] = {}
-COMMAND_MODULES: list[str] = []  # e.g. "autoddl.commands"; imported before parsing
-EXPECTED_ERRORS = (ModelFileError, TraceError, FileNotFoundError, ValueError)
+COMMAND_MODULES: list[str] = ["autoddl.plan_cli"]  # imported before parsing, for their @register
+# Failures that are the user's input, reported in one line; command modules may append their own.
+EXPECTED_ERRORS: list[type[BaseException]] = [ModelFileError, TraceError, FileNotFoundError, ValueError]
 
 
 def register(add_fn: AddFn) -> AddFn:
@@ -65,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     try:
         return int(args.func(args) or 0)
-    except EXPECTED_ERRORS as exc:
+    except tuple(EXPECTED_ERRORS) as exc:
         if args.debug:
             traceback.print_exc()
             details = getattr(exc, "details", "")

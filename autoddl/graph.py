@@ -40,6 +40,10 @@ class TensorMeta:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "_hash", hash((self.shape, self.dtype)))
+
+    def __hash__(self) -> int:  # cached: metas key the search's memo tables
+        return self._hash
 
     @property
     def ndim(self) -> int:

@@ -65,7 +65,9 @@ class Plan:
     param_storage: dict[str, NdSbp]             # parameter fqn -> how it is kept between steps
     graph_hash: str
     model: str = ""                             # model file or name the plan was made for
+    model_args: dict[str, Any] = field(default_factory=dict)  # keyword args of build_model (preset, sizes)
     cluster: str = ""
+    cluster_file: str = ""                      # the cluster YAML the plan was priced with
     optimizer: str = "adamw"
     cost: dict[str, Any] = field(default_factory=dict)      # costmodel breakdown, seconds / bytes
     op_costs: list[dict[str, Any]] = field(default_factory=list)  # per-op rows (summary table)
@@ -82,7 +84,9 @@ class Plan:
             "schema_version": self.schema_version,
             "name": self.name,
             "model": self.model,
+            "model_args": self.model_args,
             "cluster": self.cluster,
+            "cluster_file": self.cluster_file,
             "graph_hash": self.graph_hash,
             "optimizer": self.optimizer,
             "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
@@ -106,7 +110,8 @@ class Plan:
                 signatures={k: Signature.parse(v) for k, v in data["signatures"].items()},
                 param_storage={k: NdSbp.parse(v) for k, v in data["param_storage"].items()},
                 graph_hash=data["graph_hash"], model=data.get("model", ""),
-                cluster=data.get("cluster", ""), optimizer=data.get("optimizer", "adamw"),
+                model_args=data.get("model_args", {}), cluster=data.get("cluster", ""),
+                cluster_file=data.get("cluster_file", ""), optimizer=data.get("optimizer", "adamw"),
                 cost=data.get("cost", {}), op_costs=data.get("op_costs", []), notes=data.get("notes", []),
             )
         except KeyError as exc:

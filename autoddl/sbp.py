@@ -81,6 +81,10 @@ class NdSbp:
         for s in self.sbps:
             if not isinstance(s, (Split, Broadcast, Partial)):
                 raise TypeError(f"NdSbp entries must be Split/Broadcast/Partial, got {s!r}")
+        object.__setattr__(self, "_hash", hash(tuple(str(s) for s in self.sbps)))
+
+    def __hash__(self) -> int:  # cached: NdSbps key the search's memo tables
+        return self._hash
 
     @classmethod
     def of(cls, *sbps: Sbp) -> "NdSbp":
@@ -204,6 +208,10 @@ class Signature:
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "outputs", tuple(self.outputs))
+        object.__setattr__(self, "_hash", hash((self.inputs, self.outputs)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __str__(self) -> str:
         return ", ".join(map(str, self.inputs)) + " -> " + ", ".join(map(str, self.outputs))

@@ -87,13 +87,18 @@ def boxing_collectives(meta: TensorMeta, src: NdSbp, dst: NdSbp,
         if not nd.divides(meta.shape, mesh):
             raise ValueError(f"boxing {meta}: {name} {nd} does not divide shape {meta.shape} on mesh {mesh}; "
                              "pick a signature whose split dims divide evenly")
+    return transitions_of(meta.nbytes, src, dst, mesh)
+
+
+def transitions_of(nbytes: int, src: NdSbp, dst: NdSbp, mesh: tuple[int, ...]) -> list[Transition]:
+    """:func:`boxing_collectives` without the checks, for the search's inner loop (layouts known valid)."""
     out: list[Transition] = []
     for axis, (s, d) in enumerate(zip(src, dst)):
         kind = transition_kind(s, d)
         if kind is None or mesh[axis] == 1:
             continue
         others = math.prod(n for j, (sj, n) in enumerate(zip(src, mesh)) if j != axis and isinstance(sj, Split))
-        out.append((kind, axis, meta.nbytes // others))
+        out.append((kind, axis, nbytes // others))
     return out
 
 

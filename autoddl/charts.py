@@ -1,0 +1,35 @@
+"""Charts of predicted breakdowns (matplotlib, headless)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+SEGMENTS = (("compute_ms", "compute"), ("boxing_fwd_ms", "boxing forward"), ("boxing_bwd_ms", "boxing backward"),
+            ("grad_sync_ms", "gradient sync"), ("optimizer_ms", "optimizer"))
+
+
+def breakdown_chart(df: pd.DataFrame, title: str, path: str) -> None:
+    """Stacked bars of each applicable scheme's step time, with memory per device on a second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = df[df["applicable"]].reset_index(drop=True)
+    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 3, 4.5))
+    bottom = pd.Series(0.0, index=rows.index)
+    for column, label in SEGMENTS:
+        ax.bar(rows["scheme"] + "\n" + rows["mesh"], rows[column], bottom=bottom, label=label)
+        bottom = bottom + rows[column]
+    ax.set_ylabel("predicted step time (ms)")
+    ax.set_title(title)
+    mem = ax.twinx()
+    mem.plot(range(len(rows)), rows["memory_gb"], "kD", label="memory per device")
+    mem.set_ylabel("memory per device (GB)")
+    mem.set_ylim(bottom=0)
+    handles, labels = ax.get_legend_handles_labels()
+    h2, l2 = mem.get_legend_handles_labels()
+    ax.legend(handles + h2, labels + l2, fontsize=8, loc="upper left", bbox_to_anchor=(1.12, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

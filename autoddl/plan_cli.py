@@ -1,0 +1,199 @@
+"""``autoddl plan``, ``autoddl compare`` and ``autoddl explain``: the planner on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from autoddl.api import schemes_frame, search_model
+from autoddl.cli import EXPECTED_ERRORS, _table, add_model_options, common_options, model_overrides, register
+from autoddl.cluster import DEFAULT_CLUSTER_PATH, Cluster
+from autoddl.graph import NodeKind
+from autoddl.loader import load_model_file, trace_model_file
+from autoddl.plan import Mesh, Plan
+from search.problem import NoFeasiblePlanError
+
+EXPECTED_ERRORS.append(NoFeasiblePlanError)
+
+
+def _add_search_options(p: argparse.ArgumentParser) -> None:
+    add_model_options(p)
+    p.add_argument("--cluster", metavar="YAML", default=str(DEFAULT_CLUSTER_PATH),
+                   help=f"cluster description (default: the bundled {DEFAULT_CLUSTER_PATH.name})")
+    p.add_argument("--devices", type=int, metavar="N", help="plan for N devices of the cluster's kind")
+    p.add_argument("--mesh", metavar="AxB", help="search only this mesh shape, e.g. 2x4")
+    p.add_argument("--memory-gb", type=float, metavar="X", help="per-device memory limit (default: the device's)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+
+
+def _search(args: argparse.Namespace, progress):
+    t0 = time.perf_counter()
+    overrides = model_overrides(args)
+    mf, graph = trace_model_file(args.model_py, **overrides)
+    trace_s = time.perf_counter() - t0
+    cluster = Cluster.from_yaml(args.cluster)
+    mesh = Mesh.parse(args.mesh).shape if args.mesh else None
+    outcome = search_model(graph, cluster, devices=args.devices, mesh=mesh, memory_gb=args.memory_gb,
+                           optimizer=args.optimizer, progress=progress)
+    for scheme in outcome.schemes:
+        if scheme.plan is not None:
+            scheme.plan.model, scheme.plan.model_args = mf.path, overrides
+            scheme.plan.cluster_file = str(Path(args.cluster).resolve())
+    return mf, graph, cluster, outcome, trace_s
+
+
+def _print_schemes(outcome) -> None:
+    df = schemes_frame(outcome)
+    rows = []
+    for r in df.to_dict("records"):
+        if not r["applicable"]:
+            rows.append((r["scheme"], "-", "not applicable: " + r["reason"], "", "", "", "", "", ""))
+            continue
+        rows.append((r["scheme"], r["mesh"], f"{r['step_ms']:.3f}", f"{r['compute_ms']:.3f}",
+                     f"{r['boxing_fwd_ms'] + r['boxing_bwd_ms']:.3f}", f"{r['grad_sync_ms']:.3f}",
+                     f"{r['optimizer_ms']:.3f}", f"{r['memory_gb']:.3f}", "yes" if r["fits_memory"] else "NO"))
+    print(_table(("scheme", "mesh", "step ms", "compute ms", "boxing ms", "grad sync ms", "optimizer ms",
+                  "memory GB", "fits"), rows))
+
+
+@register
+def add_plan(subparsers) -> None:
+    p = subparsers.add_parser("plan", parents=[common_options()], help="find the fastest SBP plan for a model",
+                              description="Trace MODEL_PY, search SBP signatures on every mesh shape, and "
+                                          "print the found plan next to every expert baseline.")
+    _add_search_options(p)
+    p.add_argument("--out", default="plan.json", metavar="PLAN_JSON", help="where to write the plan")
+    p.add_argument("--verbose", action="store_true", help="print the per-op table of the found plan")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    mf, graph, cluster, outcome, trace_s = _search(args, progress=lambda m: print("  " + m, file=sys.stderr))
+    found, bd = outcome.found, outcome.found_breakdown
+    print(f"model:    {mf.name} ({mf.path}) {graph.parameter_count / 1e6:,.1f}M parameters, "
+          f"{len(graph.ops())} ops, traced in {trace_s:.2f} s")
+    print(f"cluster:  {cluster.summary()}")
+    print(f"searched: meshes {', '.join('x'.join(map(str, m)) for m in outcome.meshes)} "
+          f"in {outcome.search_s:.2f} s")
+    print()
+    _print_schemes(outcome)
+    print()
+    best = outcome.best_baseline
+    line = f"found plan: mesh {found.mesh}, predicted {bd.step_time_s * 1e3:.3f} ms per step, " \
+           f"{bd.memory_bytes_per_device / 1e9:.3f} GB per device"
+    if best is not None:
+        line += f"; {best.step_time_s / bd.step_time_s:.2f}x the speed of the best baseline " \
+                f"({best.name}, {best.step_time_s * 1e3:.3f} ms)"
+    print(line)
+    for note in found.notes:
+        print(f"note: {note}")
+    if args.verbose:
+        print()
+        print(found.summary().to_string(index=False))
+    found.save(args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+@register
+def add_compare(subparsers) -> None:
+    p = subparsers.add_parser("compare", parents=[common_options()],
+                              help="every scheme's predicted breakdown, as a table and a chart")
+    _add_search_options(p)
+    p.add_argument("--plot", metavar="PNG", help="write a stacked bar chart of the breakdowns")
+    p.add_argument("--csv", metavar="CSV", help="write the table as CSV")
+    p.set_defaults(func=run_compare)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    mf, graph, cluster, outcome, _ = _search(args, progress=None)
+    print(f"{mf.name} on {cluster.name}:")
+    _print_schemes(outcome)
+    df = schemes_frame(outcome)
+    if args.csv:
+        df.to_csv(args.csv, index=False)
+        print(f"wrote {args.csv}")
+    if args.plot:
+        from autoddl.charts import breakdown_chart
+
+        breakdown_chart(df, f"{mf.name} on {cluster.name}", args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+@register
+def add_explain(subparsers) -> None:
+    p = subparsers.add_parser("explain", parents=[common_options()],
+                              help="why each op got its signature, and which collectives the plan inserts")
+    p.add_argument("plan_json", metavar="PLAN_JSON")
+    p.add_argument("--op", metavar="NAME", help="explain only this op")
+    p.set_defaults(func=run_explain)
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    from costmodel.edges import plan_transitions
+    from search.formulate import formulate
+
+    plan = Plan.load(args.plan_json)
+    if not plan.model:
+        raise ValueError(f"{args.plan_json}: the plan names no model file; re-run `autoddl plan MODEL_PY`")
+    mf = load_model_file(plan.model, **plan.model_args)
+    from autoddl.trace import trace
+
+    graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name)
+    if graph.fingerprint() != plan.graph_hash:
+        raise ValueError(f"{args.plan_json} was made for another graph of {plan.model} (hash {plan.graph_hash}, "
+                         f"now {graph.fingerprint()}); re-run `autoddl plan`")
+    cluster = Cluster.from_yaml(plan.cluster_file or DEFAULT_CLUSTER_PATH).resized(plan.mesh.size)
+    form = formulate(graph, cluster, plan.mesh.shape, optimizer=plan.optimizer)
+    if args.op and args.op not in form.index:
+        raise ValueError(f"--op {args.op}: no such op in {mf.name}; see `autoddl trace {plan.model}`")
+    assignment = _assignment_of(plan, form)
+    by_op: dict[str, list[str]] = {}
+    for t in plan_transitions(graph, plan):
+        by_op.setdefault(t.op, []).append(f"{t.phase} {t.kind.value} on axis {t.axis} ({t.bytes / 1e6:.3f} MB, "
+                                          f"{t.tensor})")
+    rows = []
+    for i, node in enumerate(form.nodes):
+        if node.kind is not NodeKind.OP or (args.op and node.name != args.op):
+            continue
+        local = _local_costs(form, assignment, i)
+        order = np.argsort(local)
+        chosen = assignment[i]
+        runner = next((int(j) for j in order if j != chosen), None)
+        extra = f"+{(local[runner] - local[chosen]) * 1e6:.2f} us" if runner is not None else "only choice"
+        rows.append((node.name, str(form.problem.choices[i][chosen]),
+                     str(form.problem.choices[i][runner]) if runner is not None else "-", extra,
+                     "; ".join(by_op.get(node.name, [])) or "-"))
+    print(f"{plan} ({plan.devices} devices, cluster {cluster.name})")
+    print(_table(("op", "signature", "runner-up", "runner-up costs", "collectives inserted"), rows))
+    return 0
+
+
+def _assignment_of(plan: Plan, form) -> np.ndarray:
+    out = np.zeros(len(form.nodes), dtype=np.int64)
+    for i, node in enumerate(form.nodes):
+        want = (plan.signatures.get(node.name) if node.kind is not NodeKind.PARAMETER
+                else next((s for s in form.problem.choices[i] if s.outputs[0] == plan.param_storage[node.target]),
+                          None))
+        choices = form.problem.choices[i]
+        if want not in choices:
+            raise ValueError(f"plan signature {want} of {node.name} is not a candidate on mesh {plan.mesh}")
+        out[i] = choices.index(want)
+    return out
+
+
+def _local_costs(form, assignment: np.ndarray, i: int) -> np.ndarray:
+    """Node i's cost for each of its candidates with every neighbour held at the plan's choice."""
+    p = form.problem
+    total = p.node_cost[i].copy()
+    for u, v, mat in p.edges:
+        if v == i:
+            total += mat[assignment[u], :]
+        elif u == i:
+            total += mat[:, assignment[v]]
+    return total

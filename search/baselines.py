@@ -1,0 +1,257 @@
+"""Expert plans (data, tensor, sequence parallel, ZeRO-3, DP x TP) as assignments of a SearchProblem.
+
+Each baseline gives every mesh axis a role, and a role fixes what an expert fixes:
+
+    role  user inputs      parameter storage         parameter use
+    dp    S(0) (batch)     B                         B (replicated weights)
+    zero  S(0) (batch)     S(0) where it divides     B (gathered for use)
+    tp    B                as first used             as stored (no weight boxing)
+    sp    S(1) (sequence)  as first used             as stored
+
+Everything else (each op's signature) is chosen by one greedy pass in execution
+order: the allowed candidate with the least compute plus boxing from the
+already-placed producers. On a ``tp`` axis that pass finds Megatron's pattern by
+itself: a linear fed a B activation splits its weight's output features (column
+parallel), the next one splits its input features and yields P (row parallel),
+and the P is all-reduced where a non-linear op needs it whole.
+A baseline that does not apply (no batch dim that divides, no column -> row
+linear pair for ``tp``) is reported with the reason, never silently replaced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from autoddl.graph import NodeKind, OpNode
+from autoddl.sbp import B, Broadcast, NdSbp, Partial, S, Sbp, Signature, Split
+from search.formulate import Formulation
+
+ROLES = ("dp", "zero", "tp", "sp")
+MATMUL_OPS = frozenset({"linear", "mm", "addmm", "matmul", "bmm"})
+
+
+@dataclass(frozen=True)
+class BaselineSpec:
+    name: str
+    roles: tuple[str, ...]          # one role per mesh axis
+    description: str
+
+
+def baseline_specs(mesh_ndim: int) -> list[BaselineSpec]:
+    """The expert plans that exist on a mesh with ``mesh_ndim`` axes."""
+    if mesh_ndim == 1:
+        return [
+            BaselineSpec("dp", ("dp",), "data parallel: batch split, weights replicated, gradients all-reduced"),
+            BaselineSpec("zero3", ("zero",), "ZeRO-3 / FSDP: batch split, weights sharded and gathered for use"),
+            BaselineSpec("tp", ("tp",), "Megatron tensor parallel: column -> row linear pairs, heads split"),
+            BaselineSpec("sp", ("sp",), "Megatron sequence parallel: tp with activations split on the sequence"),
+        ]
+    if mesh_ndim == 2:
+        return [
+            BaselineSpec("dp", ("dp", "dp"), "data parallel over both mesh axes"),
+            BaselineSpec("zero3", ("zero", "zero"), "ZeRO-3 / FSDP over both mesh axes"),
+            BaselineSpec("dp_tp", ("dp", "tp"), "data parallel across the outer axis, Megatron inside a node"),
+        ]
+    return [BaselineSpec("dp", ("dp",) * mesh_ndim, "data parallel over every mesh axis")]
+
+
+@dataclass(frozen=True)
+class Baseline:
+    spec: BaselineSpec
+    assignment: np.ndarray | None
+    reason: str = ""                # why it does not apply, when assignment is None
+
+    @property
+    def applicable(self) -> bool:
+        return self.assignment is not None
+
+
+def build_baseline(form: Formulation, spec: BaselineSpec) -> Baseline:
+    """Greedy assignment obeying ``spec``'s roles, or a Baseline saying why it does not apply."""
+    problem, nodes, mesh = form.problem, form.nodes, form.mesh_shape
+    inputs = [n for n in nodes if n.kind is NodeKind.INPUT]
+    batch_dims_split = [
+        axis for axis, role in enumerate(spec.roles) if role in ("dp", "zero")
+    ]
+    if batch_dims_split and not any(_divides_on(n, 0, mesh, batch_dims_split) for n in inputs):
+        return Baseline(spec, None, f"no user input has a batch dim divisible by {_prod(mesh, batch_dims_split)}")
+    seq_axes = [axis for axis, role in enumerate(spec.roles) if role == "sp"]
+    if seq_axes and not any(n.outputs[0].ndim >= 2 and _divides_on(n, 1, mesh, seq_axes) for n in inputs):
+        return Baseline(spec, None, f"no user input has a sequence dim (dim 1) divisible by {_prod(mesh, seq_axes)}")
+
+    params = {n.name for n in nodes if n.kind is NodeKind.PARAMETER}
+    n_nodes = len(nodes)
+    assignment = np.full(n_nodes, -1, dtype=np.int64)
+    lazy_params: set[int] = set()
+    incoming: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n_nodes)]
+    for u, v, mat in problem.edges:
+        incoming[v].append((u, mat))
+
+    for i, node in enumerate(nodes):
+        cands = problem.choices[i]
+        if node.kind in (NodeKind.INPUT, NodeKind.BUFFER):
+            assignment[i] = _pick_placeholder(cands, _input_wish(node, spec.roles))
+        elif node.kind is NodeKind.PARAMETER:
+            if all(role in ("tp", "sp") for role in spec.roles):
+                lazy_params.add(i)            # stored as the first consumer uses it
+            else:
+                assignment[i] = _pick_placeholder(cands, _storage_wish(node, spec.roles, mesh))
+        else:
+            assignment[i] = _greedy_op(i, node, cands, spec.roles, params, assignment, lazy_params, incoming,
+                                       problem, form.index)
+    for i in lazy_params:                     # a parameter nobody used: keep it replicated
+        if assignment[i] < 0:
+            assignment[i] = 0
+    reason = _not_applicable(spec, form, assignment)
+    return Baseline(spec, None if reason else assignment, reason)
+
+
+def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, ...], params: set[str],
+               assignment: np.ndarray, lazy_params: set[int], incoming, problem, index: dict[str, int]) -> int:
+    """The allowed candidate with the smallest key: (needs a forward collective on an activation,
+    minus the weight splits on tp/sp axes, compute + boxing seconds). The first two terms make the
+    expert pattern structural: a split batch stays split, and Megatron splits weights, even where
+    the cost model alone would replicate.
+    On tp/sp axes no activation is split on dim 0 (the all-B candidate is always allowed)."""
+    param_slots = {slot: ref.node for slot, ref in enumerate(node.inputs) if ref.node in params}
+    model_axes = [axis for axis, role in enumerate(roles) if role in ("tp", "sp")]
+    best, best_key = -1, (np.inf,)
+    lazy_choice: dict[int, int] = {}
+    for j, sig in enumerate(cands):
+        if not _param_use_allowed(sig, param_slots, roles) or _splits_batch(sig, param_slots, model_axes):
+            continue
+        total = problem.node_cost[i][j]
+        chosen_lazy: dict[int, int] = {}
+        feasible = True
+        for u, mat in incoming[i]:
+            if assignment[u] >= 0:
+                total += mat[assignment[u], j]
+            elif u in lazy_params:
+                a = _storage_matching(problem.choices[u], sig, problem.nodes[u], node)
+                if a is None:
+                    feasible = False
+                    break
+                chosen_lazy[u] = a
+                total += problem.node_cost[u][a] + mat[a, j]
+        if not feasible:
+            continue
+        sources = [(problem.choices[index[ref.node]][assignment[index[ref.node]]].outputs[ref.index], sig.inputs[slot])
+                   for slot, ref in enumerate(node.inputs)
+                   if ref.node not in params and ref.node in index and assignment[index[ref.node]] >= 0]
+        if any(_megatron_forbids(src, dst, roles, axis) for src, dst in sources for axis in model_axes):
+            continue
+        boxed = any(_collective_needed(src, dst) for src, dst in sources)
+        splits = sum(isinstance(sig.inputs[slot][axis], Split) for slot in param_slots for axis in model_axes)
+        key = (int(boxed), -splits, total)
+        if key < best_key:
+            best, best_key, lazy_choice = j, key, chosen_lazy
+    if best < 0:
+        best = 0                              # the all-B signature is always first and always allowed
+    for u, a in lazy_choice.items():
+        assignment[u] = a
+        lazy_params.discard(u)
+    return best
+
+
+def _megatron_forbids(src: NdSbp, dst: NdSbp, roles: tuple[str, ...], axis: int) -> bool:
+    """Megatron moves activations only by gathering (S->B), reducing (P->B, P->S) or, for sequence
+    parallelism, slicing a replicated one (B->S); never all-to-all, and tp never slices."""
+    s, d = src[axis], dst[axis]
+    if s == d or not isinstance(d, Split):
+        return False
+    return isinstance(s, Split) or (isinstance(s, Broadcast) and roles[axis] == "tp")
+
+
+def _splits_batch(sig: Signature, param_slots: dict[int, str], model_axes: list[int]) -> bool:
+    """Tensor and sequence parallelism never split an activation's dim 0 (the batch) on their axes."""
+    activations = [nd for slot, nd in enumerate(sig.inputs) if slot not in param_slots] + list(sig.outputs)
+    return any(nd[axis] == S(0) for nd in activations for axis in model_axes)
+
+
+def _collective_needed(src, dst) -> bool:
+    """True unless ``src`` -> ``dst`` is free on every axis: equal, or slicing a replicated tensor.
+    Making a partial sum (S->P, B->P) counts as needing one: it defers a reduction."""
+    return any(s != d and not (isinstance(s, Broadcast) and isinstance(d, Split)) for s, d in zip(src, dst))
+
+
+def _param_use_allowed(sig: Signature, param_slots: dict[int, str], roles: tuple[str, ...]) -> bool:
+    for slot in param_slots:
+        for axis, role in enumerate(roles):
+            if role in ("dp", "zero") and not isinstance(sig.inputs[slot][axis], Broadcast):
+                return False
+    return True
+
+
+def _storage_matching(param_cands: list[Signature], sig: Signature, param_name: str, node: OpNode) -> int | None:
+    """The storage equal to the first use, with B where the use is P (B -> P is local)."""
+    use = next(sig.inputs[slot] for slot, ref in enumerate(node.inputs) if ref.node == param_name)
+    wanted = tuple(B if isinstance(s, Partial) else s for s in use)
+    for a, cand in enumerate(param_cands):
+        if tuple(cand.outputs[0]) == wanted:
+            return a
+    return None
+
+
+def _input_wish(node: OpNode, roles: tuple[str, ...]) -> tuple[Sbp, ...]:
+    wish = []
+    for role in roles:
+        if role in ("dp", "zero") and node.kind is NodeKind.INPUT and node.outputs[0].ndim >= 1:
+            wish.append(S(0))
+        elif role == "sp" and node.kind is NodeKind.INPUT and node.outputs[0].ndim >= 2:
+            wish.append(S(1))
+        else:
+            wish.append(B)
+    return tuple(wish)
+
+
+def _storage_wish(node: OpNode, roles: tuple[str, ...], mesh: tuple[int, ...]) -> tuple[Sbp, ...]:
+    return tuple(S(0) if role == "zero" and node.outputs[0].ndim >= 1 else B for role in roles)
+
+
+def _pick_placeholder(cands: list[Signature], wish: tuple[Sbp, ...]) -> int:
+    """The candidate matching ``wish`` on most axes (B where a wished split does not divide)."""
+    best, best_score = 0, -1
+    for j, sig in enumerate(cands):
+        nd = sig.outputs[0] if sig.outputs else None
+        if nd is None:
+            return 0
+        score = sum(2 if s == w else (1 if isinstance(s, Broadcast) else -5) for s, w in zip(nd, wish))
+        if score > best_score:
+            best, best_score = j, score
+    return best
+
+
+def _not_applicable(spec: BaselineSpec, form: Formulation, assignment: np.ndarray) -> str:
+    if not any(role in ("tp", "sp") for role in spec.roles):
+        return ""
+    params = {n.name for n in form.nodes if n.kind is NodeKind.PARAMETER}
+    column = row = 0
+    for i, node in enumerate(form.nodes):
+        if node.kind is not NodeKind.OP or node.op_name not in MATMUL_OPS:
+            continue
+        sig = form.problem.choices[i][assignment[i]]
+        for slot, ref in enumerate(node.inputs):
+            if ref.node not in params or node.input_metas[slot].ndim != 2:
+                continue
+            for s in sig.inputs[slot]:
+                if isinstance(s, Split):
+                    column += s.dim == 0
+                    row += s.dim == 1
+    if column == 0 or row == 0:
+        return (f"{spec.name} does not apply: no column -> row parallel linear pair "
+                f"({column} column-split and {row} row-split weights)")
+    return ""
+
+
+def _divides_on(node: OpNode, dim: int, mesh: tuple[int, ...], axes: list[int]) -> bool:
+    meta = node.outputs[0]
+    return meta.ndim > dim and meta.shape[dim] % _prod(mesh, axes) == 0
+
+
+def _prod(mesh: tuple[int, ...], axes: list[int]) -> int:
+    out = 1
+    for a in axes:
+        out *= mesh[a]
+    return out

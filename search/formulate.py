@@ -1,0 +1,199 @@
+"""Turn (graph, cluster, mesh) into a SearchProblem the search algorithms solve.
+
+One problem node per graph node that produces a value (user inputs, parameters,
+buffers, ops); the graph output takes its inputs as they are. Costs come from
+the cost model: an op's node cost is its forward + backward compute, a
+parameter's is its optimizer step; an edge's matrix holds the forward boxing
+of the tensor plus the backward transition of its gradient (gradient sync for a
+parameter edge). Memory per candidate: a parameter's local weight, gradient and
+optimizer state; an op's saved activations.
+
+The pairwise edge objective charges every consumer its own boxing; the plan's
+final cost (``costmodel.plan_cost``) shares one redistribute among consumers
+wanting the same layout, so it can only be lower.
+
+Repeated layers make the problem cheap to build: candidates, cost vectors and
+edge matrices are cached by a structural key (op, shapes, constant args), and
+every (tensor, source layout, target layout) transition is priced once.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Sequence
+
+import numpy as np
+
+from autoddl import ops
+from autoddl.cluster import Cluster
+from autoddl.flops import VIEW_OPS
+from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
+from autoddl.sbp import NdSbp, Signature
+from costmodel.boxing import grad_ndsbp, needed_grad_ndsbp, transitions_of, transitions_time_s
+from costmodel.compute import op_compute_time_s, optimizer_state_bytes, optimizer_time_s
+from costmodel.edges import requires_grad
+from search.problem import SearchProblem
+
+_PLACEHOLDERS = (NodeKind.INPUT, NodeKind.PARAMETER, NodeKind.BUFFER)
+
+
+@dataclass
+class Formulation:
+    """A SearchProblem plus the graph nodes behind its indices."""
+
+    problem: SearchProblem
+    nodes: list[OpNode]
+    mesh_shape: tuple[int, ...]
+    index: dict[str, int] = field(default_factory=dict)
+
+    def signatures(self, assignment: np.ndarray) -> dict[str, Signature]:
+        return {n.name: self.problem.choices[i][int(a)] for i, (n, a) in enumerate(zip(self.nodes, assignment))}
+
+
+def structural_key(node: OpNode) -> tuple:
+    """Same key -> same candidates and costs (repeated layers share them)."""
+    return (node.kind, node.target if node.is_op else node.kind.value, node.input_metas, node.outputs,
+            _args_key(node.args), _args_key(tuple(sorted(node.kwargs.items()))))
+
+
+def _args_key(value: Any) -> Any:
+    if isinstance(value, TensorRef):
+        return ("ref", value.index)
+    if isinstance(value, (list, tuple)):
+        return tuple(_args_key(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _args_key(v)) for k, v in sorted(value.items()))
+    return repr(value)
+
+
+def formulate(graph: OpGraph, cluster: Cluster, mesh_shape: Sequence[int], *, optimizer: str = "adamw",
+              memory_limit_bytes: float | None = None) -> Formulation:
+    mesh = tuple(int(s) for s in mesh_shape)
+    nodes = [n for n in graph.topo() if n.kind is not NodeKind.OUTPUT]
+    index = {n.name: i for i, n in enumerate(nodes)}
+    keys = [structural_key(n) for n in nodes]
+    rg = requires_grad(graph)
+
+    cand_cache: dict[tuple, list[Signature]] = {}
+    choices = []
+    for n, key in zip(nodes, keys):
+        if key not in cand_cache:
+            cand_cache[key] = ops.candidate_signatures(n, mesh)
+        choices.append(cand_cache[key])
+
+    cost_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def node_vectors(i: int) -> tuple[np.ndarray, np.ndarray]:
+        n, key = nodes[i], keys[i]
+        ck = (key, n.name in rg)
+        if ck not in cost_cache:
+            cost_cache[ck] = _node_vectors(n, choices[i], mesh, cluster, optimizer, n.name in rg)
+        return cost_cache[ck]
+
+    vectors = [node_vectors(i) for i in range(len(nodes))]
+
+    edge_cache: dict[tuple, np.ndarray] = {}
+    pair = _pair_pricer(mesh, cluster)
+    edges = []
+    for u in nodes:
+        for v_name in graph.nx.successors(u.name):
+            v = graph[v_name]
+            if v.kind is NodeKind.OUTPUT:
+                continue
+            refs = tuple(graph.nx.edges[u.name, v_name]["refs"])
+            ek = (keys[index[u.name]], keys[index[v_name]], refs, u.name in rg)
+            if ek not in edge_cache:
+                edge_cache[ek] = _edge_matrix(u, v, refs, choices[index[u.name]], choices[index[v_name]],
+                                              u.name in rg, pair)
+            edges.append((index[u.name], index[v_name], edge_cache[ek]))
+
+    problem = SearchProblem(
+        nodes=[n.name for n in nodes], choices=choices,
+        node_cost=[c for c, _ in vectors], node_mem=[m for _, m in vectors], edges=edges,
+        memory_limit_bytes=memory_limit_bytes, groups=layer_groups(nodes, keys),
+    )
+    return Formulation(problem, nodes, mesh, index)
+
+
+def _node_vectors(node: OpNode, cands: list[Signature], mesh: tuple[int, ...], cluster: Cluster,
+                  optimizer: str, needs_grad: bool) -> tuple[np.ndarray, np.ndarray]:
+    cost = np.zeros(len(cands))
+    mem = np.zeros(len(cands))
+    if node.kind is NodeKind.PARAMETER:
+        meta = node.outputs[0]
+        for j, sig in enumerate(cands):
+            frac = sig.outputs[0].shard_fraction(mesh)
+            numel, nbytes = meta.numel * frac, meta.nbytes * frac
+            cost[j] = optimizer_time_s(nbytes, numel, optimizer, cluster)
+            mem[j] = 2 * nbytes + optimizer_state_bytes(numel, optimizer)
+    elif node.kind is NodeKind.OP:
+        saves = node.op_name not in VIEW_OPS and node.op_name != "getitem"
+        for j, sig in enumerate(cands):
+            cost[j] = op_compute_time_s(node, sig, mesh, cluster, needs_backward=needs_grad)
+            if saves:
+                mem[j] = sum(m.nbytes * nd.shard_fraction(mesh) for m, nd in zip(node.outputs, sig.outputs)
+                             if m.dtype != "none")
+    return cost, mem
+
+
+def _pair_pricer(mesh: tuple[int, ...], cluster: Cluster):
+    """Seconds of one edge's forward boxing plus its gradient's transition, memoised."""
+    @lru_cache(maxsize=None)
+    def seconds(nbytes: int, src: NdSbp, dst: NdSbp) -> float:
+        return transitions_time_s(transitions_of(nbytes, src, dst, mesh), mesh, cluster)
+
+    @lru_cache(maxsize=None)
+    def price(meta: TensorMeta, src: NdSbp, dst: NdSbp, grad: NdSbp | None) -> float:
+        t = seconds(meta.nbytes, src, dst)
+        if grad is not None:
+            t += seconds(meta.nbytes, grad, needed_grad_ndsbp(src))
+        return t
+    return price
+
+
+def _edge_matrix(u: OpNode, v: OpNode, refs: tuple, cu: list[Signature], cv: list[Signature],
+                 u_needs_grad: bool, price) -> np.ndarray:
+    total = np.zeros((len(cu), len(cv)))
+    for out_index, slot in refs:
+        meta = u.outputs[out_index]
+        if meta.dtype == "none":
+            continue
+        with_grad = u_needs_grad and meta.is_floating
+        srcs = [s.outputs[out_index] for s in cu]
+        dsts = [(s.inputs[slot], grad_ndsbp(s.inputs[slot], s.outputs) if with_grad else None) for s in cv]
+        su, si = _unique(srcs)
+        du, di = _unique(dsts)
+        table = np.array([[price(meta, s, d, g) for d, g in du] for s in su])
+        total += table[np.ix_(si, di)]
+    return total
+
+
+def _unique(items: list) -> tuple[list, np.ndarray]:
+    pos: dict[Any, int] = {}
+    inverse = np.array([pos.setdefault(x, len(pos)) for x in items], dtype=np.int64)
+    return list(pos), inverse
+
+
+_LAYER = re.compile(r"^(.*?\.)(\d+)(\..*|)$")
+
+
+def layer_groups(nodes: list[OpNode], keys: list[tuple]) -> list[list[list[int]]]:
+    """Repeated layers (``h.0``, ``h.1``, ...) as block-move groups of node indices.
+
+    A node belongs to the instance named by the first numbered segment of its module
+    path (parameters: of their fqn); instances whose node sequences have the same
+    structural keys form one group.
+    """
+    instances: dict[tuple[str, str], list[int]] = {}
+    for i, n in enumerate(nodes):
+        path = n.target if n.kind is NodeKind.PARAMETER else n.module_path
+        m = _LAYER.match(path or "")
+        if m:
+            instances.setdefault((m.group(1), m.group(2)), []).append(i)
+    by_stack: dict[tuple, list[list[int]]] = {}
+    for (stack, _), members in instances.items():
+        shape = tuple(keys[i] for i in members)
+        by_stack.setdefault((stack, shape), []).append(members)
+    return [group for group in by_stack.values() if len(group) >= 2]

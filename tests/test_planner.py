@@ -1,0 +1,191 @@
+"""Baselines, the planner over meshes, and the plan / compare / explain commands."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import autoddl
+from autoddl.api import search_model
+from autoddl.cli import main
+from autoddl.cluster import Cluster
+from autoddl.graph import NodeKind
+from autoddl.plan import Plan
+from autoddl.sbp import B, NdSbp, S
+from costmodel.breakdown import plan_cost
+from search.baselines import baseline_specs, build_baseline
+from search.formulate import formulate
+from search.planner import PlanningError, search
+from search.problem import NoFeasiblePlanError
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL = ROOT / "configs" / "local-cpu.yaml"
+DGX = ROOT / "configs" / "dgx-a100-8.yaml"
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return autoddl.trace_model_file(ROOT / "examples" / "gpt.py", preset="tiny")[1]
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return autoddl.trace_model_file(ROOT / "examples" / "mlp.py", preset="tiny")[1]
+
+
+@pytest.fixture(scope="module")
+def cluster4():
+    return Cluster.from_yaml(DGX).resized(4)
+
+
+def _baseline(graph, cluster, mesh, name):
+    form = formulate(graph, cluster, mesh)
+    spec = next(s for s in baseline_specs(len(mesh)) if s.name == name)
+    base = build_baseline(form, spec)
+    sigs = form.signatures(base.assignment) if base.applicable else None
+    return form, base, sigs
+
+
+def _storage(form, sigs, fqn):
+    node = next(n for n in form.nodes if n.kind is NodeKind.PARAMETER and n.target == fqn)
+    return sigs[node.name].outputs[0]
+
+
+def test_dp_baseline_splits_batch_and_replicates_weights(gpt, cluster4):
+    form, base, sigs = _baseline(gpt, cluster4, (4,), "dp")
+    assert base.applicable
+    for node in form.nodes:
+        if node.kind is NodeKind.INPUT:
+            assert sigs[node.name].outputs[0] == NdSbp.of(S(0))
+        if node.kind is NodeKind.PARAMETER:
+            assert sigs[node.name].outputs[0] == NdSbp.of(B)
+        if node.kind is NodeKind.OP and node.op_name == "linear":
+            assert sigs[node.name].inputs[0][0] == S(0) and sigs[node.name].inputs[1][0] == B
+
+
+def test_tp_baseline_is_megatron_column_then_row(gpt, cluster4):
+    form, base, sigs = _baseline(gpt, cluster4, (4,), "tp")
+    assert base.applicable
+    for layer in range(2):
+        h = f"transformer.h.{layer}"
+        assert _storage(form, sigs, f"{h}.attn.c_attn.weight") == NdSbp.of(S(0))   # column parallel
+        assert _storage(form, sigs, f"{h}.attn.c_proj.weight") == NdSbp.of(S(1))   # row parallel
+        assert _storage(form, sigs, f"{h}.mlp.c_fc.weight") == NdSbp.of(S(0))
+        assert _storage(form, sigs, f"{h}.mlp.c_proj.weight") == NdSbp.of(S(1))
+    attn = [n for n in form.nodes if n.op_name == "scaled_dot_product_attention"]
+    assert attn and all(sigs[n.name].outputs[0] == NdSbp.of(S(1)) for n in attn)      # heads split
+    for node in form.nodes:
+        if node.kind is NodeKind.INPUT:
+            assert sigs[node.name].outputs[0] == NdSbp.of(B)
+
+
+def test_sp_and_zero3_baselines(gpt, cluster4):
+    form, base, sigs = _baseline(gpt, cluster4, (4,), "sp")
+    assert base.applicable
+    assert all(sigs[n.name].outputs[0] == NdSbp.of(S(1)) for n in form.nodes if n.kind is NodeKind.INPUT)
+    form, base, sigs = _baseline(gpt, cluster4, (4,), "zero3")
+    wte = _storage(form, sigs, "transformer.wte.weight")
+    assert wte == NdSbp.of(S(0))
+    lin = next(n for n in form.nodes if n.op_name == "linear")
+    assert sigs[lin.name].inputs[1] == NdSbp.of(B)        # gathered for use
+
+
+def test_tp_not_applicable_without_linear_pairs(cluster4):
+    graph = autoddl.trace_model_file(ROOT / "examples" / "resnet.py", preset="tiny")[1]
+    _, base, _ = _baseline(graph, cluster4, (4,), "tp")
+    assert not base.applicable and "column -> row" in base.reason
+
+
+def test_found_plan_never_worse_than_any_baseline(gpt, cluster4):
+    outcome = search(gpt, cluster4, model_name="gpt")
+    found = outcome.found_breakdown.step_time_s
+    applicable = [s for s in outcome.schemes if s.name != "found" and s.plan is not None]
+    assert {s.name for s in applicable} >= {"dp", "zero3", "tp"}
+    for scheme in applicable:
+        assert found <= scheme.step_time_s * (1 + 1e-9), scheme.name
+    # the stored breakdown is the full cost model's price of the stored plan
+    again = plan_cost(gpt, outcome.found, cluster4)
+    assert again.step_time_s == pytest.approx(found, rel=1e-12)
+    assert set(outcome.meshes) == {(4,), (2, 2)}
+
+
+def test_memory_limit_nothing_fits_names_the_minimum(mlp, cluster4):
+    with pytest.raises(NoFeasiblePlanError) as info:
+        search(mlp, cluster4, memory_gb=1e-6)
+    assert info.value.min_memory_bytes > 1e3
+    assert "GiB" in str(info.value) and "--memory-gb" in str(info.value)
+
+
+def test_mesh_and_devices_errors(mlp):
+    cluster = Cluster.from_yaml(DGX)
+    with pytest.raises(PlanningError, match="do not match the 8 devices"):
+        search(mlp, cluster, mesh=(3, 3))
+    with pytest.raises(ValueError, match="3"):
+        search_model(mlp, cluster, devices=3)
+
+
+def test_plan_json_round_trip(gpt, cluster4, tmp_path):
+    plan = search(gpt, cluster4, mesh=(4,)).found
+    path = tmp_path / "p.json"
+    plan.save(path)
+    back = Plan.load(path)
+    assert back.signatures == plan.signatures and back.param_storage == plan.param_storage
+    assert back.mesh == plan.mesh and back.graph_hash == gpt.fingerprint()
+    assert list(back.summary().columns)[:6] == ["op", "target", "output_shape", "signature", "compute_us", "comm_us"]
+    data = json.loads(path.read_text())
+    data["schema_version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="schema_version 99"):
+        Plan.load(path)
+
+
+# -- the command line --------------------------------------------------------------------------
+
+def test_cli_plan_explain_compare(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", str(ROOT / "examples" / "gpt.py"), "--preset", "tiny", "--cluster", str(DGX),
+               "--devices", "4", "--out", str(out), "--verbose"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    for word in ("dp", "zero3", "tp", "found plan", "the speed of the best baseline", "signature"):
+        assert word in text
+    plan = Plan.load(out)
+    assert plan.devices == 4 and plan.model.endswith("gpt.py") and plan.model_args == {"preset": "tiny"}
+
+    assert main(["explain", str(out), "--op", "linear"]) == 0
+    text = capsys.readouterr().out
+    assert "runner-up" in text and "linear" in text
+    assert main(["explain", str(out), "--op", "no_such_op"]) == 2
+
+    png = tmp_path / "cmp.png"
+    assert main(["compare", str(ROOT / "examples" / "mlp.py"), "--cluster", str(DGX), "--devices", "4",
+                 "--plot", str(png)]) == 0
+    assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--devices", "3"], ["3", "devices"]),
+    (["--mesh", "3x3"], ["3x3", "multiply to 8"]),
+    (["--memory-gb", "0.000001"], ["no plan fits", "GiB"]),
+])
+def test_cli_errors_are_one_line_exit_2(argv, words, capsys):
+    rc = main(["plan", str(ROOT / "examples" / "mlp.py"), "--cluster", str(DGX), "--out", "/dev/null"] + argv)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("autoddl: error:") and err.count("\n") == 1 and "Traceback" not in err
+    for word in words:
+        assert word in err
+
+
+def test_cli_untraceable_model_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nfrom torch import nn\n"
+                   "class M(nn.Module):\n    def forward(self, x):\n"
+                   "        return x * 2 if x.sum() > 0 else x\n"
+                   "def build_model():\n    return M()\n"
+                   "def example_inputs():\n    return (torch.randn(4, 4),)\n")
+    rc = main(["plan", str(bad), "--out", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "bad" in err and "Traceback" not in err
