@@ -10,6 +10,14 @@ each naming the file and the dotted field (like torchtitan's ``ParallelDims``
 printing every degree), so a config is fixed in one pass. ``to_yaml`` writes a
 file ``from_yaml`` reads back equal, with optional end-of-line comments that
 record where a number came from (``autoddl calibrate`` uses them).
+
+Two optional sections hold what ``autoddl calibrate`` measures beyond the
+alpha-beta link and the roofline: ``collectives`` (per collective kind, the
+latency and bandwidth that make the cost model's formula for that kind fit the
+timings on this backend; used instead of ``links.intra_node`` for that kind on
+intra-node mesh axes) and ``compute_curve`` (``[[gflop, efficiency], ...]``:
+the fraction of ``peak_tflops`` a matmul of that many GFLOPs reaches,
+piecewise-linear in log(FLOPs); used instead of ``efficiency.compute``).
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ DEFAULT_CLUSTER_PATH = CONFIG_DIR / "dgx-a100-8.yaml"
 DEFAULT_CLUSTER = DEFAULT_CLUSTER_PATH          # alias used in the shared interface notes
 
 DEVICE_KINDS = ("cuda", "cpu")
+# The collective kinds of costmodel.collectives.CollectiveKind (by value; the core does not import costmodel).
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
 class ClusterConfigError(ValueError):
@@ -80,6 +90,31 @@ class Efficiency:
     network: float = 1.0
 
 
+@dataclass(frozen=True)
+class CollectiveFits:
+    """Fitted (latency, bandwidth) per collective kind, each used in place of the intra-node link.
+
+    A kind left ``None`` uses ``Cluster.intra_node``. ``get`` accepts the kind's
+    name or a ``CollectiveKind`` (a ``str`` enum).
+    """
+
+    all_reduce: LinkSpec | None = None
+    all_gather: LinkSpec | None = None
+    reduce_scatter: LinkSpec | None = None
+    all_to_all: LinkSpec | None = None
+    broadcast: LinkSpec | None = None
+
+    def get(self, kind: Any) -> LinkSpec | None:
+        name = getattr(kind, "value", kind)
+        return getattr(self, name) if name in COLLECTIVE_KINDS else None
+
+    def items(self) -> list[tuple[str, LinkSpec]]:
+        return [(k, getattr(self, k)) for k in COLLECTIVE_KINDS if getattr(self, k) is not None]
+
+    def __bool__(self) -> bool:
+        return bool(self.items())
+
+
 # -- schema -------------------------------------------------------------------
 # (dotted field, expected, kind): kind is "str", "int", "pos" (> 0), "nonneg" (>= 0), "frac" (0, 1].
 _DEVICE_FIELDS = {
@@ -95,7 +130,7 @@ _LINK_FIELDS = {
 }
 _EFFICIENCY_FIELDS = {k: ("a fraction in (0, 1]", "frac") for k in ("compute", "memory", "network")}
 _TOP_KEYS = ("name", "nodes", "devices_per_node", "device", "links", "backend", "efficiency",
-             "op_overhead_us")
+             "op_overhead_us", "collectives", "compute_curve")
 _LINK_KEYS = ("intra_node", "inter_node")
 _NUMBER_WITH_UNIT = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([^\d\s].*?)\s*$")
 
@@ -182,6 +217,48 @@ def _section(src: str, dotted: str, value: Any, fields: dict[str, tuple[str, str
     return out if len(errors) == n_before else None
 
 
+def _collectives(src: str, value: Any, errors: list[str]) -> CollectiveFits | None:
+    """``collectives: {kind: {latency_us, bandwidth_gbps}, ...}`` -> CollectiveFits (None on error)."""
+    if not isinstance(value, dict):
+        errors.append(f"{src}: collectives: expected a mapping from collective kind ({', '.join(COLLECTIVE_KINDS)}) "
+                      f"to {{latency_us: microseconds, bandwidth_gbps: GB/s}}, got {value!r}")
+        return None
+    n_before = len(errors)
+    fits: dict[str, LinkSpec] = {}
+    for kind, spec in value.items():
+        if kind not in COLLECTIVE_KINDS:
+            errors.append(_unknown_key(src, "collectives.", kind, COLLECTIVE_KINDS))
+            continue
+        link = _section(src, f"collectives.{kind}", spec, _LINK_FIELDS, errors)
+        if link:
+            fits[kind] = LinkSpec(**link)
+    return CollectiveFits(**fits) if len(errors) == n_before else None
+
+
+def _compute_curve(src: str, value: Any, errors: list[str]) -> tuple[tuple[float, float], ...] | None:
+    """``compute_curve: [[gflop, efficiency], ...]``, GFLOPs strictly increasing (None on error)."""
+    expected = ("a list of [gflop, efficiency] pairs (GFLOPs of one matmul > 0, strictly increasing; "
+                "efficiency = fraction of device.peak_tflops in (0, 1])")
+    if not isinstance(value, (list, tuple)):
+        errors.append(f"{src}: compute_curve: expected {expected}, got {value!r}")
+        return None
+    n_before = len(errors)
+    points: list[tuple[float, float]] = []
+    for i, pair in enumerate(value):
+        where = f"compute_curve[{i}]"
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            errors.append(f"{src}: {where}: expected a pair [gflop, efficiency], got {pair!r}")
+            continue
+        gflop = _number(src, f"{where}[0]", pair[0], "a positive number of GFLOPs per matmul", "pos", errors)
+        eff = _number(src, f"{where}[1]", pair[1], "an efficiency (fraction of peak) in (0, 1]", "frac", errors)
+        if gflop is not None and eff is not None:
+            if points and gflop <= points[-1][0]:
+                errors.append(f"{src}: {where}[0]: GFLOPs must increase strictly along the curve, got {gflop!r} "
+                              f"after {points[-1][0]!r}; sort the points by GFLOPs and merge duplicates")
+            points.append((gflop, eff))
+    return tuple(points) if len(errors) == n_before else None
+
+
 def _parse(d: Any, src: str) -> tuple[dict[str, Any], list[str]]:
     """Validate a raw cluster mapping; returns (constructor kwargs, every error found)."""
     if not isinstance(d, dict):
@@ -259,6 +336,10 @@ def _parse(d: Any, src: str) -> tuple[dict[str, Any], list[str]]:
         kw["op_overhead_us"] = _number(src, "op_overhead_us", d["op_overhead_us"],
                                        "a non-negative number in microseconds per op launch", "nonneg",
                                        errors)
+    if d.get("collectives") is not None:
+        kw["collectives"] = _collectives(src, d["collectives"], errors)
+    if d.get("compute_curve") is not None:
+        kw["compute_curve"] = _compute_curve(src, d["compute_curve"], errors)
     return kw, errors
 
 
@@ -296,9 +377,23 @@ class Cluster:
     backend: Backend
     efficiency: Efficiency = Efficiency()
     op_overhead_us: float = 5.0
+    collectives: CollectiveFits = CollectiveFits()
+    compute_curve: tuple[tuple[float, float], ...] = ()
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.collectives, dict):          # {kind: LinkSpec | {latency_us, bandwidth_gbps}}
+            fits = {k: LinkSpec(**v) if isinstance(v, dict) else v for k, v in self.collectives.items()}
+            bad = [k for k in fits if k not in COLLECTIVE_KINDS]
+            if bad:
+                raise ClusterConfigError(f"{self.source or self.name}: collectives: unknown kinds {bad}; "
+                                         f"known kinds: {', '.join(COLLECTIVE_KINDS)}")
+            object.__setattr__(self, "collectives", CollectiveFits(**fits))
+        if self.compute_curve is None:
+            object.__setattr__(self, "compute_curve", ())
+        if isinstance(self.compute_curve, (list, tuple)):
+            object.__setattr__(self, "compute_curve", tuple(
+                tuple(p) if isinstance(p, (list, tuple)) else p for p in self.compute_curve))
         try:
             object.__setattr__(self, "backend", Backend(self.backend))
         except ValueError:
@@ -355,13 +450,19 @@ class Cluster:
             "backend": Backend(self.backend).value,
             "efficiency": dataclasses.asdict(self.efficiency),
             "op_overhead_us": self.op_overhead_us,
+            **({"collectives": {k: dataclasses.asdict(v) for k, v in self.collectives.items()}}
+               if self.collectives else {}),
+            **({"compute_curve": [list(p) for p in self.compute_curve]} if self.compute_curve else {}),
         }
 
-    def to_yaml(self, path: str | os.PathLike, comments: dict[str, str] | None = None) -> None:
+    def to_yaml(self, path: str | os.PathLike, comments: dict[str, str] | None = None,
+                header: str = "") -> None:
         """Write YAML atomically; ``comments`` maps dotted fields (``device.peak_tflops``,
-        ``links.intra_node``) to a comment placed at the end of that line."""
+        ``links.intra_node``, ``collectives.all_reduce``, ``compute_curve.0`` for the first
+        point) to a comment placed at the end of that line; ``header`` (several lines
+        allowed) is written as ``#`` comment lines at the top."""
         comments = dict(comments or {})
-        lines: list[tuple[str, str]] = []           # (dotted key, text)
+        lines: list[tuple[str, str]] = [("", f"# {h}".rstrip()) for h in header.splitlines()]
 
         def emit(mapping: dict[str, Any], prefix: str, indent: int) -> None:
             for key, value in mapping.items():
@@ -370,11 +471,15 @@ class Cluster:
                 if isinstance(value, dict):
                     lines.append((dotted, f"{pad}{key}:"))
                     emit(value, dotted + ".", indent + 1)
+                elif isinstance(value, list):            # compute_curve: one "- [x, y]" line per point
+                    lines.append((dotted, f"{pad}{key}:"))
+                    for i, item in enumerate(value):
+                        lines.append((f"{dotted}.{i}", f"{pad}  - [{', '.join(_scalar(x) for x in item)}]"))
                 else:
                     lines.append((dotted, f"{pad}{key}: {_scalar(value)}"))
 
         emit(self.to_dict(), "", 0)
-        known = [k for k, _ in lines]
+        known = [k for k, _ in lines if k]
         unknown = [k for k in comments if k not in known]
         if unknown:
             raise KeyError(f"to_yaml comments name unknown fields {unknown}; known fields: {', '.join(known)}")
@@ -437,7 +542,10 @@ class Cluster:
                 f"{d.peak_tflops:g} TFLOPS, {d.memory_gb:g} GB, {d.memory_bandwidth_gbps:g} GB/s) "
                 f"| intra {a.bandwidth_gbps:g} GB/s {a.latency_us:g} us{inter} | {Backend(self.backend).value} "
                 f"| eff compute {f.compute:g} memory {f.memory:g} network {f.network:g} "
-                f"| op overhead {self.op_overhead_us:g} us")
+                f"| op overhead {self.op_overhead_us:g} us"
+                + (f" | fitted collectives: {', '.join(k for k, _ in self.collectives.items())}"
+                   if self.collectives else "")
+                + (f" | compute curve: {len(self.compute_curve)} points" if self.compute_curve else ""))
 
     def __str__(self) -> str:
         return self.summary()

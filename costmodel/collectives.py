@@ -20,16 +20,24 @@ broadcast       the broadcast tensor                   M/b + (n-1) * a
 ``n == 1`` costs 0 for every kind. The backend table says how each kind is
 really carried out; an emulated kind is costed as the kind that runs, on the
 same ``M`` (the definitions above make that a plain substitution).
+
+Every formula is ``lat(n) * a + bw(n) * M / b`` (:func:`formula_coefficients`),
+linear in ``(a, 1/b)``: :func:`fit_collective` recovers ``a`` and ``b`` from
+timings by least squares, and :func:`cluster_collective_time_s` uses such a
+per-kind fit (``Cluster.collectives``) in place of the intra-node link.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
-from typing import Mapping
+from typing import Mapping, Sequence
 
-from autoddl.cluster import Backend, LinkSpec
+import numpy as np
+
+from autoddl.cluster import Backend, Cluster, LinkSpec
 
 
 class CollectiveKind(str, Enum):
@@ -138,3 +146,81 @@ def collective_time_s(kind: CollectiveKind, nbytes: float, n_devices: int, link:
         raise ValueError(f"network_eff must be in (0, 1], got {network_eff}")
     bandwidth = link.bandwidth_gbps * 1e9 * network_eff
     return native_time_s(carried_out_as(kind, backend), nbytes, n_devices, bandwidth, link.latency_us * 1e-6)
+
+
+def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: Sequence[int], axis: int,
+                              cluster: Cluster) -> float:
+    """Seconds for ``kind`` on mesh axis ``axis`` of ``mesh_shape`` on ``cluster``.
+
+    Same as ``collective_time_s(kind, nbytes, mesh[axis], cluster.link_for_axis(mesh, axis),
+    cluster.backend, cluster.efficiency.network)``, except that on an intra-node axis a
+    per-kind fit in ``cluster.collectives`` replaces the link: the fit of ``kind`` itself,
+    else that of the kind the backend carries it out as (gloo's reduce-scatter is an all-reduce).
+    """
+    mesh = tuple(mesh_shape)
+    link = cluster.link_for_axis(mesh, axis)             # validates mesh and axis
+    if math.prod(mesh[axis % len(mesh):]) <= cluster.devices_per_node:
+        fit = cluster.collectives.get(kind) or cluster.collectives.get(carried_out_as(kind, cluster.backend))
+        link = fit or link
+    return collective_time_s(kind, nbytes, mesh[axis], link, cluster.backend, cluster.efficiency.network)
+
+
+# -- fitting latency and bandwidth to timings ------------------------------------------------------
+def formula_coefficients(kind: CollectiveKind, n_devices: int) -> tuple[float, float]:
+    """``(lat, bw)`` with ``native_time_s(kind, M, n, b, a) == lat * a + bw * M / b``."""
+    return (native_time_s(kind, 0.0, n_devices, 1.0, 1.0), native_time_s(kind, 1.0, n_devices, 1.0, 0.0))
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """Latency and bandwidth that make ``carried_as``'s formula reproduce timings of ``kind``."""
+
+    kind: CollectiveKind            # the kind that was timed
+    carried_as: CollectiveKind      # the formula fitted (how the backend carries ``kind`` out)
+    latency_us: float
+    bandwidth_gbps: float
+    r2: float                       # coefficient of determination of the times
+    max_rel_residual: float         # max |predicted - measured| / measured over the points
+    points: int
+
+    @property
+    def link(self) -> LinkSpec:
+        return LinkSpec(bandwidth_gbps=self.bandwidth_gbps, latency_us=self.latency_us)
+
+    def predict_s(self, nbytes: float, n_devices: int) -> float:
+        return native_time_s(self.carried_as, nbytes, n_devices, self.bandwidth_gbps * 1e9, self.latency_us * 1e-6)
+
+
+def fit_collective(kind: CollectiveKind, backend: Backend | str,
+                   samples: Sequence[tuple[int, float, float]]) -> CollectiveFit:
+    """Fit ``a`` (latency) and ``b`` (bandwidth) of one kind to ``samples`` of ``(n_devices, M bytes, seconds)``.
+
+    Minimises the sum of squared *relative* residuals of ``t = lat(n) a + bw(n) M / b``
+    (the formula of the kind ``backend`` carries ``kind`` out as), so 4 KB and 32 MB
+    messages count alike, with ``a >= 0``. Exact timings of the model give back exactly
+    its ``a`` and ``b``.
+    """
+    kind = CollectiveKind(kind)
+    carried = carried_out_as(kind, backend)
+    rows = [(n, m, t) for n, m, t in samples if int(n) > 1]
+    if len(rows) < 2 or len({(n, m) for n, m, _ in rows}) < 2:
+        raise ValueError(f"fit_collective({kind}): need timings at 2 or more (devices, bytes) points with "
+                         f"more than 1 device, got {len(rows)}; time more message sizes")
+    if any(not t > 0 for _, _, t in rows):
+        raise ValueError(f"fit_collective({kind}): every time must be positive, got {[t for *_, t in rows]}")
+    coef = np.array([formula_coefficients(carried, n) for n, _, _ in rows])            # (P, 2)
+    x = np.column_stack([coef[:, 0], coef[:, 1] * np.array([m for _, m, _ in rows])])  # (P, 2): a, 1/b
+    t = np.array([t for *_, t in rows])                                                 # (P,)
+    w = 1.0 / t                                                                         # relative residuals
+    sol, *_ = np.linalg.lstsq(x * w[:, None], t * w, rcond=None)
+    a, inv_b = float(sol[0]), float(sol[1])
+    if a < 0:                                    # non-negative latency: refit the bandwidth alone
+        a, inv_b = 0.0, float(np.sum(x[:, 1] * w * w * t) / np.sum((x[:, 1] * w) ** 2))
+    if not inv_b > 0:
+        raise ValueError(f"fit_collective({kind}): the times do not grow with message size (fitted 1/bandwidth "
+                         f"{inv_b:g} s/byte); time larger messages (e.g. up to 32 MB)")
+    pred = x @ np.array([a, inv_b])
+    ss_tot = float(np.sum((t - t.mean()) ** 2))
+    r2 = 1.0 - float(np.sum((t - pred) ** 2)) / ss_tot if ss_tot > 0 else 1.0
+    return CollectiveFit(kind=kind, carried_as=carried, latency_us=a * 1e6, bandwidth_gbps=1.0 / inv_b / 1e9,
+                         r2=r2, max_rel_residual=float(np.max(np.abs(pred - t) / t)), points=len(rows))

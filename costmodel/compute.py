@@ -1,6 +1,10 @@
 """Compute time of one op on its local shard (roofline), forward + backward, and the optimizer step.
 
 Roofline: ``max(flops / (peak * eff_compute), bytes / (mem_bw * eff_memory)) + op_overhead``.
+``eff_compute`` is ``cluster.efficiency.compute``, or, when the cluster has a
+measured ``compute_curve`` (``autoddl calibrate``), the curve's efficiency at the
+FLOPs of one op (piecewise-linear in log FLOPs, flat beyond its ends): small
+matmuls reach a smaller fraction of peak than large ones.
 Local work = full work / product of the mesh sizes of the axes that divide it.
 An axis divides an op's work when some input or output is ``S`` on it (a
 contracted split gives ``P`` outputs but still splits the work). An axis where
@@ -44,10 +48,31 @@ def backward_factor(op_name: str) -> float:
     return 2.0 if op_name in MATMUL_LIKE else 1.0
 
 
-def roofline_time_s(flops: float, nbytes: float, cluster: Cluster) -> float:
-    """max(compute time, memory time) on one device, without overhead."""
+def compute_efficiency(op_flops: float, cluster: Cluster) -> float:
+    """Fraction of peak one op of ``op_flops`` FLOPs reaches: the compute curve, else ``efficiency.compute``."""
+    curve = cluster.compute_curve
+    if not curve or op_flops <= 0:
+        return cluster.efficiency.compute
+    x = math.log(op_flops / 1e9)
+    xs = [math.log(g) for g, _ in curve]
+    if x <= xs[0]:
+        return curve[0][1]
+    if x >= xs[-1]:
+        return curve[-1][1]
+    i = next(i for i in range(1, len(xs)) if x <= xs[i])
+    w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return curve[i - 1][1] + w * (curve[i][1] - curve[i - 1][1])
+
+
+def roofline_time_s(flops: float, nbytes: float, cluster: Cluster, op_flops: float | None = None) -> float:
+    """max(compute time, memory time) on one device, without overhead.
+
+    ``op_flops``: FLOPs of one op, where the compute curve is read (default ``flops``;
+    a matmul's backward is 2 ops of the forward's size, not one of twice the size).
+    """
     dev, eff = cluster.device, cluster.efficiency
-    return max(flops / (dev.peak_tflops * 1e12 * eff.compute),
+    eff_compute = compute_efficiency(flops if op_flops is None else op_flops, cluster)
+    return max(flops / (dev.peak_tflops * 1e12 * eff_compute),
                nbytes / (dev.memory_bandwidth_gbps * 1e9 * eff.memory))
 
 
@@ -72,7 +97,7 @@ def op_backward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], 
         return 0.0
     d = work_divisor(sig, mesh_shape)
     return roofline_time_s(factor * node.flops / d, factor * (node.bytes_read + node.bytes_written) / d,
-                           cluster) + cluster.op_overhead_us * 1e-6
+                           cluster, op_flops=node.flops / d) + cluster.op_overhead_us * 1e-6
 
 
 def op_compute_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster,

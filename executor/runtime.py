@@ -278,3 +278,70 @@ def run_check(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callabl
                 errors[f"grad/{fqn}"] = max_rel_error(dp.grad.full_tensor(), r_grads[fqn])
         errors[f"param/{fqn}"] = max_rel_error(dp.detach().full_tensor(), p)
     return errors
+
+
+# -- parallelize: a plan inside the user's own training loop ----------------------------------------
+
+class ParallelModule(DistributedModel):
+    """A DistributedModel for a plain training loop: ``loss = m(*inputs); loss.backward(); opt.step()``.
+
+    ``forward(*inputs)`` runs the plan's graph, which includes the loss function it was traced
+    with, and returns the loss (a plain scalar tensor, the same on every rank). At the end of
+    every ``backward()`` the parameters' gradients are reduced to their storage NdSbp (the grad
+    sync ``train_step`` runs explicitly) and added to ``.grad``, so gradients accumulate over
+    several backward passes as usual until the optimizer's ``zero_grad``.
+    """
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        loss = super().forward(*inputs)
+        if loss.requires_grad:
+            loss.register_hook(self._queue_grad_sync)
+        return loss
+
+    def _queue_grad_sync(self, grad: torch.Tensor) -> torch.Tensor:
+        torch.autograd.Variable._execution_engine.queue_callback(self._grad_sync_after_backward)
+        return grad
+
+    def _grad_sync_after_backward(self) -> None:
+        before = {fqn: p.grad for fqn, p in self.module.named_parameters()}
+        with torch.no_grad():
+            DistributedModel.sync_grads(self)
+            for fqn, p in self.module.named_parameters():
+                old = before[fqn]
+                if old is not None:
+                    p.grad = old if p.grad is None else p.grad + old
+
+    def sync_grads(self) -> None:
+        """Already done at the end of backward; only runs if a backward's sync is still pending."""
+        if self.interp.param_uses:
+            self._grad_sync_after_backward()
+
+
+def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor] | None = None,
+                loss_fn: Callable | None = None, *, device: str = "cpu",
+                timeout_s: float = 120.0) -> ParallelModule:
+    """Inside a torchrun process: ``model`` laid out as ``plan`` says, as a ParallelModule.
+
+    Initialises the process group (gloo, or nccl with ``device="cuda"``) if it is not, and the
+    plan's DeviceMesh. The plan's graph includes the loss, so ``forward(*inputs)`` returns the
+    loss; the model is traced with ``example_inputs`` and ``loss_fn``, by default those of the
+    model file the plan was made for (``plan.model`` with ``plan.model_args``), and the trace must
+    match the plan's graph hash. Parameters are DTensors by their storage NdSbp; pass
+    ``module.parameters()`` to any torch optimizer. Every rank must pass the same full model
+    (same seed) and, at each step, the same full batch.
+    """
+    if example_inputs is None or loss_fn is None:
+        if not plan.model or not os.path.isfile(plan.model):
+            raise ValueError(f"parallelize: plan {plan.name!r} names no model file to take "
+                             f"{'example_inputs' if example_inputs is None else 'loss_fn'} from "
+                             f"(plan.model={plan.model!r}); pass example_inputs= and loss_fn=")
+        from autoddl.loader import load_model_file
+
+        mf = load_model_file(plan.model, device="meta", **plan.model_args)
+        example_inputs = mf.example_inputs if example_inputs is None else example_inputs
+        loss_fn = mf.loss_fn if loss_fn is None else loss_fn
+    from autoddl.trace import trace
+
+    graph = trace(model, example_inputs, loss_fn, name=type(model).__name__)
+    mesh = init_mesh(plan, device, timeout_s=timeout_s)
+    return ParallelModule(model, graph, plan, mesh)

@@ -1,35 +1,55 @@
-"""One torchrun rank: load a model file and a plan, train N steps as planned, write a JSON result.
+"""One torchrun rank: load a model file and a plan, check, time and audit the planned training step.
 
     torchrun --nproc-per-node 2 -m executor.worker --plan plan.json --model examples/x.py \\
-        --steps 3 --check --out result.json
+        --set preset=tiny --steps 10 --warmup 2 --check --ddp --out result.json
 
 Every rank builds the model on CPU from the same seed (so parameters and the batch agree
-everywhere), traces it, builds the mesh and places parameters by the plan. ``--check`` trains
-``--steps`` steps next to a single-process reference and reports max relative errors of the
-loss, every gradient and every updated parameter. Without it, the steps are timed. Either way
-one more step runs under the collective audit. Rank 0 writes ``--out``.
+everywhere), traces it, builds the mesh and places parameters by the plan. In order:
+
+1. ``--check``: ``--check-steps`` steps next to a single-process reference, max relative errors
+   of the loss, every gradient and every updated parameter (under ``--check-optimizer``, SGD by
+   default: Adam divides by the gradient's running RMS, so a gradient that is zero in exact
+   arithmetic, e.g. GPT's key bias, turns round-off into full-size updates that differ).
+2. Timing: ``--warmup`` then ``--steps`` steps of the plan (``executor.measure.time_steps``,
+   barriers around each step; rank 0 prints ``step i/S`` with the step time), peak memory per rank.
+3. One more step under the collective audit.
+4. ``--ddp`` (or ``--ddp-only``, which skips 1-3): the same steps with PyTorch's
+   DistributedDataParallel, every rank on its shard (dim 0) of the batch.
+
+Rank 0 writes the result JSON to ``--out`` (stdout without it). A rank that fails writes
+``<--error-dir>/rank<R>.json`` (rank, error, traceback) before exiting non-zero, which is how
+``autoddl run`` names the rank that failed. Test hook: ``AUTODDL_TEST_FAIL_RANK=R`` makes rank R
+fail at its first timed step (``AUTODDL_TEST_FAIL_MODE``: ``raise``, default, or ``kill``, a SIGKILL).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import datetime
+import gc
 import json
 import os
+import signal
+import socket
 import sys
-import time
+import traceback
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from autoddl.loader import load_model_file
+from autoddl.loader import ModelFile, load_model_file
 from autoddl.plan import Plan
 from autoddl.trace import trace
 from executor.audit import summarize
+from executor.measure import PeakMemory, time_steps
 from executor.runtime import DistributedModel, audit_step, build_optimizer, init_mesh, run_check, train_step
 
 CHECK_RTOL = 1e-4  # fp32
+FAIL_RANK_ENV = "AUTODDL_TEST_FAIL_RANK"
+FAIL_MODE_ENV = "AUTODDL_TEST_FAIL_MODE"
 
 
 def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
@@ -49,16 +69,113 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m executor.worker", description=__doc__.split("\n")[0])
     p.add_argument("--plan", required=True, help="plan JSON written by `autoddl plan`")
     p.add_argument("--model", required=True, help="model file defining build_model / example_inputs")
-    p.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
-    p.add_argument("--check", action="store_true", help="compare with a single-process run")
+    p.add_argument("--steps", type=int, default=1, help="timed training steps (default 1)")
+    p.add_argument("--warmup", type=int, default=0, help="untimed steps before them (default 0)")
+    p.add_argument("--check", action="store_true", help="compare with a single-process run first")
+    p.add_argument("--check-steps", type=int, default=1, help="steps of the check (default 1)")
+    p.add_argument("--check-optimizer", default="sgd", help="optimizer of the check (default sgd)")
+    p.add_argument("--no-check-exit", action="store_true",
+                   help="exit 0 when the check fails (the result JSON says so); default: exit 1")
+    p.add_argument("--ddp", action="store_true", help="also time PyTorch DistributedDataParallel")
+    p.add_argument("--ddp-only", action="store_true", help="time only DistributedDataParallel")
     p.add_argument("--out", default="", help="JSON result path (written by rank 0)")
-    p.add_argument("--optimizer", default="", help="sgd | adamw (default: the plan's)")
+    p.add_argument("--error-dir", default="", help="where a failing rank writes rank<R>.json")
+    p.add_argument("--optimizer", default="", help="sgd | adamw for the timed steps (default: the plan's)")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl)")
+    p.add_argument("--pg-timeout-s", type=float, default=120.0,
+                   help="process-group timeout: a collective waiting longer fails (default 120 s)")
+    p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="model size override passed to build_model / example_inputs")
     return p.parse_args(argv)
+
+
+def _test_fail_hook(rank: int) -> None:
+    """Test-only: make rank ``$AUTODDL_TEST_FAIL_RANK`` fail here (raise, or die by SIGKILL)."""
+    want = os.environ.get(FAIL_RANK_ENV, "")
+    if want == "" or int(want) != rank:
+        return
+    if os.environ.get(FAIL_MODE_ENV, "raise") == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"{FAIL_RANK_ENV}={want}: test failure injected on rank {rank}")
+
+
+def _sync_fn(device: str) -> Callable[[], None] | None:
+    return torch.cuda.synchronize if device == "cuda" and torch.cuda.is_available() else None
+
+
+def _progress(rank: int, label: str, quiet: bool):
+    if rank != 0 or quiet:
+        return None
+
+    def show(kind: str, i: int, n: int, seconds: float) -> None:
+        print(f"[{label}] {kind} {i}/{n}  {seconds * 1e3:.2f} ms", flush=True)
+
+    return show
+
+
+def _gather_timing(times: list[float], peak_mb: float) -> dict[str, Any]:
+    """Per step the slowest rank's time; peak memory and host of every rank (rank order)."""
+    mine = {"times": times, "peak_mb": peak_mb, "host": socket.gethostname()}
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"step_time_s": [max(r["times"][i] for r in every) for i in range(len(times))],
+            "peak_memory_mb": [r["peak_mb"] for r in every], "hosts": [r["host"] for r in every]}
+
+
+def time_plan(mf: ModelFile, graph, plan: Plan, mesh, args: argparse.Namespace, optimizer: str,
+              rank: int) -> dict[str, Any]:
+    """Warm-up + timed steps of the plan, then one audited step."""
+    memory = PeakMemory(args.device)
+    memory.start()
+    dmodel = DistributedModel(mf.model, graph, plan, mesh)
+    opt = build_optimizer(optimizer, dmodel.parameters(), args.lr)
+    losses: list[float] = []
+    _test_fail_hook(rank)
+    times = time_steps(lambda: losses.append(train_step(dmodel, mf.example_inputs, opt)), args.steps,
+                       args.warmup, barrier=dist.barrier, sync=_sync_fn(args.device),
+                       progress=_progress(rank, plan.name, args.quiet))
+    out = _gather_timing(times, memory.peak_mb())
+    out["losses"] = losses
+    records = audit_step(dmodel, mf.example_inputs, opt)
+    out["collectives"] = [r.to_dict() for r in records]
+    out["collectives_summary"] = summarize(records)
+    return out
+
+
+def time_ddp(mf: ModelFile, args: argparse.Namespace, optimizer: str, rank: int) -> dict[str, Any]:
+    """The same steps with DistributedDataParallel, each rank on its dim-0 shard of the batch."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    world = dist.get_world_size()
+    cuda = args.device == "cuda" and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    for t in mf.example_inputs:
+        if t.shape[0] % world:
+            raise ValueError(f"--ddp: input of shape {tuple(t.shape)} does not split into {world} equal "
+                             f"batch shards along dim 0; use a batch size divisible by {world}")
+    shard = tuple(t.chunk(world, dim=0)[rank].to(device) for t in mf.example_inputs)
+    memory = PeakMemory(args.device)
+    memory.start()
+    model = copy.deepcopy(mf.model).to(device)
+    ddp = DDP(model, device_ids=[device.index] if cuda else None)
+    opt = build_optimizer(optimizer, ddp.parameters(), args.lr)
+    losses: list[float] = []
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = mf.loss_fn(ddp(*shard), *shard)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+
+    times = time_steps(step, args.steps, args.warmup, barrier=dist.barrier, sync=_sync_fn(args.device),
+                       progress=_progress(rank, "ddp", args.quiet))
+    out = _gather_timing(times, memory.peak_mb())
+    out["losses"] = losses  # rank 0's shard loss
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -66,51 +183,63 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     mf = load_model_file(args.model, device="cpu", **_overrides(args.set))
     graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name)
-    mesh = init_mesh(plan, args.device)
+    mesh = init_mesh(plan, args.device, timeout_s=args.pg_timeout_s)
+    rank = dist.get_rank()
     optimizer = args.optimizer or plan.optimizer
     result: dict[str, Any] = {
         "plan": plan.name, "model": mf.name, "mesh": list(plan.mesh.shape), "world_size": dist.get_world_size(),
-        "optimizer": optimizer, "steps": args.steps, "backend": dist.get_backend(),
+        "optimizer": optimizer, "steps": args.steps, "warmup": args.warmup, "backend": dist.get_backend(),
+        "omp_num_threads": torch.get_num_threads(),
     }
-    if args.check:
+    if args.check and not args.ddp_only:
         errors = run_check(mf.model, mf.example_inputs, mf.loss_fn, graph, plan, mesh,
-                           optimizer=optimizer, lr=args.lr, steps=args.steps)
+                           optimizer=args.check_optimizer, lr=args.lr, steps=args.check_steps)
         result["check"] = {"rtol": CHECK_RTOL, "ok": all(v <= CHECK_RTOL for v in errors.values()),
-                           "max_rel_error": errors}
-    dmodel = DistributedModel(mf.model, graph, plan, mesh)
-    opt = build_optimizer(optimizer, dmodel.parameters(), args.lr)
-    if not args.check:
-        losses, times = [], []
-        for _ in range(args.steps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            losses.append(train_step(dmodel, mf.example_inputs, opt))
-            times.append(time.perf_counter() - t0)
-        result.update(losses=losses, step_time_s=times)
-    records = audit_step(dmodel, mf.example_inputs, opt)
-    result["collectives"] = [r.to_dict() for r in records]
-    result["collectives_summary"] = summarize(records)
+                           "optimizer": args.check_optimizer, "steps": args.check_steps, "max_rel_error": errors}
+        gc.collect()
+    if not args.ddp_only:
+        result.update(time_plan(mf, graph, plan, mesh, args, optimizer, rank))
+        gc.collect()
+    if args.ddp or args.ddp_only:
+        result["ddp"] = time_ddp(mf, args, optimizer, rank)
     return result
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _report_failure(args: argparse.Namespace, exc: BaseException) -> None:
+    rank = int(os.environ.get("RANK", "-1"))
+    text = f"{type(exc).__name__}: {exc}"
+    print(f"autoddl worker: rank {rank} failed: {text}", file=sys.stderr, flush=True)
+    if args.error_dir:
+        _write_json(Path(args.error_dir) / f"rank{rank}.json", {
+            "rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "error": text,
+            "traceback": traceback.format_exc(), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        })
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         result = run(args)
+    except BaseException as exc:
+        _report_failure(args, exc)
+        raise  # non-zero exit; torchrun then stops the other ranks
+    try:
         if dist.get_rank() == 0:
-            text = json.dumps(result, indent=1)
             if args.out:
-                out = Path(args.out)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                tmp = out.with_suffix(out.suffix + ".tmp")
-                tmp.write_text(text)
-                os.replace(tmp, out)
+                _write_json(Path(args.out), result)
             else:
-                print(text)
-        return 0 if result.get("check", {}).get("ok", True) else 1
+                print(json.dumps(result, indent=1))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
+    check_ok = result.get("check", {}).get("ok", True)
+    return 0 if check_ok or args.no_check_exit else 1
 
 
 if __name__ == "__main__":
