@@ -11,14 +11,16 @@ breakdown    plan_cost -> CostBreakdown, predicted_collectives
 from costmodel.boxing import (backward_boxing_collectives, backward_boxing_time_s, boxing_collectives,
                               boxing_time_s, grad_ndsbp, grad_sbp, needed_grad_ndsbp, needed_grad_sbp)
 from costmodel.breakdown import CostBreakdown, plan_cost, predicted_collectives
-from costmodel.collectives import (BACKENDS, Collective, CollectiveKind, carried_out_as, collective_time_s,
-                                   native_time_s)
-from costmodel.compute import (backward_factor, op_backward_time_s, op_compute_time_s, op_forward_time_s,
-                               optimizer_time_s, roofline_time_s, work_divisor)
+from costmodel.collectives import (BACKENDS, Collective, CollectiveFit, CollectiveKind, carried_out_as,
+                                   cluster_collective_time_s, collective_time_s, fit_collective,
+                                   formula_coefficients, native_time_s)
+from costmodel.compute import (backward_factor, compute_efficiency, op_backward_time_s, op_compute_time_s,
+                               op_forward_time_s, optimizer_time_s, roofline_time_s, work_divisor)
 from costmodel.memory import memory_bytes
 
 __all__ = [
-    "BACKENDS", "Collective", "CollectiveKind", "CostBreakdown", "backward_boxing_collectives",
+    "BACKENDS", "Collective", "CollectiveFit", "CollectiveKind", "cluster_collective_time_s", "compute_efficiency",
+    "fit_collective", "formula_coefficients", "CostBreakdown", "backward_boxing_collectives",
     "backward_boxing_time_s", "backward_factor", "boxing_collectives", "boxing_time_s", "carried_out_as",
     "collective_time_s", "grad_ndsbp", "grad_sbp", "memory_bytes", "native_time_s", "needed_grad_ndsbp",
     "needed_grad_sbp", "op_backward_time_s", "op_compute_time_s", "op_forward_time_s", "optimizer_time_s",

@@ -28,7 +28,7 @@ from typing import Sequence
 from autoddl.cluster import Cluster
 from autoddl.graph import TensorMeta
 from autoddl.sbp import B, Broadcast, NdSbp, Partial, Sbp, Split
-from costmodel.collectives import CollectiveKind, collective_time_s
+from costmodel.collectives import CollectiveKind, cluster_collective_time_s
 
 Transition = tuple[CollectiveKind, int, int]   # (kind, mesh axis, M bytes)
 
@@ -125,9 +125,7 @@ def backward_boxing_collectives(meta: TensorMeta, src: NdSbp, dst: NdSbp, mesh_s
 def transitions_time_s(transitions: Sequence[Transition], mesh_shape: Sequence[int], cluster: Cluster) -> float:
     """Sum of the collectives' times, each on the link of its mesh axis, as the backend runs it."""
     mesh = tuple(mesh_shape)
-    return sum(collective_time_s(kind, nbytes, mesh[axis], cluster.link_for_axis(mesh, axis),
-                                 cluster.backend, cluster.efficiency.network)
-               for kind, axis, nbytes in transitions)
+    return sum(cluster_collective_time_s(kind, nbytes, mesh, axis, cluster) for kind, axis, nbytes in transitions)
 
 
 def boxing_time_s(meta: TensorMeta, src: NdSbp, dst: NdSbp, mesh_shape: Sequence[int], cluster: Cluster) -> float:

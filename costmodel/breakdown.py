@@ -20,7 +20,7 @@ import pandas as pd
 from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph
 from autoddl.plan import Plan
-from costmodel.collectives import Collective, carried_out_as, collective_time_s
+from costmodel.collectives import Collective, carried_out_as, cluster_collective_time_s
 from costmodel.compute import op_backward_time_s, op_forward_time_s, optimizer_time_s
 from costmodel.edges import plan_transitions, requires_grad, signature_of
 from costmodel.memory import activation_bytes, local_parameters, memory_bytes
@@ -94,8 +94,7 @@ def plan_cost(graph: OpGraph, plan: Plan, cluster: Cluster) -> CostBreakdown:
     for t in transitions:
         c = Collective(carried_out_as(t.kind, cluster.backend), t.axis, t.bytes, t.phase, t.tensor)
         collectives.append(c)
-        seconds = collective_time_s(c.kind, c.bytes, mesh[c.axis], cluster.link_for_axis(mesh, c.axis),
-                                    cluster.backend, cluster.efficiency.network)
+        seconds = cluster_collective_time_s(c.kind, c.bytes, mesh, c.axis, cluster)
         phase_s[c.phase] += seconds
         comm_by_op[t.op] += seconds
 

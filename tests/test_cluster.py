@@ -90,7 +90,7 @@ def test_bundled_hardware_numbers():
     v100 = Cluster.from_yaml(bundled_config("v100-16x1"))
     assert (v100.nodes, v100.devices_per_node, v100.inter_node.bandwidth_gbps) == (16, 1, 25 / 8)
     cpu = Cluster.from_yaml(bundled_config("local-cpu"))
-    assert (cpu.device.kind, cpu.backend, cpu.num_devices) == ("cpu", Backend.GLOO, 2)
+    assert (cpu.device.kind, cpu.backend, cpu.num_devices) == ("cpu", Backend.GLOO, 4)
     assert set(available_configs()) >= set(BUNDLED)
 
 
@@ -184,7 +184,7 @@ def test_unknown_top_level_key_suggests_closest(tmp_path):
     assert f"{path}: devices_per_node: missing" in errors[1]
     _, errors, _ = errors_of(tmp_path, dict(GOOD, zzz=1))
     assert errors == [f"{tmp_path / 'x.yaml'}: zzz: unknown key; known keys: name, nodes, devices_per_node, "
-                      "device, links, backend, efficiency, op_overhead_us"]
+                      "device, links, backend, efficiency, op_overhead_us, collectives, compute_curve"]
 
 
 def test_not_yaml_not_mapping_missing_file(tmp_path):

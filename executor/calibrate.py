@@ -1,0 +1,447 @@
+"""Microbenchmarks of this machine for ``autoddl calibrate``: matmuls, memory, per-op overhead, collectives.
+
+``measure(settings)`` starts ``settings.nproc`` ranks the way the executor runs them
+(one process per device; gloo on 127.0.0.1, or NCCL one GPU per rank; ``threads``
+intra-op threads per rank = one rank's share of the cores) and runs every benchmark
+on all ranks at once, so each rank sees the contention it sees in training:
+
+- matmul ``(M, K) @ (K, N)`` over square and skinny shapes (median time per shape);
+- memory bandwidth: ``copy_`` and ``add(out=)`` over arrays far beyond the caches;
+- per-op overhead: ``add`` of 1-element tensors (without grad: the dispatch a
+  benchmarked matmul pays too; with grad: plus the autograd recording a training
+  step pays), and one ``DTensor.from_local`` / ``to_local`` round, which the
+  executor pays around every op;
+- each collective kind on every mesh-axis size that divides ``nproc`` (subgroups of
+  consecutive ranks, all running at once, as the axes of a 2-D mesh do), over message
+  sizes ``M`` defined as in ``costmodel.collectives``, carried out the way the
+  executor's backend runs it (gloo: reduce-scatter is gloo's all-reduce + chunk;
+  all-to-all is DTensor's CPU fallback, an all-gather of ``M`` + a local chunk).
+
+Small messages run back to back in batches after a barrier, so a rank's exit skew
+from the barrier does not count; a point's time is the median over repetitions of
+the slowest rank. This module returns raw timings and the compute summaries; the
+collective fits (which need ``costmodel``) live in ``autoddl.calibrate_cli``.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import pickle
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+from autoddl.cluster import COLLECTIVE_KINDS
+
+SQUARE_SIZES = (64, 128, 256, 512, 1024, 2048)
+SKINNY_SHAPES = ((2048, 2048, 64), (2048, 64, 2048), (64, 2048, 2048), (2048, 256, 256),
+                 (256, 2048, 256), (256, 256, 2048), (1024, 1024, 128), (4096, 64, 64))   # (M, N, K)
+MESSAGE_BYTES = tuple(4096 * 4 ** i for i in range(7)) + (32 << 20,)                      # 4 KB .. 32 MB
+QUICK_MESSAGE_BYTES = (4096, 32 << 10, 256 << 10, 1 << 20, 4 << 20)
+LARGE_MATMUL_FLOPS = 1e9            # matmuls at least this big give efficiency.compute
+
+
+def default_threads(nproc: int) -> int:
+    """One rank's share of the cores this process may use (the executor's OMP_NUM_THREADS)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, nproc))
+
+
+def axis_sizes(nproc: int) -> tuple[int, ...]:
+    """Mesh-axis sizes ``nproc`` ranks can form: every divisor > 1 (nproc 4 -> 2, 4)."""
+    return tuple(n for n in range(2, nproc + 1) if nproc % n == 0)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``measure`` runs; ``Settings.default(...)`` gives the CLI's defaults."""
+
+    nproc: int = 2
+    backend: str = "gloo"
+    threads: int = 1
+    matmul_shapes: tuple[tuple[int, int, int], ...] = ()     # (M, N, K)
+    message_bytes: tuple[int, ...] = MESSAGE_BYTES
+    memory_bytes: int = 128 << 20     # per array (copy: 2 arrays, add: 3) on every rank
+    repeats: int = 7                  # timed repetitions per collective point / memory benchmark
+    matmul_time_s: float = 0.25       # per matmul shape (at least 3 repetitions)
+    batch_time_s: float = 0.01        # a timed batch of a small collective lasts at least this
+    timeout_s: float = 600.0
+    quick: bool = False
+    verbose: bool = True              # rank 0 prints one line per benchmark to stderr
+
+    def __post_init__(self) -> None:
+        if self.nproc < 2:
+            raise ValueError(f"calibrate: --nproc must be at least 2 to time collectives, got {self.nproc}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"calibrate: --backend must be gloo or nccl, got {self.backend!r}")
+        if self.threads < 1:
+            raise ValueError(f"calibrate: --threads must be at least 1, got {self.threads}")
+
+    @classmethod
+    def default(cls, nproc: int = 2, backend: str = "gloo", quick: bool = False,
+                threads: int | None = None, **overrides: Any) -> "Settings":
+        """Full settings (about 1-2 min for 2 ranks on 2 cores) or ``quick`` ones (~10 s, for tests)."""
+        if quick:
+            base = dict(matmul_shapes=tuple((s, s, s) for s in SQUARE_SIZES[:4]) + ((512, 512, 64),),
+                        message_bytes=QUICK_MESSAGE_BYTES, memory_bytes=32 << 20, repeats=3,
+                        matmul_time_s=0.05, batch_time_s=0.002)
+        else:
+            base = dict(matmul_shapes=tuple((s, s, s) for s in SQUARE_SIZES) + SKINNY_SHAPES)
+        base.update(overrides)
+        return cls(nproc=nproc, backend=backend, quick=quick,
+                   threads=threads if threads is not None else default_threads(nproc), **base)
+
+
+@dataclass(frozen=True)
+class MatmulTiming:
+    m: int
+    n: int
+    k: int
+    time_s: float                     # median over repetitions, mean over ranks
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k
+
+
+@dataclass(frozen=True)
+class CollectiveTiming:
+    kind: str                         # a COLLECTIVE_KINDS name
+    n_devices: int                    # mesh-axis size
+    nbytes: int                       # M as in costmodel.collectives
+    time_s: float                     # median over repetitions of the slowest rank
+    how: str                          # what ran, e.g. "gloo all_reduce"
+
+
+@dataclass(frozen=True)
+class Measurements:
+    settings: Settings
+    matmuls: tuple[MatmulTiming, ...]
+    memory_gbps: dict[str, float]     # {"copy": GB/s, "add": GB/s} per rank, bytes read + written
+    dispatch_us: float                # add of 1-element tensors, no grad (what a timed matmul pays too)
+    tiny_op_us: float                 # add of 1-element tensors needing grad (dispatch + autograd)
+    dtensor_round_us: float           # DTensor.from_local + to_local
+    collectives: tuple[CollectiveTiming, ...]
+    seconds: dict[str, float] = field(default_factory=dict)    # wall time per benchmark section
+    machine: str = ""
+
+    @property
+    def op_overhead_us(self) -> float:
+        """Per-op cost the executor pays besides the kernel: the dispatch + the DTensor round."""
+        return self.tiny_op_us + self.dtensor_round_us
+
+
+@dataclass(frozen=True)
+class ComputeSummary:
+    """Peak, large-matmul efficiency and the efficiency curve implied by matmul timings."""
+
+    peak_tflops: float                            # best achieved (dispatch taken out) by a long matmul
+    large_efficiency: float                       # median efficiency of matmuls >= LARGE_MATMUL_FLOPS
+    curve: tuple[tuple[float, float], ...]        # (GFLOP, efficiency), GFLOP strictly increasing
+    points: tuple[tuple[MatmulTiming, float], ...]  # every timing with its efficiency, by FLOPs
+    groups: tuple[tuple[MatmulTiming, ...], ...]  # the timings behind each curve point
+
+
+def compute_summary(matmuls: tuple[MatmulTiming, ...], dispatch_s: float) -> ComputeSummary:
+    """Achieved FLOP/s = flops / (time - dispatch_s): the cost model adds the per-op overhead itself.
+
+    The peak is the best rate among matmuls lasting at least 10x the dispatch (so a noisy
+    dispatch time cannot inflate it); efficiencies are capped at 1. Points within a factor
+    of 2 in FLOPs form one curve point (median efficiency at the geometric mean FLOPs), so
+    a square and a skinny matmul of one size average out.
+    """
+    if not matmuls:
+        raise ValueError("compute_summary: no matmul timings")
+    rate = {mt: mt.flops / max(mt.time_s - dispatch_s, 0.5 * mt.time_s) for mt in matmuls}
+    long = [r for mt, r in rate.items() if mt.time_s >= 10 * dispatch_s] or list(rate.values())
+    peak = max(long)
+    points = tuple(sorted(((mt, min(1.0, r / peak)) for mt, r in rate.items()), key=lambda p: p[0].flops))
+    groups: list[list[tuple[MatmulTiming, float]]] = []
+    for p in points:
+        if groups and p[0].flops < 2 * groups[-1][0][0].flops:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    curve = tuple((round(math.exp(statistics.fmean(math.log(mt.flops / 1e9) for mt, _ in g)), 6),
+                   round(min(1.0, max(1e-3, statistics.median(e for _, e in g))), 4)) for g in groups)
+    large = [e for mt, e in points if mt.flops >= LARGE_MATMUL_FLOPS] or [points[-1][1]]
+    return ComputeSummary(peak_tflops=peak / 1e12, large_efficiency=statistics.median(large), curve=curve,
+                          points=points, groups=tuple(tuple(mt for mt, _ in g) for g in groups))
+
+
+# -- running the ranks ---------------------------------------------------------------------------
+def measure(settings: Settings, start_method: str = "fork") -> Measurements:
+    """Run every benchmark on ``settings.nproc`` local ranks and combine their timings.
+
+    ``fork`` (default) starts ranks in a fraction of a second; the calling process must
+    not have initialised a process group. Raises with the failing rank's traceback, or
+    ``TimeoutError`` after ``settings.timeout_s`` (every rank is killed).
+    """
+    ctx = mp.get_context(start_method)
+    if start_method == "fork":             # ranks inherit these imports (seconds each on 2 busy cores)
+        import torch.distributed.device_mesh  # noqa: F401
+        import torch.distributed.tensor  # noqa: F401
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="autoddl-calibrate-") as out_dir:
+        procs = [ctx.Process(target=_rank_main, args=(settings, r, port, out_dir), daemon=True)
+                 for r in range(settings.nproc)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + settings.timeout_s
+        try:
+            while any(p.is_alive() for p in procs):
+                if time.monotonic() > deadline or any(
+                        not p.is_alive() and p.exitcode != 0 for p in procs) or _any_error(out_dir, procs):
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+        results, errors = [], []
+        for r in range(settings.nproc):
+            path = Path(out_dir) / f"rank{r}.pkl"
+            if not path.exists():
+                errors.append(f"--- rank {r} --- exited without a result (exit code {procs[r].exitcode})")
+                continue
+            status, value = pickle.loads(path.read_bytes())
+            (results if status == "ok" else errors).append(value if status == "ok" else f"--- rank {r} ---\n{value}")
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"calibrate: ranks still running after {settings.timeout_s:.0f} s; killed them all")
+    if errors:
+        raise RuntimeError(f"calibrate: {len(errors)} of {settings.nproc} ranks failed:\n" + "\n".join(errors))
+    return _combine(settings, results, time.perf_counter() - start)
+
+
+def _any_error(out_dir: str, procs: list) -> bool:
+    for r, p in enumerate(procs):
+        path = Path(out_dir) / f"rank{r}.pkl"
+        if not p.is_alive() and path.exists() and pickle.loads(path.read_bytes())[0] == "error":
+            return True
+    return False
+
+
+def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measurements:
+    """Compute: mean over ranks of each rank's median. Collectives: median over reps of the max over ranks."""
+    mean = statistics.fmean
+    matmuls = tuple(MatmulTiming(m, n, k, mean(r["matmul"][i] for r in ranks))
+                    for i, (m, n, k) in enumerate(settings.matmul_shapes))
+    colls = []
+    for key, how in ranks[0]["collectives_how"].items():
+        per_rep = [max(r["collectives"][key][i] for r in ranks) for i in range(settings.repeats)]
+        kind, n, nbytes = key
+        colls.append(CollectiveTiming(kind, n, nbytes, statistics.median(per_rep), how))
+    seconds = {k: max(r["seconds"][k] for r in ranks) for k in ranks[0]["seconds"]}
+    seconds["total"] = wall_s
+    return Measurements(
+        settings=settings, matmuls=matmuls,
+        memory_gbps={k: mean(r["memory_gbps"][k] for r in ranks) for k in ranks[0]["memory_gbps"]},
+        dispatch_us=mean(r["dispatch_us"] for r in ranks), tiny_op_us=mean(r["tiny_op_us"] for r in ranks),
+        dtensor_round_us=mean(r["dtensor_round_us"] for r in ranks),
+        collectives=tuple(colls), seconds=seconds, machine=ranks[0]["machine"])
+
+
+def _rank_main(settings: Settings, rank: int, port: int, out_dir: str) -> None:
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        "WORLD_SIZE": str(settings.nproc), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(settings.nproc),
+        "OMP_NUM_THREADS": str(settings.threads),
+    })
+    try:
+        result = ("ok", _Bench(settings, rank).run())
+    except BaseException:  # report every failure to the parent
+        result = ("error", traceback.format_exc())
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+    out = Path(out_dir) / f"rank{rank}.pkl"
+    tmp = out.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(result))
+    os.replace(tmp, out)
+
+
+# -- the benchmarks, inside one rank ---------------------------------------------------------------
+class _Bench:
+    def __init__(self, settings: Settings, rank: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist, self.s, self.rank = torch, dist, settings, rank
+        torch.set_num_threads(settings.threads)
+        if settings.backend == "nccl":
+            torch.cuda.set_device(rank)
+            self.device = torch.device("cuda", rank)
+            self.sync: Callable[[], None] = torch.cuda.synchronize
+        else:
+            self.device, self.sync = torch.device("cpu"), (lambda: None)
+        dist.init_process_group(settings.backend, rank=rank, world_size=settings.nproc,
+                                timeout=timedelta(seconds=max(60.0, settings.timeout_s)))
+        self.seconds: dict[str, float] = {}
+
+    def say(self, text: str) -> None:
+        if self.rank == 0 and self.s.verbose:
+            print(f"calibrate: {text}", file=sys.stderr, flush=True)
+
+    def agree_max(self, value: float) -> float:
+        t = self.torch.tensor([value], dtype=self.torch.float64, device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def time_calls(self, fn: Callable[[], Any], calls: int) -> float:
+        """Seconds per call of ``calls`` back-to-back calls of ``fn``."""
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        self.sync()
+        return (time.perf_counter() - t0) / calls
+
+    def run(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
+                                          f"{os.cpu_count()} cores, torch {self.torch.__version__}"}
+        for name, fn in (("overhead", self.overhead), ("memory", self.memory), ("matmul", self.matmuls),
+                         ("collectives", self.collectives)):
+            self.dist.barrier()
+            t0 = time.perf_counter()
+            out.update(fn())
+            self.seconds[name] = time.perf_counter() - t0
+        out["seconds"] = self.seconds
+        return out
+
+    def overhead(self) -> dict[str, float]:
+        torch = self.torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate
+
+        a = torch.ones(1, device=self.device, requires_grad=True)
+        b = torch.ones(1, device=self.device, requires_grad=True)
+        a0, b0 = a.detach(), b.detach()
+        calls = 300 if self.s.quick else 2000
+        dispatch = statistics.median(self.time_calls(lambda: torch.add(a0, b0), calls) for _ in range(5))
+        tiny = statistics.median(self.time_calls(lambda: torch.add(a, b), calls) for _ in range(5))
+        mesh = init_device_mesh(self.device.type, (self.s.nproc,))
+        x = torch.ones(1, device=self.device, requires_grad=True)
+        placements = [Replicate()]
+
+        def round_trip() -> Any:
+            return DTensor.from_local(x, mesh, placements, run_check=False).to_local()
+
+        dt_round = statistics.median(self.time_calls(round_trip, calls // 4) for _ in range(5))
+        self.say(f"per-op overhead: add of 1-element tensors {dispatch * 1e6:.1f} us ({tiny * 1e6:.1f} us with "
+                 f"grad), DTensor from_local + to_local {dt_round * 1e6:.1f} us (rank 0)")
+        return {"dispatch_us": dispatch * 1e6, "tiny_op_us": tiny * 1e6, "dtensor_round_us": dt_round * 1e6}
+
+    def memory(self) -> dict[str, Any]:
+        torch = self.torch
+        numel = self.s.memory_bytes // 4
+        src = torch.rand(numel, device=self.device)
+        dst, c = torch.empty_like(src), torch.empty_like(src)
+        dst.copy_(src)
+        c.copy_(src)
+        gbps = {}
+        for name, fn, moved in (("copy", lambda: dst.copy_(src), 2), ("add", lambda: torch.add(src, dst, out=c), 3)):
+            self.dist.barrier()
+            fn()
+            t = statistics.median(self.time_calls(fn, 1) for _ in range(self.s.repeats))
+            gbps[name] = moved * numel * 4 / t / 1e9
+        self.say(f"memory bandwidth over {self.s.memory_bytes >> 20} MB arrays: copy {gbps['copy']:.2f} GB/s, "
+                 f"add {gbps['add']:.2f} GB/s (read + written, rank 0)")
+        return {"memory_gbps": gbps}
+
+    def matmuls(self) -> dict[str, Any]:
+        torch = self.torch
+        times = []
+        for m, n, k in self.s.matmul_shapes:
+            a = torch.randn(m, k, device=self.device)                     # (M, K)
+            b = torch.randn(k, n, device=self.device)                     # (K, N)
+            out = torch.empty(m, n, device=self.device)                   # (M, N)
+            self.dist.barrier()
+            warm = self.time_calls(lambda: torch.mm(a, b, out=out), 1)
+            reps = int(min(50, max(3, math.ceil(self.s.matmul_time_s / max(self.agree_max(warm), 1e-9)))))
+            t = statistics.median(self.time_calls(lambda: torch.mm(a, b, out=out), 1) for _ in range(reps))
+            times.append(t)
+            self.say(f"matmul ({m}x{k}) @ ({k}x{n}): {t * 1e3:.3f} ms, {2 * m * n * k / t / 1e9:.1f} GFLOP/s "
+                     f"({reps} reps, {self.s.threads} thread{'s' * (self.s.threads > 1)}, rank 0)")
+        return {"matmul": times}
+
+    def collectives(self) -> dict[str, Any]:
+        results: dict[tuple[str, int, int], list[float]] = {}
+        how: dict[tuple[str, int, int], str] = {}
+        for n in axis_sizes(self.s.nproc):
+            group = None
+            if n < self.s.nproc:
+                group, _ = self.dist.new_subgroups(group_size=n)
+            for kind in COLLECTIVE_KINDS:
+                first = last = 0.0
+                for nbytes in self.s.message_bytes:
+                    op, real_bytes, text = self.collective_op(kind, nbytes, n, group)
+                    op()
+                    self.dist.barrier()
+                    warm = self.agree_max(statistics.median(self.time_calls(op, 1) for _ in range(3)))
+                    calls = int(min(200, max(1, math.ceil(self.s.batch_time_s / max(warm, 1e-9)))))
+                    reps = []
+                    for _ in range(self.s.repeats):
+                        self.dist.barrier()
+                        reps.append(self.time_calls(op, calls))
+                    key = (kind, n, real_bytes)
+                    results[key], how[key] = reps, text
+                    first = first or statistics.median(reps)
+                    last = statistics.median(reps)
+                self.say(f"{kind} on {n} of {self.s.nproc} ranks ({how[key]}): "
+                         f"{first * 1e6:.0f} us at {self.s.message_bytes[0] >> 10} KB .. "
+                         f"{last * 1e3:.2f} ms at {self.s.message_bytes[-1] >> 10} KB (rank 0)")
+        return {"collectives": results, "collectives_how": how}
+
+    def collective_op(self, kind: str, nbytes: int, n: int, group: Any) -> tuple[Callable[[], Any], int, str]:
+        """A closure running ``kind`` on ``M ~= nbytes`` (rounded so every piece divides), the real M, a label."""
+        torch, dist, dev = self.torch, self.dist, self.device
+        unit = 8 * n * n                                   # float32 elements: rows and columns split by n
+        numel = max(unit, nbytes // 4 // unit * unit)
+        cols = 8 * n
+        rows = numel // cols
+        full = torch.zeros(rows, cols, device=dev)         # (rows, cols): M bytes
+        piece = torch.zeros(rows // n, cols, device=dev)   # (rows / n, cols): M / n bytes
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        backend = self.s.backend
+        if kind == "all_reduce":
+            return (lambda: dist.all_reduce(full, group=group)), numel * 4, f"{backend} all_reduce"
+        if kind == "all_gather":
+            return (lambda: gather(full, piece, group=group)), numel * 4, f"{backend} all_gather"
+        if kind == "reduce_scatter":
+            text = f"{backend} reduce_scatter" + (" (gloo: all_reduce + chunk)" if backend == "gloo" else "")
+            return (lambda: scatter(piece, full, group=group)), numel * 4, text
+        if kind == "all_to_all":
+            if backend == "gloo":                          # DTensor's CPU fallback for S(i) -> S(j)
+                local_rank = self.rank % n
+
+                def gather_chunk() -> Any:
+                    gather(full, piece, group=group)
+                    return full.chunk(n, dim=1)[local_rank].contiguous()
+
+                return gather_chunk, numel * 4, "gloo all_gather + chunk (DTensor's CPU all-to-all)"
+            recv = torch.empty_like(piece)
+            return (lambda: dist.all_to_all_single(recv, piece, group=group)), numel * 4, f"{backend} all_to_all"
+        if kind == "broadcast":
+            src = self.rank // n * n                       # the group's first global rank
+            return (lambda: dist.broadcast(full, src=src, group=group)), numel * 4, f"{backend} broadcast"
+        raise ValueError(f"calibrate: no benchmark for collective kind {kind!r}; known: {COLLECTIVE_KINDS}")

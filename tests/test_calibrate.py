@@ -1,0 +1,266 @@
+"""`autoddl calibrate`: fits recover known latency/bandwidth, the schema's new sections, the cost model's use
+of them, and one real --quick run on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import yaml
+
+import autoddl.calibrate_cli  # noqa: F401  (registers `calibrate` with autoddl.cli)
+from autoddl import cli
+from autoddl.calibrate_cli import calibrate_cluster, combined_link, disagreeing_kinds, fit_collectives
+from autoddl.cluster import CONFIG_DIR, Backend, Cluster, ClusterConfigError, CollectiveFits, LinkSpec
+from costmodel.collectives import (CollectiveKind as K, cluster_collective_time_s, collective_time_s,
+                                   fit_collective)
+from costmodel.compute import compute_efficiency, roofline_time_s
+from executor.calibrate import (CollectiveTiming, MatmulTiming, Measurements, Settings, axis_sizes,
+                                compute_summary)
+
+MB = 2 ** 20
+SIZES = [4096 * 4 ** i for i in range(7)] + [32 * MB]
+
+
+def ring_time_s(kind: str, m: float, n: int, b: float, a: float) -> float:
+    """The cost model's formulas, written out here (DESIGN.md "Cost model")."""
+    return {
+        "all_reduce": 2 * (n - 1) / n * m / b + 2 * (n - 1) * a,
+        "all_gather": (n - 1) / n * m / b + (n - 1) * a,
+        "reduce_scatter": (n - 1) / n * m / b + (n - 1) * a,
+        "all_to_all": (n - 1) / n * (m / n) / b + (n - 1) * a,
+        "broadcast": m / b + (n - 1) * a,
+    }[kind]
+
+
+GLOO_FORMULA = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "all_reduce",
+                "all_to_all": "all_gather", "broadcast": "broadcast"}
+
+
+def base_cluster() -> Cluster:
+    """The bundled local-cpu cluster without its measured per-kind fits and compute curve."""
+    return dataclasses.replace(Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml"), collectives=CollectiveFits(),
+                               compute_curve=())
+
+
+# -- fitting ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+@pytest.mark.parametrize("kind", list(GLOO_FORMULA))
+def test_fit_recovers_known_alpha_beta_exactly(kind, backend):
+    a, b = 37e-6, 1.7e9                                      # 37 us, 1.7 GB/s
+    formula = GLOO_FORMULA[kind] if backend == "gloo" else kind
+    samples = [(n, m, ring_time_s(formula, m, n, b, a)) for n in (2, 4) for m in SIZES]
+    fit = fit_collective(K(kind), backend, samples)
+    assert fit.carried_as.value == formula and fit.points == len(samples)
+    assert fit.latency_us == pytest.approx(37.0, rel=1e-9)
+    assert fit.bandwidth_gbps == pytest.approx(1.7, rel=1e-9)
+    assert fit.r2 == pytest.approx(1.0, abs=1e-12) and fit.max_rel_residual < 1e-9
+    assert fit.predict_s(5 * MB, 4) == pytest.approx(ring_time_s(formula, 5 * MB, 4, b, a), rel=1e-9)
+
+
+def test_fit_is_least_squares_in_relative_error_and_reports_quality():
+    a, b = 100e-6, 1e9
+    clean = [(2, m, ring_time_s("all_reduce", m, 2, b, a)) for m in SIZES]
+    noisy = [(n, m, t * (1.1 if i % 2 else 0.9)) for i, (n, m, t) in enumerate(clean)]
+    fit = fit_collective(K.ALL_REDUCE, "gloo", noisy)
+    pred = [ring_time_s("all_reduce", m, 2, fit.bandwidth_gbps * 1e9, fit.latency_us * 1e-6) for _, m, _ in noisy]
+    rel = [abs(p - t) / t for p, (_, _, t) in zip(pred, noisy)]
+    assert fit.max_rel_residual == pytest.approx(max(rel))
+    t = [s[2] for s in noisy]
+    mean = sum(t) / len(t)
+    r2 = 1 - sum((p - x) ** 2 for p, x in zip(pred, t)) / sum((x - mean) ** 2 for x in t)
+    assert fit.r2 == pytest.approx(r2) and 0.9 < fit.r2 < 1
+    assert 0.8 < fit.bandwidth_gbps < 1.25 and 70 < fit.latency_us < 130
+
+
+def test_fit_clamps_negative_latency_and_rejects_flat_timings():
+    b = 2e9
+    samples = [(2, m, m / b - 5e-6) for m in SIZES[3:]]    # unconstrained least squares: latency < 0
+    fit = fit_collective(K.BROADCAST, "gloo", samples)
+    w = [1 / t for _, _, t in samples]
+    x = [m for _, m, _ in samples]                            # broadcast on 2: t = M / b + a
+    inv_b = (sum(xi * wi * wi * ti for xi, wi, (_, _, ti) in zip(x, w, samples))
+             / sum((xi * wi) ** 2 for xi, wi in zip(x, w)))
+    assert fit.latency_us == 0 and fit.bandwidth_gbps == pytest.approx(1 / inv_b / 1e9)
+    with pytest.raises(ValueError, match="do not grow with message size"):
+        fit_collective(K.ALL_REDUCE, "gloo", [(2, m, 1e-3 / (i + 1)) for i, m in enumerate(SIZES)])
+    with pytest.raises(ValueError, match="2 or more"):
+        fit_collective(K.ALL_REDUCE, "gloo", [(2, 4096, 1e-4), (1, 8192, 1e-4)])
+
+
+def test_combined_link_and_disagreeing_kinds():
+    def timings(kind, a, b):
+        return [CollectiveTiming(kind, 2, m, ring_time_s(GLOO_FORMULA[kind], m, 2, b, a), "synthetic") for m in SIZES]
+
+    same = [t for k in GLOO_FORMULA for t in timings(k, 50e-6, 1e9)]
+    fits = fit_collectives(same, "gloo")
+    link = combined_link(fits)
+    assert link.latency_us == pytest.approx(50) and link.bandwidth_gbps == pytest.approx(1)
+    assert disagreeing_kinds(fits, link) == []
+    mixed = [t for k, (a, b) in {"all_reduce": (50e-6, 1e9), "all_gather": (60e-6, 0.5e9),
+                                 "reduce_scatter": (52e-6, 1.1e9), "all_to_all": (58e-6, 0.95e9),
+                                 "broadcast": (30e-6, 3e9)}.items() for t in timings(k, a, b)]
+    fits = fit_collectives(mixed, "gloo")
+    link = combined_link(fits)
+    assert link.latency_us == pytest.approx(52) and link.bandwidth_gbps == pytest.approx(1.0)   # medians
+    assert disagreeing_kinds(fits, link) == ["all_gather", "broadcast"]
+    flat = [CollectiveTiming("broadcast", 2, m, 1e-3, "synthetic") for m in SIZES]     # pure noise
+    failed: dict[str, str] = {}
+    fits = fit_collectives(timings("all_reduce", 50e-6, 1e9) + flat, "gloo", failed)
+    assert list(fits) == ["all_reduce"] and "do not grow with message size" in failed["broadcast"]
+    with pytest.raises(ValueError, match="no collective could be fitted.*idle"):
+        fit_collectives(flat, "gloo")
+
+
+# -- schema ----------------------------------------------------------------------------------------
+def test_schema_collectives_and_curve_load_validate_and_round_trip(tmp_path):
+    d = base_cluster().to_dict()
+    d["collectives"] = {"all_reduce": {"latency_us": 80, "bandwidth_gbps": 1.5}, "broadcast": {
+        "latency_us": 40.5, "bandwidth_gbps": 3}}
+    d["compute_curve"] = [[0.0005, 0.3], [0.03, 0.8], [2, 0.95]]
+    c = Cluster.from_dict(d)
+    assert c.collectives.get(K.ALL_REDUCE) == LinkSpec(1.5, 80) and c.collectives.get("all_gather") is None
+    assert c.compute_curve == ((0.0005, 0.3), (0.03, 0.8), (2.0, 0.95))
+    out = tmp_path / "c.yaml"
+    c.to_yaml(out, comments={"collectives.all_reduce": "fitted", "compute_curve.1": "256^3"}, header="line 1\nline 2")
+    text = out.read_text()
+    assert text.startswith("# line 1\n# line 2\nname: ")
+    assert "  all_reduce:  # fitted\n" in text and "  - [0.03, 0.8]  # 256^3\n" in text
+    back = Cluster.from_yaml(out)
+    assert back == c and hash(back) == hash(c)
+    assert yaml.safe_load(text)["compute_curve"] == [[0.0005, 0.3], [0.03, 0.8], [2, 0.95]]
+    bad = dict(d, collectives={"all_reduc": {"latency_us": 1, "bandwidth_gbps": 1},
+                               "broadcast": {"latency_us": -1, "bandwidth_gbps": 1}},
+               compute_curve=[[0.1, 0.5], [0.05, 0.6], [1, 1.5], "x"])
+    with pytest.raises(ClusterConfigError) as info:
+        Cluster.from_dict(bad, source="bad.yaml")
+    errors = info.value.errors
+    assert any("collectives.all_reduc: unknown key; did you mean 'all_reduce'?" in e for e in errors)
+    assert any("collectives.broadcast.latency_us: expected a non-negative number" in e for e in errors)
+    assert any("compute_curve[1][0]: GFLOPs must increase strictly" in e for e in errors)
+    assert any("compute_curve[2][1]: expected an efficiency (fraction of peak) in (0, 1], got 1.5" in e
+               for e in errors)
+    assert any("compute_curve[3]: expected a pair [gflop, efficiency], got 'x'" in e for e in errors)
+    assert all(e.startswith("bad.yaml: ") for e in errors) and len(errors) == 5
+
+
+# -- cost model ------------------------------------------------------------------------------------
+def test_cost_model_uses_per_kind_fits_on_intra_node_axes():
+    base = dataclasses.replace(base_cluster(), nodes=2, devices_per_node=2,
+                               inter_node=LinkSpec(bandwidth_gbps=0.1, latency_us=500.0),
+                               efficiency=dataclasses.replace(base_cluster().efficiency, network=0.5))
+    fitted = dataclasses.replace(base, collectives=CollectiveFits(all_reduce=LinkSpec(3.0, 20.0),
+                                                                  all_gather=LinkSpec(0.7, 90.0)))
+    m, eff = 3 * MB, 0.5
+    ar = ring_time_s("all_reduce", m, 2, 3.0e9 * eff, 20e-6)
+    # mesh (2, 2): axis 1 is inside a node (fits apply), axis 0 crosses nodes (inter-node link)
+    assert cluster_collective_time_s(K.ALL_REDUCE, m, (2, 2), 1, fitted) == pytest.approx(ar, rel=1e-12)
+    assert cluster_collective_time_s(K.ALL_GATHER, m, (2, 2), -1, fitted) == pytest.approx(
+        ring_time_s("all_gather", m, 2, 0.7e9 * eff, 90e-6), rel=1e-12)
+    # gloo reduce-scatter is an all-reduce: without its own fit it takes all_reduce's
+    assert cluster_collective_time_s(K.REDUCE_SCATTER, m, (2, 2), 1, fitted) == pytest.approx(ar, rel=1e-12)
+    # all-to-all on gloo is an all-gather of M: all_gather's fit
+    assert cluster_collective_time_s(K.ALL_TO_ALL, m, (2, 2), 1, fitted) == pytest.approx(
+        ring_time_s("all_gather", m, 2, 0.7e9 * eff, 90e-6), rel=1e-12)
+    link = base.intra_node
+    assert cluster_collective_time_s(K.BROADCAST, m, (2, 2), 1, fitted) == pytest.approx(
+        ring_time_s("broadcast", m, 2, link.bandwidth_gbps * 1e9 * eff, link.latency_us * 1e-6), rel=1e-12)
+    assert cluster_collective_time_s(K.ALL_REDUCE, m, (2, 2), 0, fitted) == pytest.approx(
+        ring_time_s("all_reduce", m, 2, 0.1e9 * eff, 500e-6), rel=1e-12)
+    for kind in K:                                              # no fits: exactly collective_time_s
+        for axis in (0, 1):
+            assert cluster_collective_time_s(kind, m, (2, 2), axis, base) == collective_time_s(
+                kind, m, 2, base.link_for_axis((2, 2), axis), base.backend, eff)
+
+
+def test_compute_curve_sets_efficiency_by_op_flops():
+    cpu = base_cluster()
+    curved = dataclasses.replace(cpu, compute_curve=((0.001, 0.2), (0.1, 0.6), (10.0, 0.9)))
+    assert compute_efficiency(1e6, curved) == pytest.approx(0.2)            # at a point
+    assert compute_efficiency(1e3, curved) == 0.2 and compute_efficiency(1e12, curved) == 0.9   # flat ends
+    w = math.log(1e9 / 1e8) / math.log(10 / 0.1)                            # 1 GFLOP between 0.1 and 10
+    assert compute_efficiency(1e9, curved) == pytest.approx(0.6 + w * 0.3)
+    assert compute_efficiency(1e9, cpu) == cpu.efficiency.compute           # no curve
+    peak = cpu.device.peak_tflops * 1e12
+    assert roofline_time_s(1e9, 8, curved) == pytest.approx(1e9 / (peak * 0.75))
+    # backward of a matmul: 2 ops of the forward's size, read off the curve at that size
+    assert roofline_time_s(2e8, 8, curved, op_flops=1e8) == pytest.approx(2e8 / (peak * 0.6))
+
+
+def test_compute_summary_peak_and_curve():
+    peak = 50e9                                                 # FLOP/s
+    eff = {64: 0.2, 128: 0.5, 512: 0.8, 1024: 1.0}
+    overhead = 5e-6
+    mts = tuple(MatmulTiming(s, s, s, 2 * s ** 3 / (peak * e) + overhead) for s, e in eff.items())
+    skinny = MatmulTiming(1024, 1024, 128, 2 * 1024 * 1024 * 128 / (peak * 0.6) + overhead)   # = 512^3 FLOPs
+    # shorter than 10x the dispatch: its rate (65 GFLOP/s after taking out the dispatch) sets no peak
+    tiny = MatmulTiming(32, 32, 32, 2e-6)
+    summary = compute_summary((tiny,) + mts + (skinny,), overhead)
+    assert summary.peak_tflops == pytest.approx(0.05)
+    assert [e for _, e in summary.curve] == [1.0, 0.2, 0.5, 0.7, 1.0]       # 512^3 and skinny: median 0.7
+    assert [g for g, _ in summary.curve] == [round(2 * s ** 3 / 1e9, 6) for s in (32, *eff)]
+    assert summary.large_efficiency == pytest.approx(1.0)                     # 1024^3 = 2.1 GFLOP
+    assert [len(g) for g in summary.groups] == [1, 1, 1, 2, 1]
+
+
+def synthetic_measurements(kind_params: dict[str, tuple[float, float]]) -> Measurements:
+    settings = Settings.default(2, quick=True, threads=1)
+    colls = tuple(CollectiveTiming(k, 2, m, ring_time_s(GLOO_FORMULA[k], m, 2, b, a), "synthetic")
+                  for k, (a, b) in kind_params.items() for m in settings.message_bytes)
+    mts = tuple(MatmulTiming(m, n, k, 2 * m * n * k / 40e9) for m, n, k in settings.matmul_shapes)
+    return Measurements(settings=settings, matmuls=mts, memory_gbps={"copy": 9.0, "add": 7.5}, dispatch_us=0.0,
+                        tiny_op_us=4.0, dtensor_round_us=56.0, collectives=colls, seconds={"total": 1.0}, machine="test")
+
+
+def test_calibrate_cluster_from_synthetic_measurements(tmp_path):
+    agree = {k: (50e-6, 1.2e9) for k in GLOO_FORMULA}
+    cal = calibrate_cluster(synthetic_measurements(agree), base_cluster(), devices_per_node=4, command="x")
+    c = cal.cluster
+    assert (c.name, c.backend, c.devices_per_node, c.device.name) == ("local-cpu", Backend.GLOO, 4, "cpu-core-avx2")
+    assert c.intra_node == LinkSpec(1.2, 50.0) == c.inter_node and not c.collectives
+    assert c.device.peak_tflops == 0.04 and c.efficiency.compute == 1.0 and c.device.memory_bandwidth_gbps == 9.0
+    assert c.op_overhead_us == 60.0 and all(e == 1.0 for _, e in c.compute_curve)
+    out = tmp_path / "cal.yaml"
+    cal.write(out)
+    assert Cluster.from_yaml(out) == c
+    text = out.read_text()
+    assert "devices_per_node: 4  # ranks on this machine; calibrated with 2; above 2 ranks they share cores" in text
+    differ = dict(agree, broadcast=(20e-6, 4e9))
+    cal = calibrate_cluster(synthetic_measurements(differ), base_cluster(), command="x")
+    assert cal.cluster.collectives.get("broadcast") == LinkSpec(4.0, 20.0)
+    assert cal.cluster.collectives.get("all_reduce") == LinkSpec(1.2, 50.0)
+    cal.write(out)
+    assert Cluster.from_yaml(out) == cal.cluster and "  broadcast:  # a 20.0 us, b 4.000 GB/s" in out.read_text()
+
+
+# -- the real thing, quick ---------------------------------------------------------------------
+def test_axis_sizes():
+    assert axis_sizes(2) == (2,) and axis_sizes(4) == (2, 4) and axis_sizes(6) == (2, 3, 6)
+
+
+def test_quick_calibration_on_two_gloo_ranks(tmp_path, capfd):
+    out, raw = tmp_path / "local.yaml", tmp_path / "raw.csv"
+    assert cli.main(["calibrate", "--nproc", "2", "--quick", "--out", str(out), "--raw", str(raw)]) == 0
+    c = Cluster.from_yaml(out)
+    assert (c.name, c.backend, c.device.kind, c.devices_per_node) == ("local-cpu", Backend.GLOO, "cpu", 4)
+    numbers = [c.device.peak_tflops, c.device.memory_bandwidth_gbps, c.intra_node.bandwidth_gbps,
+               c.intra_node.latency_us, c.op_overhead_us, c.efficiency.compute]
+    assert all(x > 0 and math.isfinite(x) for x in numbers), numbers
+    assert 1e-3 < c.device.peak_tflops < 10 and c.compute_curve[-1][0] == pytest.approx(2 * 512 ** 3 / 1e9, rel=1e-3)
+    assert c.compute_curve and all(0 < e <= 1 for _, e in c.compute_curve)
+    c.to_yaml(tmp_path / "again.yaml")
+    assert Cluster.from_yaml(tmp_path / "again.yaml") == c
+    err = capfd.readouterr().err
+    assert err.count("calibrate: matmul") == len(Settings.default(2, quick=True).matmul_shapes)
+    assert all(f"calibrate: {k} on 2 of 2 ranks" in err for k in GLOO_FORMULA)
+    rows = raw.read_text().splitlines()
+    assert rows[0] == "benchmark,what,n_devices,bytes_or_flops,time_s" and len(rows) > 25
+
+
+def test_calibrate_rejects_bad_options_before_measuring(capsys):
+    assert cli.main(["calibrate", "--backend", "nccl"]) == 2
+    err = capsys.readouterr().err
+    assert "calibrate --backend nccl: the base cluster" in err and "pass --base with a cuda device" in err
+    assert cli.main(["calibrate", "--nproc", "1"]) == 2
+    assert "autoddl: error: calibrate: --nproc must be at least 2 to time collectives, got 1" in capsys.readouterr().err
