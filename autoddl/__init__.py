@@ -7,8 +7,11 @@ from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
 from autoddl.loader import ModelFile, ModelFileError, default_loss, load_model_file, trace_model_file
 from autoddl.sbp import B, P, S, Broadcast, NdSbp, Partial, Signature, Split, parse_sbp
 from autoddl.trace import TraceError, trace
+from autoddl.plan import Mesh, Plan
+from autoddl.api import compare, parallelize, plan
 
 __all__ = [
+    "Mesh", "Plan", "compare", "parallelize", "plan",
     "ModelFile", "ModelFileError", "default_loss", "load_model_file", "trace_model_file",
     "Backend", "Cluster", "ClusterConfigError", "DeviceSpec", "Efficiency", "LinkSpec",
     "DEFAULT_CLUSTER_PATH", "bundled_config",

@@ -25,7 +25,7 @@ from autoddl.trace import TraceError, trace
 AddFn = Callable[["argparse._SubParsersAction"], None]
 
 SUBCOMMANDS: dict[str, AddFn] = {}
-COMMAND_MODULES: list[str] = ["autoddl.plan_cli", "autoddl.calibrate_cli"]  # imported before parsing, for their @register
+COMMAND_MODULES: list[str] = ["autoddl.plan_cli", "autoddl.run_cli", "autoddl.calibrate_cli"]  # imported before parsing, for their @register
 # Failures that are the user's input, reported in one line; command modules may append their own.
 EXPECTED_ERRORS: list[type[BaseException]] = [ModelFileError, TraceError, FileNotFoundError, ValueError]
 

@@ -67,6 +67,8 @@ def add_plan(subparsers) -> None:
                                           "print the found plan next to every expert baseline.")
     _add_search_options(p)
     p.add_argument("--out", default="plan.json", metavar="PLAN_JSON", help="where to write the plan")
+    p.add_argument("--scheme", default="found", metavar="NAME",
+                   help="which plan to write: found (default) or a baseline (dp, zero3, tp, sp, dp_tp)")
     p.add_argument("--verbose", action="store_true", help="print the per-op table of the found plan")
     p.set_defaults(func=run_plan)
 
@@ -91,11 +93,16 @@ def run_plan(args: argparse.Namespace) -> int:
     print(line)
     for note in found.notes:
         print(f"note: {note}")
+    chosen = next((s for s in outcome.schemes if s.name == args.scheme), None)
+    if chosen is None or chosen.plan is None:
+        why = chosen.reason if chosen is not None else "no such scheme"
+        raise ValueError(f"--scheme {args.scheme}: {why}; choose one of "
+                         f"{', '.join(s.name for s in outcome.schemes if s.plan is not None)}")
     if args.verbose:
         print()
-        print(found.summary().to_string(index=False))
-    found.save(args.out)
-    print(f"wrote {args.out}")
+        print(chosen.plan.summary().to_string(index=False))
+    chosen.plan.save(args.out)
+    print(f"wrote {args.out} ({chosen.name} plan)")
     return 0
 
 

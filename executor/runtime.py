@@ -163,9 +163,8 @@ class DistributedModel(nn.Module):
         if not isinstance(loss, DTensor) or loss.numel() != 1:
             raise PlanExecutionError("the traced graph's first output must be a scalar loss: trace with "
                                      "autoddl.trace(model, inputs, loss_fn)")
-        out_sig = self.plan.signatures.get("output")
-        if out_sig is not None and out_sig.inputs:
-            loss = box(loss, out_sig.inputs[0].to_placements())
+        # every rank reports the loss: box it straight to B (costmodel/edges.py prices this;
+        # an "output" signature is not applied, it would only add a B -> P -> B round trip)
         if self.recorder is not None:
             self.recorder.tensor = "output"
         loss = box(loss, (Replicate(),) * self.mesh.ndim)

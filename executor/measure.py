@@ -1,0 +1,227 @@
+"""Measured step time and memory, and the runs table they are appended to.
+
+A run's timing is ``time_steps``: W warm-up steps, then S measured steps, each
+between two barriers (and ``torch.cuda.synchronize`` on CUDA) so that a step's
+time is the slowest rank's and no rank starts the next step early; the summary
+is ``StepStats`` (median, p10, p90). Peak memory per rank is ``PeakMemory``:
+on CUDA ``torch.cuda.max_memory_allocated`` after a reset; on CPU the growth of
+the process's peak resident set (``VmHWM``, reset through
+``/proc/self/clear_refs`` when the kernel allows it, else ``ru_maxrss``) above
+the resident set at ``start()``.
+
+``append_row`` adds one row to a CSV atomically: it reads the table, writes
+the whole table plus the row to a temporary file in the same directory and
+``os.replace``-s it over the old one, so a crash at any point leaves either the
+old table or the new one, never a torn file.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import io
+import os
+import resource
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+RUN_COLUMNS = (
+    "time", "git_commit", "model", "preset", "cluster", "plan", "mesh", "nproc", "backend",
+    "predicted_step_s", "predicted_compute_s", "predicted_comm_s", "predicted_grad_sync_s",
+    "predicted_optimizer_s", "measured_median_s", "measured_p10_s", "measured_p90_s", "peak_memory_mb",
+    "check_max_rel_err",
+)
+
+
+# -- step time ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepStats:
+    median_s: float
+    p10_s: float
+    p90_s: float
+    steps: int
+
+    @classmethod
+    def of(cls, times_s: Sequence[float]) -> "StepStats":
+        if not times_s:
+            raise ValueError("StepStats.of: no step times (run at least one measured step, --steps >= 1)")
+        return cls(statistics.median(times_s), percentile(times_s, 10), percentile(times_s, 90), len(times_s))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default): q in [0, 100]."""
+    xs = sorted(values)
+    if not xs:
+        raise ValueError("percentile of an empty sequence")
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def time_steps(step: Callable[[], Any], steps: int, warmup: int, *, barrier: Callable[[], None] | None = None,
+               sync: Callable[[], None] | None = None,
+               progress: Callable[[str, int, int, float], None] | None = None) -> list[float]:
+    """Run ``warmup`` then ``steps`` calls of ``step``; return the measured steps' times in seconds.
+
+    Each step is timed from after a ``barrier()`` to after the next ``barrier()`` (``sync()`` first,
+    e.g. ``torch.cuda.synchronize``), i.e. until every rank finished it. ``progress(kind, i, n,
+    seconds)`` is called after each step with kind "warmup" or "step" (i counted from 1).
+    """
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"time_steps: need steps >= 1 and warmup >= 0, got steps={steps} warmup={warmup}")
+    barrier = barrier or (lambda: None)
+    sync = sync or (lambda: None)
+    times: list[float] = []
+    for i in range(warmup + steps):
+        sync()
+        barrier()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        barrier()
+        seconds = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(seconds)
+        if progress is not None:
+            kind, k, n = ("warmup", i + 1, warmup) if i < warmup else ("step", i - warmup + 1, steps)
+            progress(kind, k, n, seconds)
+    return times
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+def _status_kb(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _reset_hwm() -> bool:
+    """Reset the kernel's peak-RSS counter (VmHWM) of this process; False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """Peak memory this process used for the work between ``start()`` and ``peak_mb()``, in MB (1e6 bytes)."""
+
+    def __init__(self, device: str = "cpu"):
+        import torch  # here, not at module level: the runs table needs no torch
+
+        self._torch = torch
+        self.cuda = device == "cuda" and torch.cuda.is_available()
+        self._base_kb = 0
+        self._hwm_reset = False
+
+    def start(self) -> None:
+        if self.cuda:
+            cuda = self._torch.cuda
+            cuda.synchronize()
+            cuda.reset_peak_memory_stats()
+            self._base_kb = cuda.memory_allocated() // 1024
+            return
+        self._hwm_reset = _reset_hwm() and _status_kb("VmHWM") is not None
+        rss = _status_kb("VmRSS")
+        self._base_kb = rss if (self._hwm_reset and rss is not None) else \
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+
+    def peak_mb(self) -> float:
+        """Peak above the level at ``start()``: CUDA allocated bytes, or CPU resident set."""
+        if self.cuda:
+            cuda = self._torch.cuda
+            cuda.synchronize()
+            return max(0, cuda.max_memory_allocated() - self._base_kb * 1024) / 1e6
+        peak_kb = _status_kb("VmHWM") if self._hwm_reset else None
+        if peak_kb is None:
+            peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return max(0, peak_kb - self._base_kb) * 1024 / 1e6
+
+
+# -- the runs table -------------------------------------------------------------------------------
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def git_commit(cwd: str | os.PathLike | None = None) -> str:
+    """``git rev-parse --short HEAD`` of the repository holding ``cwd`` (this package by default)."""
+    cwd = cwd or Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def read_rows(path: str | os.PathLike) -> tuple[list[str], list[dict[str, str]]]:
+    """Header and rows of a CSV; ([], []) when it does not exist or is empty."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return [], []
+    reader = csv.DictReader(io.StringIO(text))
+    rows = list(reader)
+    return list(reader.fieldnames or []), rows
+
+
+def append_row(path: str | os.PathLike, row: Mapping[str, Any], columns: Sequence[str] = RUN_COLUMNS) -> None:
+    """Append ``row`` to the CSV at ``path`` atomically (read, write a temp file alongside, os.replace).
+
+    Columns are ``columns`` followed by any other column the existing file or the row has;
+    missing values are empty. A row key outside them is kept, never dropped.
+    """
+    path = Path(path)
+    header, rows = read_rows(path)
+    cols = list(columns) + [c for c in header if c not in columns]
+    cols += [c for c in row if c not in cols]
+    rows.append({k: "" if v is None else v for k, v in row.items()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=cols, restval="")
+            writer.writeheader()
+            writer.writerows(rows)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def run_row(*, model: str, preset: str, cluster: str, plan: str, mesh: str, nproc: int, backend: str,
+            predicted: Mapping[str, float] | None, stats: StepStats, peak_memory_mb: float,
+            check_max_rel_err: float | None = None, commit: str | None = None) -> dict[str, Any]:
+    """One row of the runs table (RUN_COLUMNS); ``predicted`` is a plan's cost dict or None."""
+    p = predicted or {}
+
+    def pred(key: str) -> Any:
+        return f"{p[key]:.6g}" if key in p and p[key] is not None else ""
+
+    return {
+        "time": utc_now(), "git_commit": commit if commit is not None else git_commit(), "model": model,
+        "preset": preset, "cluster": cluster, "plan": plan, "mesh": mesh, "nproc": nproc, "backend": backend,
+        "predicted_step_s": pred("step_time_s"), "predicted_compute_s": pred("compute_s"),
+        "predicted_comm_s": pred("comm_s"), "predicted_grad_sync_s": pred("grad_sync_s"),
+        "predicted_optimizer_s": pred("optimizer_s"), "measured_median_s": f"{stats.median_s:.6g}",
+        "measured_p10_s": f"{stats.p10_s:.6g}", "measured_p90_s": f"{stats.p90_s:.6g}",
+        "peak_memory_mb": f"{peak_memory_mb:.3f}",
+        "check_max_rel_err": "" if check_max_rel_err is None else f"{check_max_rel_err:.3g}",
+    }

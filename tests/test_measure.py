@@ -1,0 +1,149 @@
+"""executor.measure: percentiles, the step timer, peak memory, and the atomic runs table."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from executor import measure
+from executor.measure import RUN_COLUMNS, PeakMemory, StepStats, append_row, percentile, read_rows, time_steps
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 10, 37])
+def test_percentile_matches_numpy(n):
+    rng = np.random.default_rng(n)
+    xs = list(rng.exponential(size=n))
+    for q in (0, 10, 50, 90, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12)
+    s = StepStats.of(xs)
+    assert (s.median_s, s.p10_s, s.p90_s, s.steps) == pytest.approx(
+        (float(np.median(xs)), float(np.percentile(xs, 10)), float(np.percentile(xs, 90)), n))
+
+
+def test_step_stats_needs_steps():
+    with pytest.raises(ValueError, match="--steps"):
+        StepStats.of([])
+
+
+def test_time_steps_warmup_barriers_and_progress():
+    calls, events, seen = [], [], []
+    sleeps = [0.0, 0.0, 0.02, 0.01, 0.03]  # 2 warm-up steps, then 3 measured
+
+    def step():
+        time.sleep(sleeps[len(calls)])
+        calls.append(1)
+
+    times = time_steps(step, 3, 2, barrier=lambda: events.append("b"), sync=lambda: events.append("s"),
+                       progress=lambda kind, i, n, s: seen.append((kind, i, n)))
+    assert len(calls) == 5 and len(times) == 3
+    for t, slept in zip(times, sleeps[2:]):
+        assert slept <= t < slept + 0.05  # each measured step's own time, warm-up excluded
+    assert events == ["s", "b", "s", "b"] * 5  # sync + barrier before and after every step
+    assert seen == [("warmup", 1, 2), ("warmup", 2, 2), ("step", 1, 3), ("step", 2, 3), ("step", 3, 3)]
+    with pytest.raises(ValueError):
+        time_steps(step, 0, 1)
+
+
+def test_peak_memory_sees_a_100mb_tensor():
+    mem = PeakMemory("cpu")
+    mem.start()
+    x = torch.ones(25_000_000)  # 100 MB, touched
+    del x
+    assert 95 <= mem.peak_mb() <= 140
+    mem.start()  # a new window: the freed tensor is not counted again
+    y = torch.ones(5_000_000)  # 20 MB
+    assert 18 <= mem.peak_mb() <= 60
+    del y
+
+
+def test_git_commit(tmp_path):
+    assert re.fullmatch(r"[0-9a-f]{4,40}|unknown", measure.git_commit())
+    assert measure.git_commit(tmp_path) == "unknown"  # not a repository
+
+
+def _row(i: int) -> dict:
+    return measure.run_row(model="mlp", preset="tiny", cluster="local-cpu", plan=f"p{i}", mesh="2", nproc=2,
+                           backend="gloo", predicted={"step_time_s": 0.001 * i, "compute_s": 0.0005},
+                           stats=StepStats.of([0.01, 0.02, 0.03]), peak_memory_mb=12.5, commit="abc1234")
+
+
+def test_append_row_accumulates_rows_with_the_run_columns(tmp_path):
+    path = tmp_path / "sub" / "runs.csv"
+    for i in range(3):
+        append_row(path, _row(i))
+    header, rows = read_rows(path)
+    assert header == list(RUN_COLUMNS)
+    assert [r["plan"] for r in rows] == ["p0", "p1", "p2"]
+    r = rows[2]
+    assert float(r["predicted_step_s"]) == pytest.approx(0.002) and r["predicted_comm_s"] == ""
+    assert float(r["measured_median_s"]) == pytest.approx(0.02)
+    assert float(r["measured_p10_s"]) == pytest.approx(0.012) and float(r["measured_p90_s"]) == pytest.approx(0.028)
+    assert r["check_max_rel_err"] == "" and r["git_commit"] == "abc1234" and r["peak_memory_mb"] == "12.500"
+    # a column the table does not know is kept, earlier rows get it empty
+    append_row(path, {**_row(3), "note": "extra"})
+    header, rows = read_rows(path)
+    assert header[-1] == "note" and [r["note"] for r in rows] == ["", "", "", "extra"]
+    assert [p.name for p in path.parent.iterdir()] == ["runs.csv"]  # no temporary file left
+
+
+def test_append_row_failing_before_replace_keeps_the_table(tmp_path, monkeypatch):
+    path = tmp_path / "runs.csv"
+    append_row(path, _row(0))
+    append_row(path, _row(1))
+    before = path.read_bytes()
+
+    def crash(src, dst):
+        raise OSError("disk gone between the temporary write and the rename")
+
+    monkeypatch.setattr(measure.os, "replace", crash)
+    with pytest.raises(OSError, match="disk gone"):
+        append_row(path, _row(2))
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["runs.csv"]  # the temporary file is removed
+
+
+WRITER = textwrap.dedent('''
+    import os, sys, time
+    from executor import measure
+    from executor.measure import StepStats
+
+    def stall(src, dst):  # the temporary table is fully written: stall before the rename
+        print("written", flush=True)
+        time.sleep(60)
+
+    measure.os.replace = stall
+    row = measure.run_row(model="mlp", preset="tiny", cluster="c", plan="crashing", mesh="2", nproc=2,
+                          backend="gloo", predicted=None, stats=StepStats.of([0.1]), peak_memory_mb=1.0,
+                          commit="x")
+    measure.append_row(sys.argv[1], row)
+''')
+
+
+def test_append_row_killed_mid_write_keeps_every_earlier_row(tmp_path):
+    path = tmp_path / "runs.csv"
+    for i in range(3):
+        append_row(path, _row(i))
+    before = path.read_bytes()
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "written"
+        temps = [p for p in tmp_path.iterdir() if p.name != "runs.csv"]
+        assert len(temps) == 1 and "crashing" in temps[0].read_text()  # the new table, not yet in place
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    assert path.read_bytes() == before
+    with open(path, newline="") as f:
+        assert [r["plan"] for r in csv.DictReader(f)] == ["p0", "p1", "p2"]
+    append_row(path, _row(3))  # the leftover temporary file does not get in the way
+    assert [r["plan"] for r in read_rows(path)[1]] == ["p0", "p1", "p2", "p3"]
