@@ -1,0 +1,132 @@
+"""Planning-speed and search-quality benchmark: writes results/search.csv.
+
+For each example model preset on each bundled cluster (and llama3-8b on 64
+devices as an 8x8 mesh): trace seconds, search seconds, the found plan's
+predicted step time, the best baseline and its step time, and, where the ILP
+solves within its limits, the exact optimum of the search objective on the
+found plan's mesh with coordinate descent's gap to it.
+
+    python benchmarks/search_bench.py                 # everything (about 20 min on 2 cores)
+    python benchmarks/search_bench.py --only gpt:gpt2-small --clusters dgx-a100-8
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import autoddl  # noqa: E402
+from autoddl.cluster import Cluster  # noqa: E402
+from search.exact import exact, exact_refusal  # noqa: E402
+from search.planner import search  # noqa: E402
+
+MODELS = {
+    "gpt": ["tiny", "gpt2-small", "gpt2-xl", "gpt3-175b"],
+    "llama": ["tiny", "llama3-8b", "llama3-70b"],
+    "mlp": ["tiny", "large"],
+    "vgg": ["tiny", "vgg16"],
+    "resnet": ["tiny", "resnet50"],
+}
+CLUSTERS = ["dgx-a100-8", "h100-4x8", "v100-16x1", "local-cpu"]
+EXTRA = [("llama", "llama3-8b", "h100-4x8", 64, (8, 8))]   # 64 devices as an 8x8 mesh
+COLUMNS = ["model", "preset", "cluster", "devices", "mesh_searched", "ops", "params", "trace_s", "search_s",
+           "plan_s", "found_mesh", "found_step_ms", "found_memory_gb", "best_baseline", "best_baseline_step_ms",
+           "speedup_vs_best_baseline", "found_le_baseline", "exact_step_objective_ms", "cd_objective_ms",
+           "exact_gap_pct", "exact_note"]
+
+
+def write_atomic(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def run_one(graph, trace_s: float, model: str, preset: str, cluster: Cluster, mesh=None,
+            exact_limit_s: float = 60.0) -> dict:
+    t0 = time.perf_counter()
+    outcome = search(graph, cluster, model_name=model, mesh=mesh)
+    search_s = time.perf_counter() - t0
+    found = outcome.found_breakdown
+    best = outcome.best_baseline
+    row = {
+        "model": model, "preset": preset, "cluster": cluster.name, "devices": cluster.num_devices,
+        "mesh_searched": " ".join("x".join(map(str, m)) for m in outcome.meshes),
+        "ops": len(graph.ops()), "params": graph.parameter_count, "trace_s": round(trace_s, 3),
+        "search_s": round(search_s, 3), "plan_s": round(trace_s + search_s, 3),
+        "found_mesh": str(outcome.found.mesh), "found_step_ms": found.step_time_s * 1e3,
+        "found_memory_gb": found.memory_bytes_per_device / 1e9,
+        "best_baseline": best.name if best else "", "best_baseline_step_ms": best.step_time_s * 1e3 if best else "",
+        "speedup_vs_best_baseline": best.step_time_s / found.step_time_s if best else "",
+        "found_le_baseline": (found.step_time_s <= best.step_time_s * (1 + 1e-9)) if best else "",
+    }
+    form = outcome.formulations.get(outcome.found.mesh.shape)
+    cd = next((m for m in outcome.per_mesh if m["mesh"] == outcome.found.mesh.shape and m["fits"]), None)
+    refusal = exact_refusal(form.problem) if form is not None else "no formulation"
+    if form is None or cd is None:
+        row["exact_note"] = "found plan is a baseline on its canonical mesh"
+    elif refusal:
+        row["exact_note"] = refusal
+    else:
+        res = exact(form.problem, time_limit_s=exact_limit_s)
+        if res is None:
+            row["exact_note"] = f"no ILP solution within {exact_limit_s:.0f} s"
+        else:
+            row["exact_step_objective_ms"] = res.cost * 1e3
+            row["cd_objective_ms"] = cd["objective_s"] * 1e3
+            row["exact_gap_pct"] = (cd["objective_s"] - res.cost) / res.cost * 100
+            row["exact_note"] = "optimal" if res.optimal else "ILP stopped at its time limit"
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="*", help="model:preset pairs, e.g. gpt:gpt2-small")
+    ap.add_argument("--clusters", nargs="*", default=CLUSTERS)
+    ap.add_argument("--out", default=str(ROOT / "results" / "search.csv"))
+    ap.add_argument("--exact-limit-s", type=float, default=60.0)
+    args = ap.parse_args(argv)
+    wanted = {tuple(x.split(":", 1)) for x in args.only} if args.only else None
+    out = Path(args.out)
+    rows: list[dict] = []
+    jobs = [(m, p) for m, presets in MODELS.items() for p in presets if wanted is None or (m, p) in wanted]
+    for i, (model, preset) in enumerate(jobs, 1):
+        t0 = time.perf_counter()
+        _, graph = autoddl.trace_model_file(ROOT / "examples" / f"{model}.py", preset=preset)
+        trace_s = time.perf_counter() - t0
+        runs = [(c, None, None) for c in args.clusters]
+        runs += [(c, n, mesh) for m, p, c, n, mesh in EXTRA if (m, p) == (model, preset)]
+        for cname, devices, mesh in runs:
+            cluster = Cluster.from_yaml(ROOT / "configs" / f"{cname}.yaml")
+            if devices:
+                cluster = cluster.resized(devices)
+            label = f"[{i}/{len(jobs)}] {model}:{preset} on {cluster.name}"
+            try:
+                row = run_one(graph, trace_s, model, preset, cluster, mesh, args.exact_limit_s)
+            except Exception as exc:  # a failed run is a row, not a lost benchmark
+                row = {"model": model, "preset": preset, "cluster": cluster.name, "devices": cluster.num_devices,
+                       "trace_s": round(trace_s, 3), "exact_note": f"failed: {type(exc).__name__}: {exc}"[:300]}
+            rows.append(row)
+            write_atomic(out, rows)
+            found = row.get("found_step_ms")
+            print(f"{label}: trace {trace_s:.2f} s, search {row.get('search_s', '-')} s, "
+                  f"found {found if found == '' or found is None else f'{found:.3f}'} ms, "
+                  f"best baseline {row.get('best_baseline', '')} {row.get('best_baseline_step_ms', '')}, "
+                  f"{row.get('exact_note', '')}", flush=True)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
