@@ -6,14 +6,17 @@ Per mesh axis (DESIGN.md "Boxing"):
     S(i) -> S(j)  all-to-all  B -> S, B -> P, S -> P  local (no communication)
     same -> same  nothing
 
-``S -> P`` is local: each device keeps its own piece, zero-padded to full size
-(memory only). N-D transitions are done axis by axis, outermost first. The bytes
-moved on axis k are computed on the tensor as sharded by all OTHER axes' SBPs of
-the source: ``M_k = nbytes / prod(mesh[j] for j != k if src[j] is S)``. This is
-an approximation: a real redistribute works axis after axis on a tensor the
-earlier axes already changed. E.g. [S(0), S(1)] -> [B, B] on a 2x2 mesh costs
-here two all-gathers of nbytes/2; DTensor gathers one axis on nbytes/2, then the
-other on the full nbytes. Exact for 1-D meshes and for transitions on one axis.
+``S -> P`` is local: each device keeps its own piece, zero-padded (memory only),
+unless a later mesh axis of the target splits the same dim (the pieces are then
+nested inside that split and do not add up): that axis goes S -> B -> P, an
+all-gather. N-D transitions follow exactly what the executor runs
+(executor/interpreter.py ``box``): DTensor's ``redistribute`` to the target with
+the ->P axes held back (:func:`redistribute_target`), in the order of DTensor's
+greedy planner (:func:`dtensor_steps`: inner to outer axes first when the source
+is sharded, then outer to inner), then the local ->P moves. Each step moves the
+tensor as the steps before left it: on axis k,
+``M_k = nbytes / prod(mesh[j] for j != k if axis j is S at that moment)``. E.g.
+[S(0), S(1)] -> [B, B] gathers axis 1 on nbytes/2, then axis 0 on nbytes.
 
 Backward (the dual transition): the gradient arrives with the SBP the consumer
 produces for that input (:func:`grad_sbp`) and must reach the SBP the producer
@@ -92,14 +95,85 @@ def boxing_collectives(meta: TensorMeta, src: NdSbp, dst: NdSbp,
 
 def transitions_of(nbytes: int, src: NdSbp, dst: NdSbp, mesh: tuple[int, ...]) -> list[Transition]:
     """:func:`boxing_collectives` without the checks, for the search's inner loop (layouts known valid)."""
+    return _steps_collectives(nbytes, dtensor_steps(src, redistribute_target(src, dst)[0], mesh), mesh)
+
+
+def redistribute_target(src: NdSbp, dst: NdSbp) -> tuple[NdSbp, tuple[int, ...], tuple[int, ...]]:
+    """(what DTensor's redistribute is asked for, axes then made P by a zero-padded local piece,
+    axes then made P by keeping the value on the axis root) for ``src -> dst``.
+
+    DTensor does not turn a tensor into a partial sum; the executor does that locally
+    after the redistribute: S(d) -> P pads the own piece (when no later axis of ``dst``
+    splits d, see the module docstring), any other B/S -> P goes to B first and keeps
+    the value on one device. Mirrors executor/interpreter.py ``box``."""
+    to_p = [i for i, (s, d) in enumerate(zip(src, dst)) if isinstance(d, Partial) and not isinstance(s, Partial)]
+    pad = tuple(i for i in to_p if isinstance(src[i], Split) and not any(x == src[i] for x in tuple(dst)[i + 1:]))
+    keep = tuple(i for i in to_p if i not in pad)
+    mid = NdSbp(tuple(s if i in pad else (B if i in keep else d) for i, (s, d) in enumerate(zip(src, dst))))
+    return mid, pad, keep
+
+
+Step = tuple[int, Sbp, Sbp, tuple[Sbp, ...]]   # (mesh axis, from, to, every axis's SBP before the step)
+
+
+def dtensor_steps(src: NdSbp, dst: NdSbp, mesh: Sequence[int]) -> list[Step]:
+    """The per-axis steps of DTensor's ``redistribute`` from ``src`` to ``dst`` (no P created).
+
+    torch 2.13, torch/distributed/tensor/_redistribute.py,
+    ``DTensorRedistributePlanner.generate_greedy_transform_infos``: on a 1-D mesh one step;
+    otherwise, if the source is sharded (over more than one device), axes inner to outer,
+    a target S(d) whose earlier axes split d differently becoming B first (nested
+    sharding); then axes outer to inner for what is left. Consecutive same-kind steps are
+    merged only over a flattened mesh, which the executor never creates."""
+    mesh = tuple(mesh)
+    cur = list(src)
+    steps: list[Step] = []
+    if len(mesh) == 1:
+        return [(0, src[0], dst[0], tuple(cur))] if src[0] != dst[0] else []
+    if math.prod(n for s, n in zip(src, mesh) if isinstance(s, Split)) > 1:
+        for axis in reversed(range(len(cur))):
+            target = dst[axis]
+            if isinstance(target, Split):
+                if [i for i in range(axis) if cur[i] == target] != [i for i in range(axis) if dst[i] == target]:
+                    target = B
+            if cur[axis] != target:
+                steps.append((axis, cur[axis], target, tuple(cur)))
+                cur[axis] = target
+    for axis in range(len(cur)):
+        if cur[axis] != dst[axis]:
+            steps.append((axis, cur[axis], dst[axis], tuple(cur)))
+            cur[axis] = dst[axis]
+    return steps
+
+
+def _steps_collectives(nbytes: int, steps: list[Step], mesh: tuple[int, ...]) -> list[Transition]:
     out: list[Transition] = []
-    for axis, (s, d) in enumerate(zip(src, dst)):
+    for axis, s, d, state in steps:
         kind = transition_kind(s, d)
         if kind is None or mesh[axis] == 1:
             continue
-        others = math.prod(n for j, (sj, n) in enumerate(zip(src, mesh)) if j != axis and isinstance(sj, Split))
+        others = math.prod(n for j, (sj, n) in enumerate(zip(state, mesh)) if j != axis and isinstance(sj, Split))
         out.append((kind, axis, nbytes // others))
     return out
+
+
+def edge_backward_transitions(nbytes: int, src: NdSbp, dst: NdSbp, grad: NdSbp,
+                              mesh: tuple[int, ...]) -> list[Transition]:
+    """Collectives of the gradient of an activation edge boxed ``src -> dst`` whose consumers
+    hand back ``grad``, as the executor's autograd runs them.
+
+    Without a ->P axis: one redistribute backward, ``grad -> needed_grad_ndsbp(src)``. With
+    one, two: the local ->P move's ``from_local`` first brings ``grad`` to
+    ``needed_grad_ndsbp(dst)``, the move's gradient (a narrow or the identity) is then read
+    as ``needed_grad_ndsbp(mid)``, which the redistribute's backward takes to
+    ``needed_grad_ndsbp(src)``. (A parameter's use is a detached leaf: its gradient goes
+    ``grad -> storage`` in one redistribute, :func:`transitions_of`.)"""
+    mid, pad, keep = redistribute_target(src, dst)
+    need = needed_grad_ndsbp(src)
+    if not pad and not keep:
+        return _steps_collectives(nbytes, dtensor_steps(grad, need, mesh), mesh)
+    return (_steps_collectives(nbytes, dtensor_steps(grad, needed_grad_ndsbp(dst), mesh), mesh)
+            + _steps_collectives(nbytes, dtensor_steps(needed_grad_ndsbp(mid), need, mesh), mesh))
 
 
 def backward_boxing_collectives(meta: TensorMeta, src: NdSbp, dst: NdSbp, mesh_shape: Sequence[int],

@@ -14,8 +14,15 @@ Rules (the executor must run the same thing for its audit to match):
   locally, then one transition takes them to ``needed_grad_ndsbp(src)``. The
   OUTPUT node's gradient is the loss seed, already in ``needed_grad_ndsbp(dst)``.
 - For a parameter the backward transition is the gradient sync (phase
-  ``grad_sync``): P -> B all-reduce (data parallel), P -> S reduce-scatter (ZeRO).
-- An OUTPUT node with no entry in ``plan.signatures`` takes its inputs as they are.
+  ``grad_sync``): P -> B all-reduce (data parallel), P -> S reduce-scatter (ZeRO),
+  one per parameter and per distinct (use NdSbp, gradient NdSbp).
+- The OUTPUT node reads the loss (its last input: torch.export lists buffer
+  mutations first, the user output last) as all-B, because every rank reports it:
+  a P loss costs a forward all-reduce (charged to the loss op). Its other inputs
+  are taken as they are. An ``"output"`` entry in ``plan.signatures`` is ignored.
+- Boxing is costmodel.boxing's, step by step as DTensor's redistribute runs it
+  (``dtensor_steps``), S -> P and B -> P local; an activation's gradient through a
+  local -> P move takes two redistributes (``edge_backward_transitions``).
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from dataclasses import dataclass
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorRef
 from autoddl.plan import Plan
 from autoddl.sbp import NdSbp, Signature
-from costmodel.boxing import Transition, boxing_collectives, grad_ndsbp, needed_grad_ndsbp
+from costmodel.boxing import (Transition, boxing_collectives, edge_backward_transitions, grad_ndsbp,
+                             needed_grad_ndsbp)
 
 
 @dataclass(frozen=True)
@@ -120,9 +128,10 @@ def _consumer_view(graph: OpGraph, plan: Plan, consumer: OpNode, slot: int, src:
                    ) -> tuple[NdSbp, NdSbp]:
     """(target NdSbp, gradient NdSbp handed back) of one use."""
     if consumer.kind is NodeKind.OUTPUT:
-        if consumer.name not in plan.signatures:
-            return src, needed_grad_ndsbp(src)
-        dst = signature_of(plan, consumer, plan.mesh.ndim).inputs[slot]
+        if slot == len(consumer.inputs) - 1:        # the loss: every rank reads its value
+            dst = NdSbp.broadcast(plan.mesh.ndim)
+        else:                                       # other outputs are left where they are
+            dst = src
         return dst, needed_grad_ndsbp(dst)
     sig = signature_of(plan, consumer, plan.mesh.ndim)
     dst = sig.inputs[slot]
@@ -151,8 +160,11 @@ def _producer_transitions(graph: OpGraph, plan: Plan, node: OpNode, rg: set[str]
                 fwd += _wrap(boxing_collectives(meta, src, dst, mesh), "forward", label, charge)
             if node.name in rg and meta.is_floating and (dst, grad) not in seen_grad:
                 seen_grad.add((dst, grad))
-                phase = "grad_sync" if is_param else "backward"
-                bwd += _wrap(boxing_collectives(meta, grad, needed_grad_ndsbp(src), mesh), phase, label, charge)
+                if is_param:      # a detached leaf per use: its gradient goes straight to storage
+                    moves = boxing_collectives(meta, grad, needed_grad_ndsbp(src), mesh)
+                else:
+                    moves = edge_backward_transitions(meta.nbytes, src, dst, grad, mesh)
+                bwd += _wrap(moves, "grad_sync" if is_param else "backward", label, charge)
     return fwd, bwd
 
 

@@ -4,9 +4,12 @@
 in autograd's backward) issues c10d functional ops (``_c10d_functional.*``) on
 plain local tensors; the mode sees each one with its process-group name, which
 maps to a mesh axis through ``mesh.get_group(axis).group_name``. What is recorded
-is what ran, including backend fallbacks: on a CPU (gloo) mesh DTensor turns an
-S(i)->S(j) all-to-all into an all-gather plus a local chunk, and the record says
-``all_gather``.
+is what ran, including backend fallbacks (``CARRIED_AS``): on a CPU (gloo) mesh
+DTensor turns an S(i)->S(j) all-to-all into an all-gather plus a local chunk (the
+mode sees the all-gather), and gloo's process group carries a reduce-scatter out
+as an all-reduce of the whole input plus a local chunk (the mode sees
+``reduce_scatter_tensor``; the record says ``all_reduce``). These are the same
+substitutions as costmodel.collectives.BACKENDS, which the audit test compares with.
 
 ``bytes`` is the size M of the full buffer of the alpha-beta formulas in
 DESIGN.md: the tensor for all-reduce and broadcast, the gathered output for
@@ -58,6 +61,13 @@ def _functional_ops() -> dict[Any, str]:
     return table
 
 
+# What a backend's process group really runs for a functional collective, where it differs.
+# gloo, torch 2.13: ProcessGroupGloo::reduce_scatter_tensor_coalesced (reached by
+# _reduce_scatter_base / funcol.reduce_scatter_tensor) clones the input, all-reduces the
+# clone and copies out this rank's chunk (pytorch PR #118911).
+CARRIED_AS: dict[str, dict[str, str]] = {"gloo": {"reduce_scatter": "all_reduce"}}
+
+
 # position of the group-name argument and of the group size (None: no size arg) per kind
 _GROUP_ARG = {"all_reduce": (2, None), "all_gather": (2, 1), "reduce_scatter": (3, 2),
               "all_to_all": (3, None), "broadcast": (2, None)}
@@ -76,6 +86,8 @@ class CommRecorder(TorchDispatchMode):
         self.tensor = ""
         self._ops = _functional_ops()
         self._axis_of_group = {mesh.get_group(i).group_name: i for i in range(mesh.ndim)}
+        self._carried_as = {mesh.get_group(i).group_name: CARRIED_AS.get(_backend_name(mesh.get_group(i)), {})
+                            for i in range(mesh.ndim)}
         self._axis_size = {i: mesh.size(i) for i in range(mesh.ndim)}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -91,12 +103,23 @@ class CommRecorder(TorchDispatchMode):
         group = args[group_pos] if len(args) > group_pos else None
         axis = self._axis_of_group.get(group, -1)
         n = int(args[size_pos]) if size_pos is not None else self._axis_size.get(axis, 1)
+        ran = self._carried_as.get(group, {}).get(kind, kind)
         for t in tensors:
             nbytes = t.numel() * t.element_size()
             if kind == "all_gather":
                 nbytes *= n  # the gathered output
-            self.records.append(CommRecord(kind, axis, int(nbytes), self.phase, self.tensor,
+            self.records.append(CommRecord(ran, axis, int(nbytes), self.phase, self.tensor,
                                            str(t.dtype).removeprefix("torch.")))
+
+
+def _backend_name(group) -> str:
+    """"gloo" / "nccl" / ... of a process group ("" when torch cannot say)."""
+    try:
+        import torch.distributed as dist
+
+        return str(dist.get_backend(group)).lower()
+    except Exception:  # a fake or custom group: record kinds as dispatched
+        return ""
 
 
 def summarize(records: list[CommRecord]) -> dict[str, dict[str, int]]:

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor import Partial as DPartial
 
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
+from autoddl.ops.registry import piece_offset
 from autoddl.plan import Plan
 from autoddl.sbp import Broadcast, NdSbp, Partial, Signature, Split
 
@@ -99,16 +100,79 @@ def to_partial(dt: DTensor, axes: Sequence[int]) -> DTensor:
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=dt.shape, stride=dt.stride())
 
 
+class _PadToPartial(torch.autograd.Function):
+    """S(d) -> P on some mesh axes without communication: the local piece, zero-padded.
+
+    Each device puts its piece at its offset in zeros of the target's local shape; the
+    addends over the axis sum to the whole. The logical op is the identity, so the
+    gradient (B on those axes) is narrowed back to the piece: S(d), no communication.
+    ``pads`` holds ``(dim, offset, padded size)`` per padded dim.
+    """
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, pads: tuple) -> torch.Tensor:
+        ctx.pads, ctx.sizes = pads, tuple(local.shape[dim] for dim, _, _ in pads)
+        shape = list(local.shape)
+        for dim, _offset, full in pads:
+            shape[dim] = full
+        out = local.new_zeros(shape)
+        _narrowed(out, pads, ctx.sizes).copy_(local)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _narrowed(grad, ctx.pads, ctx.sizes), None
+
+
+def _narrowed(t: torch.Tensor, pads: tuple, sizes: tuple) -> torch.Tensor:
+    for (dim, offset, _full), size in zip(pads, sizes):
+        t = t.narrow(dim, offset, size)
+    return t
+
+
+def shard_to_partial_is_local(src: Sequence, dst: Sequence, axis: int) -> bool:
+    """S(d) -> P on ``axis`` is local unless a later mesh axis of ``dst`` splits the same dim d
+    (then this axis's pieces are nested inside that split and do not add up to its pieces)."""
+    dim = src[axis].dim
+    return not any(p.is_shard(dim) for p in tuple(dst)[axis + 1:])
+
+
+def pad_to_partial(dt: DTensor, axes: Sequence[int]) -> DTensor:
+    """Turn the Shard placements of ``dt`` on ``axes`` into Partial (no communication)."""
+    mesh, shape = dt.device_mesh, tuple(dt.shape)
+    mesh_shape, coord = tuple(mesh.shape), tuple(mesh.get_coordinate())
+    src = tuple(dt.placements)
+    dst = tuple(DPartial() if i in axes else p for i, p in enumerate(src))
+    src_nd, dst_nd = NdSbp.from_placements(src), NdSbp.from_placements(dst)
+    dst_local = dst_nd.local_shape(shape, mesh_shape)
+    pads = tuple((d, piece_offset(shape, src_nd, mesh_shape, coord, d) - piece_offset(shape, dst_nd, mesh_shape,
+                                                                                      coord, d), dst_local[d])
+                 for d in sorted({src[i].dim for i in axes}))
+    local = _PadToPartial.apply(dt.to_local(grad_placements=_normalized(src)), pads)
+    return DTensor.from_local(local, mesh, dst, run_check=False, shape=dt.shape, stride=dt.stride())
+
+
 def box(dt: DTensor, dst: Sequence) -> DTensor:
-    """Redistribute ``dt`` to placements ``dst``: DTensor's redistribute, then a local B->P."""
+    """Redistribute ``dt`` to placements ``dst`` as the cost model prices it (costmodel/boxing.py).
+
+    DTensor's ``redistribute`` does every collective; the two moves it refuses or would do
+    with a collective are local here: S(d) -> P keeps the own piece zero-padded
+    (``_PadToPartial``), B -> P keeps the value on the axis root and zeros elsewhere
+    (``to_partial``). An S(d) -> P on an axis whose pieces are nested inside a later
+    axis's split of the same dim is not a local move (the pieces do not sum to the
+    target's pieces): it goes through B (an all-gather), as costmodel.boxing prices it."""
     dst = tuple(dst)
     src = tuple(dt.placements)
     if src == dst:
         return dt
-    mid = tuple(Replicate() if d.is_partial() and not s.is_partial() else d for s, d in zip(src, dst))
+    to_p = [i for i, (s, d) in enumerate(zip(src, dst)) if d.is_partial() and not s.is_partial()]
+    pad = [i for i in to_p if src[i].is_shard() and shard_to_partial_is_local(src, dst, i)]
+    mid = tuple(s if i in pad else (Replicate() if i in to_p else d) for i, (s, d) in enumerate(zip(src, dst)))
     out = dt.redistribute(dt.device_mesh, mid) if mid != src else dt
-    to_p = [i for i, (m, d) in enumerate(zip(mid, dst)) if d.is_partial() and not m.is_partial()]
-    return to_partial(out, to_p) if to_p else out
+    if pad:
+        out = pad_to_partial(out, pad)
+    keep = [i for i in to_p if i not in pad]
+    return to_partial(out, keep) if keep else out
 
 
 def place(full: torch.Tensor, nd: NdSbp, mesh) -> DTensor:

@@ -31,7 +31,8 @@ from autoddl.cluster import Cluster
 from autoddl.flops import VIEW_OPS
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
 from autoddl.sbp import NdSbp, Signature
-from costmodel.boxing import grad_ndsbp, needed_grad_ndsbp, transitions_of, transitions_time_s
+from costmodel.boxing import (edge_backward_transitions, grad_ndsbp, needed_grad_ndsbp, transitions_of,
+                              transitions_time_s)
 from costmodel.compute import op_compute_time_s, optimizer_state_bytes, optimizer_time_s
 from costmodel.edges import requires_grad
 from search.problem import SearchProblem
@@ -139,16 +140,20 @@ def _node_vectors(node: OpNode, cands: list[Signature], mesh: tuple[int, ...], c
 
 
 def _pair_pricer(mesh: tuple[int, ...], cluster: Cluster):
-    """Seconds of one edge's forward boxing plus its gradient's transition, memoised."""
+    """Seconds of one edge's forward boxing plus its gradient's transitions, memoised; the same
+    transitions ``costmodel.plan_cost`` charges (an activation's gradient goes back through the
+    executor's redistribute, a parameter's straight to its storage)."""
     @lru_cache(maxsize=None)
-    def seconds(nbytes: int, src: NdSbp, dst: NdSbp) -> float:
-        return transitions_time_s(transitions_of(nbytes, src, dst, mesh), mesh, cluster)
+    def seconds(transitions: tuple) -> float:
+        return transitions_time_s(transitions, mesh, cluster)
 
     @lru_cache(maxsize=None)
-    def price(meta: TensorMeta, src: NdSbp, dst: NdSbp, grad: NdSbp | None) -> float:
-        t = seconds(meta.nbytes, src, dst)
+    def price(meta: TensorMeta, src: NdSbp, dst: NdSbp, grad: NdSbp | None, is_param: bool) -> float:
+        t = seconds(tuple(transitions_of(meta.nbytes, src, dst, mesh)))
         if grad is not None:
-            t += seconds(meta.nbytes, grad, needed_grad_ndsbp(src))
+            back = (transitions_of(meta.nbytes, grad, needed_grad_ndsbp(src), mesh) if is_param
+                    else edge_backward_transitions(meta.nbytes, src, dst, grad, mesh))
+            t += seconds(tuple(back))
         return t
     return price
 
@@ -156,6 +161,7 @@ def _pair_pricer(mesh: tuple[int, ...], cluster: Cluster):
 def _edge_matrix(u: OpNode, v: OpNode, refs: tuple, cu: list[Signature], cv: list[Signature],
                  u_needs_grad: bool, price) -> np.ndarray:
     total = np.zeros((len(cu), len(cv)))
+    is_param = u.kind is NodeKind.PARAMETER
     for out_index, slot in refs:
         meta = u.outputs[out_index]
         if meta.dtype == "none":
@@ -165,7 +171,7 @@ def _edge_matrix(u: OpNode, v: OpNode, refs: tuple, cu: list[Signature], cv: lis
         dsts = [(s.inputs[slot], grad_ndsbp(s.inputs[slot], s.outputs) if with_grad else None) for s in cv]
         su, si = _unique(srcs)
         du, di = _unique(dsts)
-        table = np.array([[price(meta, s, d, g) for d, g in du] for s in su])
+        table = np.array([[price(meta, s, d, g, is_param) for d, g in du] for s in su])
         total += table[np.ix_(si, di)]
     return total
 

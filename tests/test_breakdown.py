@@ -94,17 +94,20 @@ def test_data_parallel_mlp(a100):
     expected_sync = sum(_ar(p.outputs[0].nbytes, n, a100.intra_node, a100.efficiency.network)
                         for p in params.values())
     assert cost.grad_sync_s == pytest.approx(expected_sync, rel=1e-12)
-    assert cost.boxing_forward_s == 0 and cost.boxing_backward_s == 0
+    # the P loss is all-reduced to B in the forward (every rank reports it): 4 bytes
+    loss_ar = _ar(4, n, a100.intra_node, a100.efficiency.network)
+    assert cost.boxing_forward_s == pytest.approx(loss_ar) and cost.boxing_backward_s == 0
     colls = predicted_collectives(g, plan, a100)
     assert Counter((c.kind, c.phase, c.tensor, c.bytes) for c in colls) == Counter(
-        (K.ALL_REDUCE, "grad_sync", fqn, p.outputs[0].nbytes) for fqn, p in params.items())
+        [(K.ALL_REDUCE, "grad_sync", fqn, p.outputs[0].nbytes) for fqn, p in params.items()]
+        + [(K.ALL_REDUCE, "forward", f"{_loss(g).name}->output", 4)])
     # compute: every op's forward, plus backward for those downstream of a parameter
     expected_compute = sum(op_compute_time_s(op, plan.signatures[op.name], (n,), a100) for op in g.ops())
     assert cost.compute_s == pytest.approx(expected_compute)
     bw = a100.device.memory_bandwidth_gbps * 1e9 * a100.efficiency.memory
     assert cost.optimizer_s == pytest.approx(7 * g.parameter_bytes / bw)       # AdamW, replicated params
     assert cost.step_time_s == pytest.approx(cost.compute_s + cost.comm_s + cost.optimizer_s)
-    assert cost.comm_s == pytest.approx(cost.grad_sync_s)
+    assert cost.comm_s == pytest.approx(cost.grad_sync_s + loss_ar)
     # per-op table: one row per op, comm charged to the consuming ops adds up to comm_s
     assert list(cost.per_op["op"]) == [op.name for op in g.ops()]
     assert cost.per_op["comm_us"].sum() == pytest.approx(cost.comm_s * 1e6)
@@ -193,6 +196,7 @@ def test_zero3_gather_forward_reduce_scatter_backward(a100, cpu2, backend):
     for fqn, p in params.items():
         expected[(K.ALL_GATHER, "forward", fqn, p.outputs[0].nbytes)] += 1
         expected[(sync_kind, "grad_sync", fqn, p.outputs[0].nbytes)] += 1
+    expected[(K.ALL_REDUCE, "forward", f"{_loss(g).name}->output", 4)] += 1     # the P loss, to B
     assert Counter((c.kind, c.phase, c.tensor, c.bytes) for c in colls) == expected
     cost = plan_cost(g, plan, cluster)
     b = cluster.intra_node.bandwidth_gbps * 1e9 * cluster.efficiency.network
@@ -201,7 +205,7 @@ def test_zero3_gather_forward_reduce_scatter_backward(a100, cpu2, backend):
     sync = (gather if backend == "nccl"
             else sum(_ar(p.outputs[0].nbytes, n, cluster.intra_node, cluster.efficiency.network)
                      for p in params.values()))
-    assert cost.boxing_forward_s == pytest.approx(gather)
+    assert cost.boxing_forward_s == pytest.approx(gather + _ar(4, n, cluster.intra_node, cluster.efficiency.network))
     assert cost.grad_sync_s == pytest.approx(sync)
     assert cost.boxing_backward_s == 0
 
@@ -262,22 +266,33 @@ def test_memory_dp_vs_zero3_gpt(gpt_graph, a100):
     assert dp.fits_memory
 
 
-def test_output_signature_boxes_the_loss(a100):
+def _loss(g: OpGraph):
+    out = g.nodes_of(NodeKind.OUTPUT)[0]
+    return g[out.inputs[-1].node]
+
+
+def test_loss_is_boxed_to_b_for_every_rank(a100):
+    """The executor hands every rank the loss: a P loss costs a forward all-reduce, charged to the
+    loss op; its seed gradient needs nothing. An "output" signature does not change that (the
+    executor does not apply one)."""
     g = mlp_graph()
     n = a100.num_devices
     plan = batch_split_plan(g, n, nd(B), "dp")
-    out = g.nodes_of(NodeKind.OUTPUT)[0]
-    plan.signatures[out.name] = Signature((nd(B),), ())         # all-reduce the P loss to B
+    loss = _loss(g)
+    assert plan.signatures[loss.name].outputs == (nd(P),)
+    expected = [(K.ALL_REDUCE, "forward", 4, f"{loss.name}->output")]
     colls = [c for c in predicted_collectives(g, plan, a100) if c.phase != "grad_sync"]
-    loss = g[out.inputs[0].node]
-    assert [(c.kind, c.phase, c.bytes, c.tensor) for c in colls] == \
-        [(K.ALL_REDUCE, "forward", 4, f"{loss.name}->{out.name}")]     # the seed gradient needs nothing
+    assert [(c.kind, c.phase, c.bytes, c.tensor) for c in colls] == expected
     cost = plan_cost(g, plan, a100)
     assert cost.boxing_forward_s == pytest.approx(_ar(4, n, a100.intra_node, a100.efficiency.network))
-    assert cost.per_op["comm_us"].sum() == pytest.approx(cost.comm_s * 1e6)    # charged to the loss op
-    plan.signatures[out.name] = Signature((nd(B), nd(B)), ())
-    with pytest.raises(ValueError, match="has 2 inputs"):
-        plan_cost(g, plan, a100)
+    assert cost.per_op["comm_us"].sum() == pytest.approx(cost.comm_s * 1e6)
+    assert cost.per_op.set_index("op").loc[loss.name, "comm_us"] == pytest.approx(cost.boxing_forward_s * 1e6)
+    plan.signatures["output"] = Signature((nd(P),), ())
+    colls = [c for c in predicted_collectives(g, plan, a100) if c.phase != "grad_sync"]
+    assert [(c.kind, c.phase, c.bytes, c.tensor) for c in colls] == expected
+    # a replicated loss needs nothing
+    one = batch_split_plan(g, 1, nd(B), "single")
+    assert predicted_collectives(g, one, a100.resized(1)) == []
 
 
 def test_missing_entries_are_named(a100):

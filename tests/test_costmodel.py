@@ -119,13 +119,44 @@ def test_boxing_table_1d():
         assert got == ([] if kind is None else [(kind, 0, meta.nbytes)]), (s, d)
 
 
-def test_boxing_nd_uses_other_axes_split_of_source():
+def test_boxing_nd_follows_dtensor_step_order():
+    """N-D boxing is DTensor's greedy redistribute, step by step, each step on the tensor as the
+    steps before left it (convention changed from 'every axis on the source's split of the
+    others', which no real redistribute achieves). executor audit tests check it against runs."""
     meta = TensorMeta((16, 32), "bfloat16")
     mesh = (2, 4)
+    # sharded source: inner axis first (gathers its S(1) while axis 0 still splits: nbytes / 2),
+    # then the outer axis gathers the whole tensor
     got = boxing_collectives(meta, nd(S(0), S(1)), nd(B, B), mesh)
-    assert got == [(K.ALL_GATHER, 0, meta.nbytes // 4), (K.ALL_GATHER, 1, meta.nbytes // 2)]
+    assert got == [(K.ALL_GATHER, 1, meta.nbytes // 2), (K.ALL_GATHER, 0, meta.nbytes)]
+    # ZeRO-3 over both axes: the nested S(0) pieces are gathered inner axis first as well
+    assert boxing_collectives(meta, nd(S(0), S(0)), nd(B, B), mesh) == \
+        [(K.ALL_GATHER, 1, meta.nbytes // 2), (K.ALL_GATHER, 0, meta.nbytes)]
+    # a data-parallel x tensor-parallel gradient [P, S(0)] -> [B, B]: DTensor gathers axis 1
+    # first, so the all-reduce on axis 0 moves the whole tensor
+    assert boxing_collectives(meta, nd(P, S(0)), nd(B, B), mesh) == \
+        [(K.ALL_GATHER, 1, meta.nbytes), (K.ALL_REDUCE, 0, meta.nbytes)]
+    # unsharded source: outer axis first
+    assert boxing_collectives(meta, nd(P, P), nd(B, S(1)), mesh) == \
+        [(K.ALL_REDUCE, 0, meta.nbytes), (K.REDUCE_SCATTER, 1, meta.nbytes)]
+    # nested sharding (S(0), S(0)) -> (B, S(0)): axis 1's S(0) must be gathered and re-split
+    assert boxing_collectives(meta, nd(S(0), S(0)), nd(B, S(0)), mesh) == \
+        [(K.ALL_GATHER, 1, meta.nbytes // 2), (K.ALL_GATHER, 0, meta.nbytes)]
     # a size-1 axis never communicates
     assert boxing_collectives(meta, nd(S(0), P), nd(B, B), (1, 4)) == [(K.ALL_REDUCE, 1, meta.nbytes)]
+
+
+def test_boxing_to_partial_is_local_unless_nested():
+    meta = TensorMeta((16, 32), "float32")
+    mesh = (2, 2)
+    # S -> P keeps the own piece zero-padded, B -> P keeps the value on one device: no collective
+    assert boxing_collectives(meta, nd(S(0), B), nd(P, B), mesh) == []
+    assert boxing_collectives(meta, nd(S(0), S(0)), nd(P, P), mesh) == []
+    assert boxing_collectives(meta, nd(B, S(1)), nd(P, S(1)), mesh) == []
+    # axis 0's S(0) pieces nest inside axis 1's S(0) split: they do not add up to its pieces,
+    # so axis 0 goes S -> B (an all-gather of the half axis 1 leaves) -> P
+    assert boxing_collectives(meta, nd(S(0), S(0)), nd(P, S(0)), mesh) == [
+        (K.ALL_GATHER, 1, meta.nbytes // 2), (K.ALL_GATHER, 0, meta.nbytes)]
 
 
 def test_boxing_rejects_non_dividing_split():

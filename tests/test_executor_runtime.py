@@ -262,12 +262,12 @@ PARAM_NUMEL = {"fc1.weight": 16 * 8, "fc1.bias": 16, "fc2.weight": 8 * 16, "fc2.
      + [("grad_sync", "all_reduce", 0, n * F32) for n in PARAM_NUMEL.values()]),
     ("zero3", [("forward", "all_reduce", 0, F32)]
      + [("forward", "all_gather", 0, n * F32) for n in PARAM_NUMEL.values()]
-     + [("grad_sync", "reduce_scatter", 0, n * F32) for n in PARAM_NUMEL.values()]),
+     + [("grad_sync", "all_reduce", 0, n * F32) for n in PARAM_NUMEL.values()]),
     ("tp", [("forward", "all_reduce", 0, 8 * 8 * F32)]),
     ("dp_gather", [("forward", "all_reduce", 0, F32), ("forward", "all_gather", 0, 8 * 16 * F32),
                    ("backward", "all_gather", 0, 8 * 16 * F32)]
      + [("grad_sync", "all_reduce", 0, n * F32) for n in PARAM_NUMEL.values()]),
-    ("tp_sp", [("forward", "reduce_scatter", 0, 8 * 8 * F32), ("forward", "all_reduce", 0, F32),
+    ("tp_sp", [("forward", "all_reduce", 0, 8 * 8 * F32), ("forward", "all_reduce", 0, F32),
                ("backward", "all_gather", 0, 8 * 8 * F32)]),
 ])
 def test_audit_records_planned_collectives(two_rank_results, name, expected):
@@ -410,5 +410,5 @@ def test_worker_main_checks_and_audits(tmp_path):
     result = json.loads(out.read_text())
     assert result["check"]["ok"], result["check"]
     assert max(result["check"]["max_rel_error"].values()) <= 1e-4
-    assert result["collectives_summary"]["grad_sync/reduce_scatter/axis0"] == {
+    assert result["collectives_summary"]["grad_sync/all_reduce/axis0"] == {
         "count": 4, "bytes": sum(PARAM_NUMEL.values()) * F32}
