@@ -139,22 +139,39 @@ def _node_vectors(node: OpNode, cands: list[Signature], mesh: tuple[int, ...], c
     return cost, mem
 
 
+# Divisible by every mesh size we meet, so a transition's bytes recover its divisor exactly.
+_PROBE_BYTES = 2**40 * 3**6 * 5**3 * 7**2
+
+
 def _pair_pricer(mesh: tuple[int, ...], cluster: Cluster):
     """Seconds of one edge's forward boxing plus its gradient's transitions, memoised; the same
     transitions ``costmodel.plan_cost`` charges (an activation's gradient goes back through the
-    executor's redistribute, a parameter's straight to its storage)."""
+    executor's redistribute, a parameter's straight to its storage).
+
+    Which collectives a transition runs depends only on the layouts; their bytes are the
+    tensor's divided by a layout-given factor. So the collectives are found once per layout
+    pair (with a probe size) and only re-priced per tensor size."""
     @lru_cache(maxsize=None)
-    def seconds(transitions: tuple) -> float:
-        return transitions_time_s(transitions, mesh, cluster)
+    def steps(src: NdSbp, dst: NdSbp, grad: NdSbp | None, is_param: bool) -> tuple:
+        found = list(transitions_of(_PROBE_BYTES, src, dst, mesh))
+        if grad is not None:
+            found += (transitions_of(_PROBE_BYTES, grad, needed_grad_ndsbp(src), mesh) if is_param
+                      else edge_backward_transitions(_PROBE_BYTES, src, dst, grad, mesh))
+        return tuple((kind, axis, _PROBE_BYTES // nbytes) for kind, axis, nbytes in found)
 
     @lru_cache(maxsize=None)
-    def price(meta: TensorMeta, src: NdSbp, dst: NdSbp, grad: NdSbp | None, is_param: bool) -> float:
-        t = seconds(tuple(transitions_of(meta.nbytes, src, dst, mesh)))
-        if grad is not None:
-            back = (transitions_of(meta.nbytes, grad, needed_grad_ndsbp(src), mesh) if is_param
-                    else edge_backward_transitions(meta.nbytes, src, dst, grad, mesh))
-            t += seconds(tuple(back))
-        return t
+    def line(kind, axis: int) -> tuple[float, float]:
+        """(seconds, seconds per byte): every collective's time is alpha + bytes * beta."""
+        alpha = transitions_time_s([(kind, axis, 0)], mesh, cluster)
+        return alpha, (transitions_time_s([(kind, axis, 2**30)], mesh, cluster) - alpha) / 2**30
+
+    @lru_cache(maxsize=None)
+    def price(nbytes: int, src: NdSbp, dst: NdSbp, grad: NdSbp | None, is_param: bool) -> float:
+        total = 0.0
+        for kind, axis, div in steps(src, dst, grad, is_param):
+            alpha, per_byte = line(kind, axis)
+            total += alpha + per_byte * (nbytes // div)
+        return total
     return price
 
 
@@ -171,7 +188,7 @@ def _edge_matrix(u: OpNode, v: OpNode, refs: tuple, cu: list[Signature], cv: lis
         dsts = [(s.inputs[slot], grad_ndsbp(s.inputs[slot], s.outputs) if with_grad else None) for s in cv]
         su, si = _unique(srcs)
         du, di = _unique(dsts)
-        table = np.array([[price(meta, s, d, g, is_param) for d, g in du] for s in su])
+        table = np.array([[price(meta.nbytes, s, d, g, is_param) for d, g in du] for s in su])
         total += table[np.ix_(si, di)]
     return total
 
