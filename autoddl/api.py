@@ -80,6 +80,7 @@ def schemes_frame(outcome) -> pd.DataFrame:
                 "step_ms": bd.step_time_s * 1e3, "compute_ms": bd.compute_s * 1e3,
                 "boxing_fwd_ms": bd.boxing_forward_s * 1e3, "boxing_bwd_ms": bd.boxing_backward_s * 1e3,
                 "grad_sync_ms": bd.grad_sync_s * 1e3, "optimizer_ms": bd.optimizer_s * 1e3,
+                "step_overhead_ms": bd.step_overhead_s * 1e3,
                 "memory_gb": bd.memory_bytes_per_device / 1e9, "fits_memory": bd.fits_memory,
             })
         rows.append(row)

@@ -40,7 +40,7 @@ from typing import Sequence
 from autoddl.cli import common_options, register
 from autoddl.cluster import CONFIG_DIR, Backend, Cluster, CollectiveFits, Efficiency, LinkSpec
 from costmodel.collectives import CollectiveFit, CollectiveKind, fit_collective
-from executor.calibrate import (LARGE_MATMUL_FLOPS, CollectiveTiming, ComputeSummary, Measurements, Settings,
+from executor.calibrate import (with_executor_overheads, LARGE_MATMUL_FLOPS, CollectiveTiming, ComputeSummary, Measurements, Settings,
                                 compute_summary, measure)
 
 DEFAULT_BASE = CONFIG_DIR / "local-cpu.yaml"
@@ -211,6 +211,7 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
     if dpn > s.nproc:
         lines.append(f"devices_per_node {dpn} > {s.nproc} calibrated ranks: with more ranks than "
                      f"{s.nproc} they share cores, so compute and collectives run slower than these numbers.")
+    cluster, comments = with_executor_overheads(cluster, comments, meas)
     return Calibration(cluster=cluster, comments=comments, header="\n".join(lines), fits=fits, compute=comp)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pandas as pd
 
 SEGMENTS = (("compute_ms", "compute"), ("boxing_fwd_ms", "boxing forward"), ("boxing_bwd_ms", "boxing backward"),
-            ("grad_sync_ms", "gradient sync"), ("optimizer_ms", "optimizer"))
+            ("grad_sync_ms", "gradient sync"), ("optimizer_ms", "optimizer"),
+            ("step_overhead_ms", "per-step overhead"))
 
 
 def breakdown_chart(df: pd.DataFrame, title: str, path: str) -> None:

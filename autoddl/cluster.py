@@ -18,6 +18,15 @@ timings on this backend; used instead of ``links.intra_node`` for that kind on
 intra-node mesh axes) and ``compute_curve`` (``[[gflop, efficiency], ...]``:
 the fraction of ``peak_tflops`` a matmul of that many GFLOPs reaches,
 piecewise-linear in log(FLOPs); used instead of ``efficiency.compute``).
+A third, ``executor``, holds the fixed costs of autoddl's own executor (Python,
+DTensor wrapping, per-parameter bookkeeping) that ``autoddl calibrate`` measures
+by timing the executor itself: per op forward / backward, per op input, per
+parameter use and per collective beyond its latency (all microseconds; 0 when
+left out, e.g. for clusters whose plans run under a compiled runtime).
+``cores_per_node`` (CPU clusters) is how many ranks a node runs at full speed at
+once (its cores / threads per rank): a mesh with more ranks than that on a node
+time-shares the cores, and the cost model slows that mesh's compute and
+collectives by ranks / cores_per_node.
 """
 
 from __future__ import annotations
@@ -115,6 +124,28 @@ class CollectiveFits:
         return bool(self.items())
 
 
+@dataclass(frozen=True)
+class ExecutorOverheads:
+    """Fixed costs of autoddl's executor beyond the roofline, ``op_overhead_us`` and alpha-beta.
+
+    The executor runs every op (views included) as to_local -> aten op -> from_local in a
+    Python interpreter, boxes every parameter use into a detached leaf whose gradient it
+    reduces to the storage NdSbp, and runs each collective through DTensor's redistribute.
+    ``autoddl calibrate`` measures these by timing the executor on chains of tiny ops.
+    """
+
+    op_forward_us: float = 0.0      # per op the executor runs (views included), forward
+    op_backward_us: float = 0.0     # per op that has a backward (views included)
+    input_forward_us: float = 0.0   # per tensor input of an op, forward (box + to_local)
+    input_backward_us: float = 0.0  # per tensor input of an op, backward (its gradient's wrapping)
+    param_us: float = 0.0           # per parameter use: leaf, grad sync to storage, optimizer share
+    collective_us: float = 0.0      # per collective, beyond its latency (DTensor redistribute)
+    step_us: float = 0.0            # per training step: input placement, loss read-out, zero_grad
+
+    def __bool__(self) -> bool:
+        return any(v for v in dataclasses.astuple(self))
+
+
 # -- schema -------------------------------------------------------------------
 # (dotted field, expected, kind): kind is "str", "int", "pos" (> 0), "nonneg" (>= 0), "frac" (0, 1].
 _DEVICE_FIELDS = {
@@ -129,8 +160,16 @@ _LINK_FIELDS = {
     "latency_us": ("a non-negative number in microseconds", "nonneg"),
 }
 _EFFICIENCY_FIELDS = {k: ("a fraction in (0, 1]", "frac") for k in ("compute", "memory", "network")}
+_EXECUTOR_FIELDS = {k: (f"a non-negative number of microseconds {what}", "nonneg") for k, what in (
+    ("op_forward_us", "per op the executor runs (views included), forward"),
+    ("op_backward_us", "per op with a backward (views included)"),
+    ("input_forward_us", "per tensor input of an op, forward"),
+    ("input_backward_us", "per tensor input of an op, backward"),
+    ("param_us", "per parameter use (leaf, grad sync, optimizer)"),
+    ("collective_us", "per collective beyond its latency"),
+    ("step_us", "per training step (inputs, loss, zero_grad)"))}
 _TOP_KEYS = ("name", "nodes", "devices_per_node", "device", "links", "backend", "efficiency",
-             "op_overhead_us", "collectives", "compute_curve")
+             "op_overhead_us", "collectives", "compute_curve", "executor", "cores_per_node")
 _LINK_KEYS = ("intra_node", "inter_node")
 _NUMBER_WITH_UNIT = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([^\d\s].*?)\s*$")
 
@@ -336,10 +375,19 @@ def _parse(d: Any, src: str) -> tuple[dict[str, Any], list[str]]:
         kw["op_overhead_us"] = _number(src, "op_overhead_us", d["op_overhead_us"],
                                        "a non-negative number in microseconds per op launch", "nonneg",
                                        errors)
+    if d.get("cores_per_node") is not None:
+        kw["cores_per_node"] = _number(src, "cores_per_node", d["cores_per_node"],
+                                       "a positive integer: ranks a node runs at full speed at once (CPU cores / "
+                                       "threads per rank); leave it out when every device has its own hardware",
+                                       "int", errors)
     if d.get("collectives") is not None:
         kw["collectives"] = _collectives(src, d["collectives"], errors)
     if d.get("compute_curve") is not None:
         kw["compute_curve"] = _compute_curve(src, d["compute_curve"], errors)
+    if d.get("executor") is not None:
+        ex = _section(src, "executor", d["executor"], _EXECUTOR_FIELDS, errors,
+                      defaults=dataclasses.asdict(ExecutorOverheads()))
+        kw["executor"] = ExecutorOverheads(**ex) if ex else None
     return kw, errors
 
 
@@ -379,6 +427,8 @@ class Cluster:
     op_overhead_us: float = 5.0
     collectives: CollectiveFits = CollectiveFits()
     compute_curve: tuple[tuple[float, float], ...] = ()
+    executor: ExecutorOverheads = ExecutorOverheads()
+    cores_per_node: int | None = None   # CPU: ranks a node runs at once at full speed; None: no sharing
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -391,6 +441,10 @@ class Cluster:
             object.__setattr__(self, "collectives", CollectiveFits(**fits))
         if self.compute_curve is None:
             object.__setattr__(self, "compute_curve", ())
+        if self.executor is None:
+            object.__setattr__(self, "executor", ExecutorOverheads())
+        elif isinstance(self.executor, dict):
+            object.__setattr__(self, "executor", ExecutorOverheads(**self.executor))
         if isinstance(self.compute_curve, (list, tuple)):
             object.__setattr__(self, "compute_curve", tuple(
                 tuple(p) if isinstance(p, (list, tuple)) else p for p in self.compute_curve))
@@ -453,6 +507,8 @@ class Cluster:
             **({"collectives": {k: dataclasses.asdict(v) for k, v in self.collectives.items()}}
                if self.collectives else {}),
             **({"compute_curve": [list(p) for p in self.compute_curve]} if self.compute_curve else {}),
+            **({"executor": dataclasses.asdict(self.executor)} if self.executor else {}),
+            **({"cores_per_node": self.cores_per_node} if self.cores_per_node else {}),
         }
 
     def to_yaml(self, path: str | os.PathLike, comments: dict[str, str] | None = None,
@@ -521,6 +577,14 @@ class Cluster:
         base = self.name.split("@")[0]
         return dataclasses.replace(self, name=f"{base}@{n}", nodes=nodes, devices_per_node=dpn)
 
+    def time_sharing(self, mesh_shape: tuple[int, ...]) -> float:
+        """How many times slower every rank of a mesh runs because a node holds more of its ranks than
+        ``cores_per_node`` (ranks fill nodes in order): ``max(1, ranks per node / cores_per_node)``."""
+        if not self.cores_per_node:
+            return 1.0
+        per_node = min(math.prod(mesh_shape), self.devices_per_node)
+        return max(1.0, per_node / self.cores_per_node)
+
     def link_for_axis(self, mesh_shape: tuple[int, ...], axis: int) -> LinkSpec:
         """The link a collective on mesh axis ``axis`` crosses (outermost axis first,
         devices numbered row-major, node-major): intra-node when the axis and every
@@ -545,7 +609,10 @@ class Cluster:
                 f"| op overhead {self.op_overhead_us:g} us"
                 + (f" | fitted collectives: {', '.join(k for k, _ in self.collectives.items())}"
                    if self.collectives else "")
-                + (f" | compute curve: {len(self.compute_curve)} points" if self.compute_curve else ""))
+                + (f" | compute curve: {len(self.compute_curve)} points" if self.compute_curve else "")
+                + (" | executor overheads: " + ", ".join(f"{k} {v:g}" for k, v in dataclasses.asdict(
+                    self.executor).items() if v) if self.executor else "")
+                + (f" | {self.cores_per_node} ranks per node at once" if self.cores_per_node else ""))
 
     def __str__(self) -> str:
         return self.summary()

@@ -1,9 +1,11 @@
 """The cost of one training step of a plan, broken down: compute, communication, optimizer, memory.
 
-``step_time_s = compute_s + comm_s + optimizer_s`` with
+``step_time_s = compute_s + comm_s + optimizer_s + step_overhead_s`` with
 ``comm_s = boxing_forward_s + boxing_backward_s + grad_sync_s``: no overlap of
 communication with compute is assumed (an upper bound; eager DTensor code with
-blocking redistributes runs that way). Which collectives run is decided in
+blocking redistributes runs that way). ``step_overhead_s`` is the executor's calibrated
+fixed cost per step (``cluster.executor.step_us``: input placement, loss read-out,
+zero_grad), 0 for a cluster that was not calibrated. Which collectives run is decided in
 :mod:`costmodel.edges`; :func:`predicted_collectives` lists them, kinds after
 the backend's emulation, for the executor's audit (compare as a multiset of
 ``(kind, axis, bytes, phase)``).
@@ -42,6 +44,7 @@ class CostBreakdown:
     per_op: pd.DataFrame
     memory_limit_bytes: int = 0
     collectives: list[Collective] = field(default_factory=list)
+    step_overhead_s: float = 0.0
 
     @property
     def fits_memory(self) -> bool:
@@ -66,7 +69,7 @@ class CostBreakdown:
             "step_time_s": float(self.step_time_s), "compute_s": float(self.compute_s),
             "comm_s": float(self.comm_s), "boxing_forward_s": float(self.boxing_forward_s),
             "boxing_backward_s": float(self.boxing_backward_s), "grad_sync_s": float(self.grad_sync_s),
-            "optimizer_s": float(self.optimizer_s),
+            "optimizer_s": float(self.optimizer_s), "step_overhead_s": float(self.step_overhead_s),
             "memory_bytes_per_device": int(self.memory_bytes_per_device),
             "memory_limit_bytes": int(self.memory_limit_bytes), "fits_memory": bool(self.fits_memory),
             "memory": {k: int(v) for k, v in self.memory.items()},
@@ -117,14 +120,16 @@ def plan_cost(graph: OpGraph, plan: Plan, cluster: Cluster) -> CostBreakdown:
 
     param_bytes, param_numel = local_parameters(graph, plan)
     optimizer_s = optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster)
+    step_overhead_s = cluster.executor.step_us * 1e-6
     memory = memory_bytes(graph, plan, collectives)
     comm_s = sum(phase_s.values())
     return CostBreakdown(
-        step_time_s=compute_s + comm_s + optimizer_s, compute_s=compute_s, comm_s=comm_s,
+        step_time_s=compute_s + comm_s + optimizer_s + step_overhead_s, compute_s=compute_s, comm_s=comm_s,
         boxing_forward_s=phase_s["forward"], boxing_backward_s=phase_s["backward"],
         grad_sync_s=phase_s["grad_sync"], optimizer_s=optimizer_s,
         memory_bytes_per_device=memory["total"], memory=memory, per_op=per_op,
         memory_limit_bytes=int(cluster.device.memory_gb * 1e9), collectives=collectives,
+        step_overhead_s=step_overhead_s,
     )
 
 

@@ -24,7 +24,11 @@ same ``M`` (the definitions above make that a plain substitution).
 Every formula is ``lat(n) * a + bw(n) * M / b`` (:func:`formula_coefficients`),
 linear in ``(a, 1/b)``: :func:`fit_collective` recovers ``a`` and ``b`` from
 timings by least squares, and :func:`cluster_collective_time_s` uses such a
-per-kind fit (``Cluster.collectives``) in place of the intra-node link.
+per-kind fit (``Cluster.collectives``) in place of the intra-node link, and adds
+the executor's fixed cost per collective (``Cluster.executor.collective_us``:
+DTensor's redistribute around the backend call), which is not part of ``a``; on a
+CPU cluster whose nodes hold more of the mesh's ranks than ``cores_per_node`` the
+whole time is multiplied by ``Cluster.time_sharing`` (the ranks time-share the cores).
 """
 
 from __future__ import annotations
@@ -156,13 +160,17 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
     cluster.backend, cluster.efficiency.network)``, except that on an intra-node axis a
     per-kind fit in ``cluster.collectives`` replaces the link: the fit of ``kind`` itself,
     else that of the kind the backend carries it out as (gloo's reduce-scatter is an all-reduce).
+    Plus ``cluster.executor.collective_us`` when the axis has more than one device; all of it
+    times ``cluster.time_sharing(mesh_shape)``.
     """
     mesh = tuple(mesh_shape)
     link = cluster.link_for_axis(mesh, axis)             # validates mesh and axis
     if math.prod(mesh[axis % len(mesh):]) <= cluster.devices_per_node:
         fit = cluster.collectives.get(kind) or cluster.collectives.get(carried_out_as(kind, cluster.backend))
         link = fit or link
-    return collective_time_s(kind, nbytes, mesh[axis], link, cluster.backend, cluster.efficiency.network)
+    fixed_s = cluster.executor.collective_us * 1e-6 if mesh[axis] > 1 else 0.0
+    return (collective_time_s(kind, nbytes, mesh[axis], link, cluster.backend, cluster.efficiency.network)
+            + fixed_s) * cluster.time_sharing(mesh)
 
 
 # -- fitting latency and bandwidth to timings ------------------------------------------------------

@@ -17,6 +17,17 @@ FLOPs and bytes (grad of input and grad of weight); every other op 1x; views,
 getitem and copies-by-view (autoddl.flops.VIEW_OPS) cost 0, forward and
 backward, no launch overhead either. An op none of whose inputs needs a
 gradient has no backward (``needs_backward=False``).
+
+Executor overheads (``cluster.executor``, 0 unless calibrated): autoddl's executor runs
+every op, views included, as box -> to_local -> aten op -> from_local, so each op
+pays ``op_forward_us + input_forward_us * inputs`` forward and, when it has a
+backward, ``op_backward_us + input_backward_us * inputs + param_us * parameters read``
+backward (a parameter use's leaf, its grad sync to storage and its optimizer share).
+``getitem`` runs no op and pays nothing.
+
+Time-sharing: on a CPU cluster whose nodes run fewer ranks at once than a mesh puts on
+them (``cluster.cores_per_node``), every op's time is multiplied by
+``cluster.time_sharing(mesh_shape)`` (ranks per node / cores_per_node).
 """
 
 from __future__ import annotations
@@ -83,21 +94,44 @@ def work_divisor(sig: Signature, mesh_shape: Sequence[int]) -> int:
                      if any(isinstance(nd[axis], Split) for nd in nds))
 
 
-def op_forward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster) -> float:
-    if not node.is_op or node.op_name in ZERO_COST:
+def executor_forward_s(node: OpNode, cluster: Cluster) -> float:
+    """The executor's fixed forward cost of one op: per op plus per tensor input (0 for getitem)."""
+    if not node.is_op or node.op_name == "getitem":
         return 0.0
+    ex = cluster.executor
+    return (ex.op_forward_us + ex.input_forward_us * len(node.inputs)) * 1e-6
+
+
+def executor_backward_s(node: OpNode, cluster: Cluster) -> float:
+    """The executor's fixed backward cost of one op: per op, per tensor input, per parameter read."""
+    if not node.is_op or node.op_name == "getitem":
+        return 0.0
+    ex = cluster.executor
+    return (ex.op_backward_us + ex.input_backward_us * len(node.inputs) + ex.param_us * len(node.params)) * 1e-6
+
+
+def op_forward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster) -> float:
+    if not node.is_op:
+        return 0.0
+    share = cluster.time_sharing(tuple(mesh_shape))
+    if node.op_name in ZERO_COST:
+        return executor_forward_s(node, cluster) * share
     d = work_divisor(sig, mesh_shape)
-    return roofline_time_s(node.flops / d, (node.bytes_read + node.bytes_written) / d, cluster) \
-        + cluster.op_overhead_us * 1e-6
+    return (roofline_time_s(node.flops / d, (node.bytes_read + node.bytes_written) / d, cluster)
+            + cluster.op_overhead_us * 1e-6 + executor_forward_s(node, cluster)) * share
 
 
 def op_backward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster) -> float:
     factor = backward_factor(node.op_name)
-    if not node.is_op or factor == 0:
+    if not node.is_op:
         return 0.0
+    share = cluster.time_sharing(tuple(mesh_shape))
+    if factor == 0:
+        return executor_backward_s(node, cluster) * share
     d = work_divisor(sig, mesh_shape)
-    return roofline_time_s(factor * node.flops / d, factor * (node.bytes_read + node.bytes_written) / d,
-                           cluster, op_flops=node.flops / d) + cluster.op_overhead_us * 1e-6
+    return (roofline_time_s(factor * node.flops / d, factor * (node.bytes_read + node.bytes_written) / d,
+                            cluster, op_flops=node.flops / d) + cluster.op_overhead_us * 1e-6
+            + executor_backward_s(node, cluster)) * share
 
 
 def op_compute_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster,

@@ -11,6 +11,13 @@ on all ranks at once, so each rank sees the contention it sees in training:
   benchmarked matmul pays too; with grad: plus the autograd recording a training
   step pays), and one ``DTensor.from_local`` / ``to_local`` round, which the
   executor pays around every op;
+- the executor's own fixed costs (``executor``): autoddl's executor (PlanInterpreter,
+  DistributedModel, train_step with AdamW) runs chains of tiny ops under an all-B plan
+  on a mesh of every rank (no collectives), three kinds of chain (one input per op, two
+  inputs, two inputs one of which a parameter) at two lengths, forward alone and whole
+  steps; least squares over the chains give the per-op, per-input and per-parameter
+  costs (:func:`fit_executor_overheads`); and one DTensor ``redistribute`` (P -> B, S -> B)
+  of a 4 KB tensor against the bare gloo collective gives the per-collective cost;
 - each collective kind on every mesh-axis size that divides ``nproc`` (subgroups of
   consecutive ranks, all running at once, as the axes of a 2-D mesh do), over message
   sizes ``M`` defined as in ``costmodel.collectives``, carried out the way the
@@ -41,7 +48,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from autoddl.cluster import COLLECTIVE_KINDS
+from autoddl.cluster import COLLECTIVE_KINDS, ExecutorOverheads
 
 SQUARE_SIZES = (64, 128, 256, 512, 1024, 2048)
 SKINNY_SHAPES = ((2048, 2048, 64), (2048, 64, 2048), (64, 2048, 2048), (2048, 256, 256),
@@ -78,6 +85,8 @@ class Settings:
     timeout_s: float = 600.0
     quick: bool = False
     verbose: bool = True              # rank 0 prints one line per benchmark to stderr
+    executor_chains: tuple[int, int] = (8, 40)   # ops per chain (short, long) of the executor benchmark
+    executor_reps: int = 15           # timed steps per chain (after 2 untimed)
 
     def __post_init__(self) -> None:
         if self.nproc < 2:
@@ -94,7 +103,7 @@ class Settings:
         if quick:
             base = dict(matmul_shapes=tuple((s, s, s) for s in SQUARE_SIZES[:4]) + ((512, 512, 64),),
                         message_bytes=QUICK_MESSAGE_BYTES, memory_bytes=32 << 20, repeats=3,
-                        matmul_time_s=0.05, batch_time_s=0.002)
+                        matmul_time_s=0.05, batch_time_s=0.002, executor_chains=(4, 12), executor_reps=5)
         else:
             base = dict(matmul_shapes=tuple((s, s, s) for s in SQUARE_SIZES) + SKINNY_SHAPES)
         base.update(overrides)
@@ -123,6 +132,66 @@ class CollectiveTiming:
     how: str                          # what ran, e.g. "gloo all_reduce"
 
 
+CHAIN_KINDS = ("unary", "binary", "param")
+
+
+@dataclass(frozen=True)
+class ChainTiming:
+    """One chain the executor ran: its op / input / parameter-use counts and median times."""
+
+    kind: str                         # a CHAIN_KINDS name
+    ops: int                          # ops the executor runs (getitem excluded), as costmodel counts them
+    inputs: int                       # tensor inputs over those ops
+    params: int                       # parameter uses over those ops
+    forward_s: float                  # median forward (interpreter + loss to B), max over ranks
+    step_s: float                     # median train_step (forward, backward, grad sync, AdamW)
+
+
+@dataclass(frozen=True)
+class ExecutorTimings:
+    chains: tuple[ChainTiming, ...]
+    redistribute_us: dict[str, float]  # "all_reduce" (P -> B) / "all_gather" (S -> B): DTensor redistribute
+    raw_us: dict[str, float]           # the bare gloo / nccl collective on the same tensor
+
+
+@dataclass(frozen=True)
+class ExecutorFit:
+    overheads: ExecutorOverheads
+    step_fixed_us: float              # per-step intercept (input placement, loss, zero_grad); not costed
+    max_rel_residual: float           # over the chains' step times
+
+
+def fit_executor_overheads(timings: ExecutorTimings) -> ExecutorFit:
+    """Per-op, per-input and per-parameter-use costs by non-negative least squares over the chains.
+
+    forward: ``t = op_f * ops + in_f * inputs + c_f``; step: ``t = op * ops + in * inputs +
+    param * params + c``; backward terms are the step's minus the forward's (at least 0).
+    Per collective: the median over kinds of (DTensor redistribute - bare collective), at least 0.
+    """
+    from scipy.optimize import nnls
+
+    import numpy as np
+
+    ch = timings.chains
+    if len({c.kind for c in ch}) < len(CHAIN_KINDS) or len(ch) < 4:
+        raise ValueError(f"fit_executor_overheads: need every chain kind {CHAIN_KINDS} at 2 lengths, got "
+                         f"{[(c.kind, c.ops) for c in ch]}")
+    fwd_x = np.array([[c.ops, c.inputs, 1.0] for c in ch])                 # (chains, 3)
+    step_x = np.array([[c.ops, c.inputs, c.params, 1.0] for c in ch])      # (chains, 4)
+    fwd_t = np.array([c.forward_s for c in ch])
+    step_t = np.array([c.step_s for c in ch])
+    w = 1.0 / step_t                                                      # relative residuals
+    f, _ = nnls(fwd_x * (1.0 / fwd_t)[:, None], np.ones(len(ch)))
+    a, _ = nnls(step_x * w[:, None], np.ones(len(ch)))
+    pred = step_x @ a
+    diffs = [timings.redistribute_us[k] - timings.raw_us[k] for k in timings.redistribute_us if k in timings.raw_us]
+    overheads = ExecutorOverheads(
+        op_forward_us=float(f[0]) * 1e6, op_backward_us=max(0.0, float(a[0] - f[0])) * 1e6,
+        input_forward_us=float(f[1]) * 1e6, input_backward_us=max(0.0, float(a[1] - f[1])) * 1e6,
+        param_us=float(a[2]) * 1e6, collective_us=max(0.0, statistics.median(diffs)) if diffs else 0.0)
+    return ExecutorFit(overheads, float(a[3]) * 1e6, float(np.max(np.abs(pred - step_t) / step_t)))
+
+
 @dataclass(frozen=True)
 class Measurements:
     settings: Settings
@@ -134,6 +203,7 @@ class Measurements:
     collectives: tuple[CollectiveTiming, ...]
     seconds: dict[str, float] = field(default_factory=dict)    # wall time per benchmark section
     machine: str = ""
+    executor: ExecutorTimings | None = None                     # the executor's own fixed costs
 
     @property
     def op_overhead_us(self) -> float:
@@ -247,12 +317,19 @@ def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measuremen
         colls.append(CollectiveTiming(kind, n, nbytes, statistics.median(per_rep), how))
     seconds = {k: max(r["seconds"][k] for r in ranks) for k in ranks[0]["seconds"]}
     seconds["total"] = wall_s
+    executor = None
+    if "chains" in ranks[0]:
+        chains = tuple(ChainTiming(*c[:4], max(r["chains"][i][4] for r in ranks),
+                                   max(r["chains"][i][5] for r in ranks)) for i, c in enumerate(ranks[0]["chains"]))
+        executor = ExecutorTimings(chains, {k: max(r["redistribute_us"][k] for r in ranks)
+                                            for k in ranks[0]["redistribute_us"]},
+                                   {k: max(r["raw_us"][k] for r in ranks) for k in ranks[0]["raw_us"]})
     return Measurements(
         settings=settings, matmuls=matmuls,
         memory_gbps={k: mean(r["memory_gbps"][k] for r in ranks) for k in ranks[0]["memory_gbps"]},
         dispatch_us=mean(r["dispatch_us"] for r in ranks), tiny_op_us=mean(r["tiny_op_us"] for r in ranks),
         dtensor_round_us=mean(r["dtensor_round_us"] for r in ranks),
-        collectives=tuple(colls), seconds=seconds, machine=ranks[0]["machine"])
+        collectives=tuple(colls), seconds=seconds, machine=ranks[0]["machine"], executor=executor)
 
 
 def _rank_main(settings: Settings, rank: int, port: int, out_dir: str) -> None:
@@ -318,8 +395,8 @@ class _Bench:
     def run(self) -> dict[str, Any]:
         out: dict[str, Any] = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                                           f"{os.cpu_count()} cores, torch {self.torch.__version__}"}
-        for name, fn in (("overhead", self.overhead), ("memory", self.memory), ("matmul", self.matmuls),
-                         ("collectives", self.collectives)):
+        for name, fn in (("overhead", self.overhead), ("executor", self.executor), ("memory", self.memory),
+                         ("matmul", self.matmuls), ("collectives", self.collectives)):
             self.dist.barrier()
             t0 = time.perf_counter()
             out.update(fn())
@@ -349,6 +426,66 @@ class _Bench:
         self.say(f"per-op overhead: add of 1-element tensors {dispatch * 1e6:.1f} us ({tiny * 1e6:.1f} us with "
                  f"grad), DTensor from_local + to_local {dt_round * 1e6:.1f} us (rank 0)")
         return {"dispatch_us": dispatch * 1e6, "tiny_op_us": tiny * 1e6, "dtensor_round_us": dt_round * 1e6}
+
+    def executor(self) -> dict[str, Any]:
+        """Chains of tiny ops through autoddl's executor, and DTensor redistribute against bare collectives."""
+        torch, dist = self.torch, self.dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        from autoddl.trace import trace
+        from executor.runtime import DistributedModel, build_optimizer, train_step
+
+        mesh = init_device_mesh(self.device.type, (self.s.nproc,))
+        x = torch.randn(CHAIN_WIDTH, CHAIN_WIDTH, device=self.device)          # (W, W)
+        chains = []
+        for kind in CHAIN_KINDS:
+            for n in self.s.executor_chains:
+                torch.manual_seed(0)
+                model = _Chain(kind, n).to(self.device)
+                graph = trace(model, (x,), _chain_loss, name=f"chain-{kind}-{n}")
+                ops = [o for o in graph.ops() if o.op_name != "getitem"]
+                dmodel = DistributedModel(model, graph, broadcast_plan(graph, (self.s.nproc,)), mesh)
+                opt = build_optimizer("adamw", dmodel.parameters())
+                fwd = self._median_step(lambda: dmodel(x))
+                step = self._median_step(lambda: train_step(dmodel, (x,), opt))
+                chains.append((kind, len(ops), sum(len(o.inputs) for o in ops), sum(len(o.params) for o in ops),
+                               fwd, step))
+                self.say(f"executor chain {kind} x {n}: {len(ops)} ops, forward {fwd * 1e3:.2f} ms, "
+                         f"step {step * 1e3:.2f} ms (rank 0)")
+        t = torch.ones(1024, device=self.device, requires_grad=True)             # 4 KB
+        gathered = torch.empty(1024 * self.s.nproc, device=self.device)
+        partial = DTensor.from_local(t, mesh, [Partial()], run_check=False)
+        shard = DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+        calls = 10 if self.s.quick else 40
+        cases = {"all_reduce": (lambda: partial.redistribute(mesh, [Replicate()]),
+                                lambda: dist.all_reduce(t.detach())),
+                 "all_gather": (lambda: shard.redistribute(mesh, [Replicate()]),
+                                lambda: dist.all_gather_into_tensor(gathered, t.detach()))}
+        redistribute_us, raw_us = {}, {}
+        for kind, (dtensor_fn, raw_fn) in cases.items():
+            dtensor_fn(), raw_fn()
+            reps_dt, reps_raw = [], []
+            for _ in range(self.s.repeats):                 # interleaved: both see the same load
+                self.dist.barrier()
+                reps_dt.append(self.time_calls(dtensor_fn, calls))
+                self.dist.barrier()
+                reps_raw.append(self.time_calls(raw_fn, calls))
+            redistribute_us[kind] = statistics.median(reps_dt) * 1e6
+            raw_us[kind] = statistics.median(reps_raw) * 1e6
+            self.say(f"executor {kind} of 4 KB: DTensor redistribute {redistribute_us[kind]:.0f} us, bare "
+                     f"{self.s.backend} {raw_us[kind]:.0f} us (rank 0)")
+        return {"chains": chains, "redistribute_us": redistribute_us, "raw_us": raw_us}
+
+    def _median_step(self, fn: Callable[[], Any]) -> float:
+        """Median seconds of ``fn`` over ``executor_reps`` runs, each started after a barrier."""
+        for _ in range(2):
+            fn()
+        times = []
+        for _ in range(self.s.executor_reps):
+            self.dist.barrier()
+            times.append(self.time_calls(fn, 1))
+        return statistics.median(times)
 
     def memory(self) -> dict[str, Any]:
         torch = self.torch
@@ -445,3 +582,106 @@ class _Bench:
             src = self.rank // n * n                       # the group's first global rank
             return (lambda: dist.broadcast(full, src=src, group=group)), numel * 4, f"{backend} broadcast"
         raise ValueError(f"calibrate: no benchmark for collective kind {kind!r}; known: {COLLECTIVE_KINDS}")
+
+
+# -- the executor benchmark's model and plan ---------------------------------------------------------
+CHAIN_WIDTH = 16
+
+
+def _chain_loss(out: Any, x: Any) -> Any:
+    return out.sum()
+
+
+def _make_chain_class():
+    from torch import nn
+
+    class Chain(nn.Module):
+        """``n`` tiny ops in a row: ``unary`` tanh / relu (1 input each); ``binary`` residual pairs
+        ``y = y + tanh(y)`` (inputs 1 and 2; ``y`` has two consumers, as a residual stream does, so
+        its gradient is accumulated); ``param`` mul by its own parameter (2 inputs, one a parameter use)."""
+
+        def __init__(self, kind: str, n: int) -> None:
+            super().__init__()
+            import torch
+
+            if kind not in CHAIN_KINDS:
+                raise ValueError(f"chain kind {kind!r}: choose one of {CHAIN_KINDS}")
+            self.kind, self.n = kind, n
+            self.w = nn.Parameter(torch.full((CHAIN_WIDTH, CHAIN_WIDTH), 0.5))
+            count = n if kind == "param" else 0
+            self.ws = nn.ParameterList(nn.Parameter(torch.full((CHAIN_WIDTH, CHAIN_WIDTH), 1.0))
+                                       for _ in range(count))
+
+        def forward(self, x: Any) -> Any:
+            import torch
+
+            s = x * self.w                                      # (W, W)
+            y = s
+            for i in range(self.n):
+                if self.kind == "unary":
+                    y = torch.tanh(y) if i % 2 == 0 else torch.relu(y)
+                elif self.kind == "binary":
+                    if i % 2 == 0:
+                        r, y = y, torch.tanh(y)             # r: the residual, consumed twice
+                    else:
+                        y = torch.add(y, r)
+                else:
+                    y = y * self.ws[i]
+            return y
+
+    return Chain
+
+
+def _Chain(kind: str, n: int) -> Any:
+    return _make_chain_class()(kind, n)
+
+
+def broadcast_plan(graph: Any, mesh_shape: tuple[int, ...]) -> Any:
+    """Every input, op and parameter all-B on ``mesh_shape``: every rank computes everything, no collectives."""
+    from autoddl.graph import NodeKind
+    from autoddl.plan import Mesh, Plan
+    from autoddl.sbp import NdSbp, Signature
+
+    b = NdSbp.broadcast(len(mesh_shape))
+    sigs = {n.name: Signature((), (b,)) for n in graph.nodes_of(NodeKind.INPUT) + graph.nodes_of(NodeKind.BUFFER)}
+    sigs.update({n.name: Signature(tuple(b for _ in n.inputs), tuple(b for _ in n.outputs)) for n in graph.ops()})
+    return Plan("all-B", Mesh(tuple(mesh_shape)), sigs, {fqn: b for fqn in graph.parameters()},
+                graph.fingerprint(), model=graph.model_name)
+
+
+def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measurements) -> tuple[Any, dict[str, str]]:
+    """``cluster`` with ``executor`` set from ``meas.executor`` and ``op_overhead_us`` cut to a tiny op's
+    dispatch + autograd (the DTensor round it also held is now in ``executor``), and for gloo on CPU
+    ``cores_per_node`` = this machine's cores / threads per rank; comments to match.
+    Unchanged when the executor was not timed."""
+    import dataclasses
+
+    if meas.executor is None:
+        return cluster, comments
+    fit = fit_executor_overheads(meas.executor)
+    ex = ExecutorOverheads(**{k: _round3(v) for k, v in dataclasses.asdict(fit.overheads).items()})
+    ex = dataclasses.replace(ex, step_us=_round3(fit.step_fixed_us))
+    s = meas.settings
+    chains = ", ".join(f"{c.kind} {c.ops} ops {c.step_s * 1e3:.1f} ms" for c in meas.executor.chains)
+    diffs = ", ".join(f"{k} {meas.executor.redistribute_us[k]:.0f} us vs {meas.executor.raw_us[k]:.0f} us"
+                      for k in meas.executor.redistribute_us)
+    out = dict(comments)
+    out["op_overhead_us"] = (f"measured: add of 1-element tensors needing grad {meas.tiny_op_us:.1f} us, per rank "
+                             "(the executor's own per-op cost is in executor)")
+    out["executor"] = (f"measured: autoddl's executor on chains of tiny ops, all-B plan on {s.nproc} ranks, "
+                       f"AdamW, median of {s.executor_reps} steps ({chains}); non-negative least squares, max "
+                       f"rel residual {fit.max_rel_residual:.0%}; step_us is the fit's per-step intercept")
+    out["executor.collective_us"] = f"DTensor redistribute - bare collective, 4 KB: {diffs}; median over kinds"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    at_once = max(1, cores // s.threads)
+    if s.backend == "gloo" and cluster.device.kind == "cpu":
+        out["cores_per_node"] = (f"this machine's {cores} cores / {s.threads} thread{'s' * (s.threads > 1)} per rank: "
+                                 f"more ranks than {at_once} time-share the cores")
+    else:
+        at_once = None
+    return dataclasses.replace(cluster, executor=ex, op_overhead_us=_round3(meas.tiny_op_us),
+                               cores_per_node=at_once), out
+
+
+def _round3(x: float) -> float:
+    return float(f"{x:.3g}") if x else 0.0

@@ -10,7 +10,8 @@ Inside a torchrun (or test) process::
 A step is: forward through ``PlanInterpreter`` (every edge boxed as planned), the
 loss boxed to B, ``backward()``, then an explicit grad sync that reduces each
 parameter's use-gradients to its storage NdSbp (P->B all-reduce for data
-parallel, P->S(0) reduce-scatter for ZeRO), then the optimizer on local shards.
+parallel, P->S(0) reduce-scatter for ZeRO), then the optimizer on local shards
+(``LocalShardOptimizer``: one foreach pass over the local tensors).
 ``run_check`` compares all of it with a single-process run.
 """
 
@@ -179,6 +180,9 @@ class DistributedModel(nn.Module):
             if not grads:
                 param.grad = None
                 continue
+            if len(grads) == 1 and tuple(grads[0].placements) == tuple(param.placements):
+                param.grad = grads[0]  # already in storage placements: nothing to reduce or redistribute
+                continue
             by_placements: dict[tuple, torch.Tensor] = {}
             for g in grads:  # same placements add locally, so one collective per placement group
                 key = tuple(g.placements)
@@ -197,14 +201,70 @@ class DistributedModel(nn.Module):
         self.interp.param_uses.clear()
 
 
-def build_optimizer(name: str, params, lr: float = 1e-2) -> torch.optim.Optimizer:
-    """The plan's optimizer by name ("sgd" or "adamw"), the same for the reference run."""
+def _torch_optimizer(name: str, params, lr: float, **kw) -> torch.optim.Optimizer:
     name = name.lower()
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
+        return torch.optim.SGD(params, lr=lr, **kw)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, **kw)
     raise ValueError(f"unknown optimizer {name!r}: use 'sgd' or 'adamw'")
+
+
+class LocalShardOptimizer:
+    """SGD / AdamW stepping each DTensor parameter's local shard, in one foreach pass.
+
+    Both are elementwise, so updating every device's piece on its own is the same update
+    as on the full tensor (parameters are stored S or B, never P), without DTensor's
+    per-tensor dispatch (about 0.5 ms per parameter on a CPU core, against ~30 us here).
+    The local tensors share storage with the parameters: the step updates them in place.
+    """
+
+    def __init__(self, name: str, params, lr: float = 1e-2):
+        self.params = [p for p in params if p.requires_grad]
+        with torch.no_grad():
+            self.locals = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in self.params]
+        self.inner = _torch_optimizer(name, self.locals, lr, foreach=True)
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none or p.grad is None:
+                p.grad = None
+            else:
+                p.grad.zero_()
+        for t in self.locals:
+            t.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, t in zip(self.params, self.locals):
+            g = p.grad
+            t.grad = None if g is None else (g.to_local() if isinstance(g, DTensor) else g).detach()
+        self.inner.step()
+        for t in self.locals:
+            t.grad = None
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+
+def build_optimizer(name: str, params, lr: float = 1e-2):
+    """The plan's optimizer by name ("sgd" or "adamw"), the same for the reference run.
+
+    DTensor parameters get a :class:`LocalShardOptimizer` (the step on local shards);
+    plain ones a torch optimizer.
+    """
+    params = list(params)
+    if any(isinstance(p, DTensor) for p in params):
+        return LocalShardOptimizer(name, params, lr)
+    return _torch_optimizer(name, params, lr)
 
 
 def train_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> float:

@@ -16,7 +16,14 @@ everywhere), traces it, builds the mesh and places parameters by the plan. In or
 4. ``--ddp`` (or ``--ddp-only``, which skips 1-3): the same steps with PyTorch's
    DistributedDataParallel, every rank on its shard (dim 0) of the batch.
 
-Rank 0 writes the result JSON to ``--out`` (stdout without it). A rank that fails writes
+Rank 0 writes the result JSON to ``--out`` (stdout without it).
+
+Several plans in one launch (``--plans A.json B.json ... --out-dir DIR``, instead of ``--plan``):
+the model is built and traced once, then each plan is timed in turn (steps 2-3 above, on its
+own mesh; every plan must be for the launched world size) and rank 0 writes ``DIR/<stem>.json``
+per plan as soon as it is done. A plan that raises on every rank alike (it does not fit the
+graph, a shape error) gets ``{"plan": ..., "error": ...}`` and the next plan runs; a launch
+costs 10-15 s of process start, import and tracing on a small machine, which this shares. A rank that fails writes
 ``<--error-dir>/rank<R>.json`` (rank, error, traceback) before exiting non-zero, which is how
 ``autoddl run`` names the rank that failed. Test hook: ``AUTODDL_TEST_FAIL_RANK=R`` makes rank R
 fail at its first timed step (``AUTODDL_TEST_FAIL_MODE``: ``raise``, default, or ``kill``, a SIGKILL).
@@ -67,7 +74,10 @@ def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m executor.worker", description=__doc__.split("\n")[0])
-    p.add_argument("--plan", required=True, help="plan JSON written by `autoddl plan`")
+    p.add_argument("--plan", help="plan JSON written by `autoddl plan`")
+    p.add_argument("--plans", nargs="+", default=[], metavar="PLAN_JSON",
+                   help="several plans run one after another in this launch (with --out-dir)")
+    p.add_argument("--out-dir", default="", help="with --plans: rank 0 writes <out-dir>/<plan stem>.json")
     p.add_argument("--model", required=True, help="model file defining build_model / example_inputs")
     p.add_argument("--steps", type=int, default=1, help="timed training steps (default 1)")
     p.add_argument("--warmup", type=int, default=0, help="untimed steps before them (default 0)")
@@ -89,7 +99,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="model size override passed to build_model / example_inputs")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if bool(args.plan) == bool(args.plans):
+        p.error("give exactly one of --plan PLAN_JSON or --plans PLAN_JSON ... (with --out-dir)")
+    if args.plans and (not args.out_dir or args.check or args.ddp or args.ddp_only):
+        p.error("--plans needs --out-dir and times plans only (no --check, --ddp, --ddp-only)")
+    return args
 
 
 def _test_fail_hook(rank: int) -> None:
@@ -205,6 +220,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def run_many(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--plans``: build and trace the model once, then time each plan; rank 0 writes one JSON per plan."""
+    plans = [(Path(path), Plan.load(path)) for path in args.plans]
+    torch.manual_seed(args.seed)
+    mf = load_model_file(args.model, device="cpu", **_overrides(args.set))
+    graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name)
+    results = []
+    for path, plan in plans:
+        mesh = init_mesh(plan, args.device, timeout_s=args.pg_timeout_s)
+        rank = dist.get_rank()
+        optimizer = args.optimizer or plan.optimizer
+        result: dict[str, Any] = {
+            "plan": plan.name, "plan_file": str(path), "model": mf.name, "mesh": list(plan.mesh.shape),
+            "world_size": dist.get_world_size(), "optimizer": optimizer, "steps": args.steps,
+            "warmup": args.warmup, "backend": dist.get_backend(), "omp_num_threads": torch.get_num_threads(),
+        }
+        try:
+            result.update(time_plan(mf, graph, plan, mesh, args, optimizer, rank))
+        except Exception as exc:  # the same error on every rank: record it, go on with the next plan
+            result["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"[{plan.name}] failed on rank {rank}: {result['error']}", file=sys.stderr, flush=True)
+        gc.collect()
+        if rank == 0:
+            _write_json(Path(args.out_dir) / f"{path.stem}.json", result)
+        results.append(result)
+    return results
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -226,6 +269,10 @@ def _report_failure(args: argparse.Namespace, exc: BaseException) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.plans:
+            run_many(args)
+            dist.destroy_process_group()
+            return 0
         result = run(args)
     except BaseException as exc:
         _report_failure(args, exc)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import autoddl
-from autoddl.cluster import CollectiveFits, DEFAULT_CLUSTER_PATH, CONFIG_DIR, Cluster
+from autoddl.cluster import CollectiveFits, ExecutorOverheads, DEFAULT_CLUSTER_PATH, CONFIG_DIR, Cluster
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.plan import Mesh, Plan
 from autoddl.sbp import B, P, S, NdSbp, Signature
@@ -74,9 +74,10 @@ def a100():
 
 @pytest.fixture(scope="module")
 def cpu2():
-    """local-cpu on 2 devices without its per-kind calibrated fits, so times follow the link formulas."""
+    """local-cpu on 2 devices without its calibrated per-kind fits and executor costs, so times
+    follow the link formulas."""
     cluster = Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml").resized(2)
-    return dataclasses.replace(cluster, collectives=CollectiveFits())
+    return dataclasses.replace(cluster, collectives=CollectiveFits(), executor=ExecutorOverheads(), cores_per_node=None)
 
 
 def _ar(nbytes, n, link, eff):

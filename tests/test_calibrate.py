@@ -39,9 +39,12 @@ GLOO_FORMULA = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_
 
 
 def base_cluster() -> Cluster:
-    """The bundled local-cpu cluster without its measured per-kind fits and compute curve."""
+    """The bundled local-cpu cluster without its measured per-kind fits, compute curve, executor overheads
+    and core sharing (so times follow the link formulas alone)."""
+    from autoddl.cluster import ExecutorOverheads
+
     return dataclasses.replace(Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml"), collectives=CollectiveFits(),
-                               compute_curve=())
+                               compute_curve=(), executor=ExecutorOverheads(), cores_per_node=None)
 
 
 # -- fitting ---------------------------------------------------------------------------------------
@@ -264,3 +267,51 @@ def test_calibrate_rejects_bad_options_before_measuring(capsys):
     assert "calibrate --backend nccl: the base cluster" in err and "pass --base with a cuda device" in err
     assert cli.main(["calibrate", "--nproc", "1"]) == 2
     assert "autoddl: error: calibrate: --nproc must be at least 2 to time collectives, got 1" in capsys.readouterr().err
+
+
+# -- the executor's fixed costs ------------------------------------------------------------------
+def _chains(op_f, op_b, in_f, in_b, param, fixed_f, fixed):
+    from executor.calibrate import ChainTiming
+
+    out = []
+    for kind, ops, inputs, params in (("unary", 10, 11, 1), ("unary", 42, 43, 1), ("binary", 10, 16, 1),
+                                      ("binary", 42, 64, 1), ("param", 10, 19, 9), ("param", 42, 83, 41)):
+        fwd = op_f * ops + in_f * inputs + fixed_f
+        step = (op_f + op_b) * ops + (in_f + in_b) * inputs + param * params + fixed
+        out.append(ChainTiming(kind, ops, inputs, params, fwd * 1e-6, step * 1e-6))
+    return tuple(out)
+
+
+def test_fit_executor_overheads_recovers_exact_costs():
+    from autoddl.cluster import ExecutorOverheads
+    from executor.calibrate import ExecutorTimings, fit_executor_overheads
+
+    timings = ExecutorTimings(_chains(200, 60, 30, 90, 400, 500, 2000), {"all_reduce": 1700.0, "all_gather": 1500.0},
+                              {"all_reduce": 1000.0, "all_gather": 1000.0})
+    fit = fit_executor_overheads(timings)
+    got = dataclasses.asdict(fit.overheads)
+    want = dataclasses.asdict(ExecutorOverheads(200, 60, 30, 90, 400, 600))     # collective: median(700, 500)
+    assert got == pytest.approx(want, rel=1e-6)
+    assert fit.step_fixed_us == pytest.approx(2000, rel=1e-6) and fit.max_rel_residual < 1e-9
+    # a backward cheaper than its forward part cannot be negative; a redistribute cheaper than the bare call gives 0
+    neg = ExecutorTimings(timings.chains, {"all_reduce": 900.0}, {"all_reduce": 1000.0})
+    assert fit_executor_overheads(neg).overheads.collective_us == 0.0
+    with pytest.raises(ValueError, match="every chain kind"):
+        fit_executor_overheads(ExecutorTimings(timings.chains[:2], {}, {}))
+
+
+def test_with_executor_overheads_sets_section_and_dispatch_only_op_overhead(tmp_path):
+    from executor.calibrate import ExecutorTimings, with_executor_overheads
+
+    meas = dataclasses.replace(synthetic_measurements({k: (50e-6, 1.2e9) for k in GLOO_FORMULA}), executor=ExecutorTimings(
+        _chains(200, 60, 30, 90, 400, 500, 2000), {"all_reduce": 1700.0}, {"all_reduce": 1000.0}))
+    cal = calibrate_cluster(meas, base_cluster(), devices_per_node=4, command="x")
+    cluster, comments = with_executor_overheads(cal.cluster, cal.comments, meas)
+    assert cluster.op_overhead_us == 4.0                         # tiny op with grad; the DTensor round is in executor
+    assert (cluster.executor.op_forward_us, cluster.executor.param_us, cluster.executor.collective_us) == \
+        pytest.approx((200, 400, 700))
+    assert "chains of tiny ops" in comments["executor"] and "4 KB" in comments["executor.collective_us"]
+    cluster.to_yaml(tmp_path / "c.yaml", comments=comments, header="h")
+    assert Cluster.from_yaml(tmp_path / "c.yaml") == cluster
+    assert with_executor_overheads(cal.cluster, cal.comments, synthetic_measurements(
+        {k: (50e-6, 1.2e9) for k in GLOO_FORMULA})) == (cal.cluster, cal.comments)     # not timed: unchanged

@@ -184,7 +184,8 @@ def test_unknown_top_level_key_suggests_closest(tmp_path):
     assert f"{path}: devices_per_node: missing" in errors[1]
     _, errors, _ = errors_of(tmp_path, dict(GOOD, zzz=1))
     assert errors == [f"{tmp_path / 'x.yaml'}: zzz: unknown key; known keys: name, nodes, devices_per_node, "
-                      "device, links, backend, efficiency, op_overhead_us, collectives, compute_curve"]
+                      "device, links, backend, efficiency, op_overhead_us, collectives, compute_curve, executor, "
+                      "cores_per_node"]
 
 
 def test_not_yaml_not_mapping_missing_file(tmp_path):
@@ -306,3 +307,27 @@ def test_link_for_axis_errors_and_single_gpu_nodes():
     v100 = Cluster.from_yaml(bundled_config("v100-16x1"))
     assert v100.link_for_axis((4, 4), 1) == v100.inter_node == LinkSpec(3.125, 30.0)
     assert v100.link_for_axis((16, 1), 1) == v100.intra_node       # a size-1 axis never leaves the device
+
+
+def test_executor_section_round_trip_defaults_and_errors(tmp_path):
+    from autoddl.cluster import ExecutorOverheads
+
+    assert Cluster.from_dict(GOOD).executor == ExecutorOverheads() and "executor" not in Cluster.from_dict(GOOD).to_dict()
+    c = Cluster.from_dict(edited(executor={"op_forward_us": 250, "collective_us": 800.5}))
+    assert c.executor == ExecutorOverheads(op_forward_us=250.0, collective_us=800.5)   # the others default to 0
+    assert "executor overheads: op_forward_us 250, collective_us 800.5" in c.summary()
+    c.to_yaml(tmp_path / "c.yaml", comments={"executor.collective_us": "measured"})
+    assert Cluster.from_yaml(tmp_path / "c.yaml") == c
+    assert "collective_us: 800.5  # measured" in (tmp_path / "c.yaml").read_text()
+    path, errors, _ = errors_of(tmp_path, edited(executor={"op_forwrd_us": 1, "param_us": -3,
+                                                           "collective_us": "2 ms"}))
+    assert errors == [
+        f"{path}: executor.op_forwrd_us: unknown key; did you mean 'op_forward_us'? known keys: op_forward_us, "
+        "op_backward_us, input_forward_us, input_backward_us, param_us, collective_us, step_us",
+        f"{path}: executor.param_us: expected a non-negative number of microseconds per parameter use (leaf, "
+        "grad sync, optimizer), got -3",
+        f"{path}: executor.collective_us: expected a non-negative number of microseconds per collective beyond "
+        "its latency, got '2 ms': wrong unit, drop the unit 'ms' and give the bare number in microseconds"]
+    _, errors, _ = errors_of(tmp_path, edited(executor=[1, 2]))
+    assert errors[0].endswith("executor: expected a mapping with keys op_forward_us, op_backward_us, "
+                              "input_forward_us, input_backward_us, param_us, collective_us, step_us, got [1, 2]")

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from autoddl.cluster import DEFAULT_CLUSTER_PATH, Backend, Cluster, Efficiency, LinkSpec
-from autoddl.graph import NodeKind, OpNode, TensorMeta
+from autoddl.graph import NodeKind, OpNode, TensorMeta, TensorRef
 from autoddl.sbp import B, P, S, NdSbp, Signature
 from costmodel import (BACKENDS, CollectiveKind, backward_boxing_collectives, backward_boxing_time_s,
                        backward_factor, boxing_collectives, boxing_time_s, carried_out_as, collective_time_s,
@@ -285,3 +285,56 @@ def test_efficiency_scales_times(a100):
     assert t_fast == pytest.approx(2 * 7 / 8 * meta.nbytes / b_fast + 14 * a_)
     assert t_slow == pytest.approx(2 * 7 / 8 * meta.nbytes / b_slow + 14 * a_)
     assert not math.isclose(t_fast, t_slow)
+
+
+# -- executor overheads (Cluster.executor) ------------------------------------------------------
+def test_executor_overheads_per_op_input_param_and_collective(a100):
+    from autoddl.cluster import ExecutorOverheads
+    from costmodel.collectives import cluster_collective_time_s
+
+    ex = ExecutorOverheads(op_forward_us=200.0, op_backward_us=50.0, input_forward_us=30.0,
+                           input_backward_us=70.0, param_us=400.0, collective_us=600.0)
+    slow = dataclasses.replace(a100, executor=ex)
+    x = TensorMeta((1024, 1024), "float32")
+    linear = OpNode(name="addmm", kind=NodeKind.OP, target="aten.addmm.default",
+                    inputs=tuple(TensorRef(n) for n in ("b", "x", "w")), input_metas=(x, x, x), outputs=(x,),
+                    flops=2 * 1024**3, bytes_read=3 * x.nbytes, bytes_written=x.nbytes, params=("fc.bias", "fc.weight"))
+    sig = Signature((nd(B), nd(B), nd(B)), (nd(B),))
+    fwd = op_forward_time_s(linear, sig, (8,), a100) + (200 + 3 * 30) * 1e-6
+    bwd = op_backward_time_s(linear, sig, (8,), a100) + (50 + 3 * 70 + 2 * 400) * 1e-6
+    assert op_forward_time_s(linear, sig, (8,), slow) == pytest.approx(fwd, rel=1e-12)
+    assert op_backward_time_s(linear, sig, (8,), slow) == pytest.approx(bwd, rel=1e-12)
+    assert op_compute_time_s(linear, sig, (8,), slow, needs_backward=False) == pytest.approx(fwd, rel=1e-12)
+    # a view runs through the executor too: its fixed costs, no roofline, no launch overhead
+    view = OpNode(name="view", kind=NodeKind.OP, target="aten.view.default", inputs=(TensorRef("x"),),
+                  input_metas=(x,), outputs=(x,))
+    s1 = Signature((nd(B),), (nd(B),))
+    assert op_compute_time_s(view, s1, (8,), a100) == 0.0
+    assert op_compute_time_s(view, s1, (8,), slow) == pytest.approx((200 + 30 + 50 + 70) * 1e-6, rel=1e-12)
+    getitem = dataclasses.replace(view, name="getitem", target="getitem")
+    assert op_compute_time_s(getitem, s1, (8,), slow) == 0.0           # runs no op
+    # a collective pays collective_us on top of alpha-beta, only when the axis has devices to talk to
+    for kind in K:
+        base = cluster_collective_time_s(kind, M, (8,), 0, a100)
+        assert cluster_collective_time_s(kind, M, (8,), 0, slow) == pytest.approx(base + 600e-6, rel=1e-12)
+    assert cluster_collective_time_s(K.ALL_REDUCE, M, (1, 8), 0, slow) == 0.0
+
+
+def test_time_sharing_slows_compute_and_collectives_beyond_cores(a100):
+    from costmodel.collectives import cluster_collective_time_s
+
+    x = TensorMeta((1024, 1024), "float32")
+    relu = _op("aten.relu.default", [x], [x], x.numel, x.nbytes, x.nbytes)
+    sig = Signature((nd(B),), (nd(B),))
+    shared = dataclasses.replace(a100, cores_per_node=2)          # 8 devices per node, 2 at once
+    assert shared.time_sharing((2,)) == 1.0 and shared.time_sharing((2, 2)) == 2.0 and shared.time_sharing((8,)) == 4
+    assert a100.time_sharing((8,)) == 1.0                          # no cores_per_node: no sharing
+    for mesh, factor in (((2,), 1.0), ((4,), 2.0), ((2, 4), 4.0)):
+        assert op_compute_time_s(relu, dataclasses.replace(sig, inputs=(nd(*[B] * len(mesh)),),
+                                                           outputs=(nd(*[B] * len(mesh)),)), mesh, shared) == \
+            pytest.approx(factor * op_compute_time_s(relu, dataclasses.replace(
+                sig, inputs=(nd(*[B] * len(mesh)),), outputs=(nd(*[B] * len(mesh)),)), mesh, a100), rel=1e-12)
+        assert cluster_collective_time_s(K.ALL_REDUCE, M, mesh, 0, shared) == pytest.approx(
+            factor * cluster_collective_time_s(K.ALL_REDUCE, M, mesh, 0, a100), rel=1e-12)
+    two_nodes = dataclasses.replace(a100.resized(16), cores_per_node=4)   # 8 of 16 ranks on each node
+    assert two_nodes.time_sharing((2, 8)) == 2.0

@@ -1,0 +1,95 @@
+"""benchmarks/fidelity.py: MAPE, Spearman, the found-plan verdict and the summary, on synthetic data."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def fid():
+    spec = importlib.util.spec_from_file_location("fidelity_bench", ROOT / "benchmarks" / "fidelity.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_mape_by_hand(fid):
+    pred, meas = [10.0, 30.0, 5.0], [20.0, 20.0, 5.0]
+    assert fid.mape(pred, meas) == pytest.approx((0.5 + 0.5 + 0.0) / 3)
+    assert fid.mape([1.0], [1.0]) == 0.0
+    with pytest.raises(ValueError, match="equally many"):
+        fid.mape([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="positive"):
+        fid.mape([1.0], [0.0])
+
+
+def test_spearman_orders_and_ties(fid):
+    assert fid.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert fid.spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    # one swap among 4: 1 - 6 * sum(d^2) / (n (n^2 - 1)) = 1 - 6 * 2 / 60 = 0.8
+    assert fid.spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+    # ties: predicted ranks (1.5, 1.5, 3), measured (1, 2, 3): Pearson of the ranks
+    rp, rm = [1.5, 1.5, 3.0], [1.0, 2.0, 3.0]
+    mp, mm = sum(rp) / 3, sum(rm) / 3
+    want = sum((a - mp) * (b - mm) for a, b in zip(rp, rm)) / math.sqrt(
+        sum((a - mp) ** 2 for a in rp) * sum((b - mm) ** 2 for b in rm))
+    assert fid.spearman([5.0, 5.0, 7.0], [1.0, 2.0, 3.0]) == pytest.approx(want)
+    scipy_stats = pytest.importorskip("scipy.stats")
+    xs, ys = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0], [2.0, 7.0, 1.0, 8.0, 2.0, 8.0, 1.0]
+    assert fid.spearman(xs, ys) == pytest.approx(scipy_stats.spearmanr(xs, ys).statistic)
+    assert math.isnan(fid.spearman([1.0], [2.0])) and math.isnan(fid.spearman([1, 1, 1], [1, 2, 3]))
+
+
+def _row(scheme, median, p10, p90, model="m", config="2", predicted=None):
+    return {"model": model, "config": config, "scheme": scheme, "same_as": "", "median": median, "p10": p10,
+            "p90": p90, "predicted": predicted if predicted is not None else median, "load": 1.0}
+
+
+def test_found_verdict(fid):
+    base = [_row("dp", 10.0, 9.0, 11.0), _row("tp", 12.0, 11.0, 13.0)]
+    assert fid.found_verdict(base + [_row("found", 9.5, 9.0, 10.0)]) == ("fastest", "dp")
+    assert fid.found_verdict(base + [_row("found", 10.5, 10.8, 12.0)]) == ("tied", "dp")      # p10 <= dp's p90
+    assert fid.found_verdict(base + [_row("found", 12.0, 11.5, 12.5)]) == ("slower", "dp")    # 11.5 > 11.0
+    assert fid.found_verdict([_row("found", 1.0, 1.0, 1.0)]) == ("fastest", "")
+    with pytest.raises(ValueError, match="found"):
+        fid.found_verdict(base)
+
+
+def test_summarize_and_markdown(fid, tmp_path):
+    rows = [_row("dp", 0.020, 0.019, 0.021, predicted=0.010), _row("found", 0.010, 0.009, 0.011, predicted=0.012),
+            _row("tp", 0.030, 0.028, 0.033, predicted=0.030),
+            _row("dp", 0.040, 0.039, 0.041, config="4", predicted=0.020),
+            _row("found", 0.050, 0.045, 0.055, config="4", predicted=0.010)]
+    s = fid.summarize(rows)
+    assert s["per_mc"][("m", "2")]["mape"] == pytest.approx((0.5 + 0.2 + 0.0) / 3)
+    assert s["per_mc"][("m", "2")]["spearman"] == pytest.approx(0.5)    # predicted order found<dp... swapped
+    assert s["per_mc"][("m", "4")]["spearman"] == pytest.approx(-1.0)
+    assert s["per_model"]["m"]["spearman_mean"] == pytest.approx(-0.25)
+    assert s["per_model"]["m"]["spearman_min"] == pytest.approx(-1.0)
+    assert s["per_model"]["m"]["verdicts"] == {"2": "fastest", "4": "slower"}
+    assert s["mape"] == pytest.approx((0.5 + 0.2 + 0.0 + 0.5 + 0.8) / 5)
+    text = fid.markdown("S1", rows, s, "python benchmarks/fidelity.py")
+    assert "| m | 5 | 40.0% | -0.25 (-1.00) | 2: fastest / 4: slower |" in text
+    fid.plot(rows, tmp_path / "f.png", "t")
+    assert (tmp_path / "f.png").stat().st_size > 1000
+
+
+def test_study_csv_round_trip(fid, tmp_path):
+    from executor.measure import RUN_COLUMNS, append_row
+
+    csv_path = tmp_path / "fidelity.csv"
+    for study, med in (("A", "0.02"), ("B", "0.04")):
+        append_row(csv_path, {"study": study, "model": "m", "config": "2", "scheme": "found", "same_as": "",
+                              "predicted_step_s": "0.03", "measured_median_s": med, "measured_p10_s": med,
+                              "measured_p90_s": med, "load_avg_1m": "1.5"}, columns=RUN_COLUMNS + fid.STUDY_COLUMNS)
+    append_row(csv_path, {"study": "B", "model": "m", "config": "2", "scheme": "dp", "predicted_step_s": "0.01",
+                          "error": "RuntimeError: boom"}, columns=RUN_COLUMNS + fid.STUDY_COLUMNS)
+    study, rows = fid.load_study(csv_path)
+    assert study == "B" and len(rows) == 1 and rows[0]["median"] == 0.04 and rows[0]["predicted"] == 0.03
+    assert fid.load_study(csv_path, "A")[1][0]["median"] == 0.02
