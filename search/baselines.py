@@ -94,16 +94,16 @@ def build_baseline(form: Formulation, spec: BaselineSpec) -> Baseline:
         if node.kind in (NodeKind.INPUT, NodeKind.BUFFER):
             assignment[i] = _pick_placeholder(cands, _input_wish(node, spec.roles))
         elif node.kind is NodeKind.PARAMETER:
-            if all(role in ("tp", "sp") for role in spec.roles):
-                lazy_params.add(i)            # stored as the first consumer uses it
+            if any(role in ("tp", "sp") for role in spec.roles):
+                lazy_params.add(i)            # on tp/sp axes, stored as the first consumer uses it
             else:
                 assignment[i] = _pick_placeholder(cands, _storage_wish(node, spec.roles, mesh))
         else:
             assignment[i] = _greedy_op(i, node, cands, spec.roles, params, assignment, lazy_params, incoming,
                                        problem, form.index)
-    for i in lazy_params:                     # a parameter nobody used: keep it replicated
+    for i in lazy_params:                     # a parameter nobody used: as its roles wish
         if assignment[i] < 0:
-            assignment[i] = 0
+            assignment[i] = _pick_placeholder(problem.choices[i], _storage_wish(nodes[i], spec.roles, mesh))
     reason = _not_applicable(spec, form, assignment)
     return Baseline(spec, None if reason else assignment, reason)
 
@@ -120,7 +120,8 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
     best, best_key = -1, (np.inf,)
     lazy_choice: dict[int, int] = {}
     for j, sig in enumerate(cands):
-        if not _param_use_allowed(sig, param_slots, roles) or _splits_batch(sig, param_slots, model_axes):
+        if (not _param_use_allowed(sig, param_slots, roles) or _splits_batch(sig, param_slots, model_axes)
+                or _not_vocab_parallel(node, sig, param_slots, model_axes)):
             continue
         total = problem.node_cost[i][j]
         chosen_lazy: dict[int, int] = {}
@@ -129,7 +130,7 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
             if assignment[u] >= 0:
                 total += mat[assignment[u], j]
             elif u in lazy_params:
-                a = _storage_matching(problem.choices[u], sig, problem.nodes[u], node)
+                a = _storage_matching(problem.choices[u], sig, problem.nodes[u], node, roles)
                 if a is None:
                     feasible = False
                     break
@@ -156,9 +157,12 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
 
 
 def _megatron_forbids(src: NdSbp, dst: NdSbp, roles: tuple[str, ...], axis: int) -> bool:
-    """Megatron moves activations only by gathering (S->B), reducing (P->B, P->S) or, for sequence
-    parallelism, slicing a replicated one (B->S); never all-to-all, and tp never slices."""
+    """Megatron moves activations only by gathering (S->B), reducing (P->B; P->S for sequence
+    parallelism) or, for sequence parallelism, slicing a replicated one (B->S); never all-to-all.
+    Tensor parallelism reduces a partial sum right away: no op takes a P activation."""
     s, d = src[axis], dst[axis]
+    if roles[axis] == "tp" and (isinstance(d, Partial) or (isinstance(s, Partial) and isinstance(d, Split))):
+        return True
     if s == d or not isinstance(d, Split):
         return False
     return isinstance(s, Split) or (isinstance(s, Broadcast) and roles[axis] == "tp")
@@ -176,6 +180,14 @@ def _collective_needed(src, dst) -> bool:
     return any(s != d and not (isinstance(s, Broadcast) and isinstance(d, Split)) for s, d in zip(src, dst))
 
 
+def _not_vocab_parallel(node: OpNode, sig: Signature, param_slots: dict[int, str], model_axes: list[int]) -> bool:
+    """Megatron splits an embedding table only by vocabulary rows (VocabParallelEmbedding)."""
+    if node.op_name != "embedding":
+        return False
+    return any(isinstance(sig.inputs[slot][axis], Split) and sig.inputs[slot][axis] != S(0)
+               for slot in param_slots for axis in model_axes)
+
+
 def _param_use_allowed(sig: Signature, param_slots: dict[int, str], roles: tuple[str, ...]) -> bool:
     for slot in param_slots:
         for axis, role in enumerate(roles):
@@ -184,13 +196,18 @@ def _param_use_allowed(sig: Signature, param_slots: dict[int, str], roles: tuple
     return True
 
 
-def _storage_matching(param_cands: list[Signature], sig: Signature, param_name: str, node: OpNode) -> int | None:
-    """The storage equal to the first use, with B where the use is P (B -> P is local)."""
+def _storage_matching(param_cands: list[Signature], sig: Signature, param_name: str, node: OpNode,
+                      roles: tuple[str, ...]) -> int | None:
+    """The storage a lazy parameter gets from its first use: on tp/sp axes the use itself (B where
+    the use is P: B -> P is local), on dp/zero axes what the role stores (B, or S(0) for zero)."""
     use = next(sig.inputs[slot] for slot, ref in enumerate(node.inputs) if ref.node == param_name)
-    wanted = tuple(B if isinstance(s, Partial) else s for s in use)
-    for a, cand in enumerate(param_cands):
-        if tuple(cand.outputs[0]) == wanted:
-            return a
+    as_used = tuple(B if isinstance(s, Partial) else s for s in use)
+    fixed = {axis: (S(0) if role == "zero" else B) for axis, role in enumerate(roles) if role in ("dp", "zero")}
+    for fallback in (False, True):            # zero's S(0) when it divides, else B
+        wanted = tuple(B if fallback and axis in fixed else fixed.get(axis, s) for axis, s in enumerate(as_used))
+        for a, cand in enumerate(param_cands):
+            if tuple(cand.outputs[0]) == wanted:
+                return a
     return None
 
 
