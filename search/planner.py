@@ -93,8 +93,8 @@ def resolve_meshes(cluster: Cluster, mesh: tuple[int, ...] | None) -> list[tuple
 def canonical_mesh(spec: BaselineSpec, cluster: Cluster) -> tuple[int, ...] | None:
     """The mesh an expert would run ``spec`` on: 1-D over all devices, DP x TP as nodes x node."""
     n = cluster.num_devices
-    if len(spec.roles) == 1:
-        return (n,)
+    if spec.name != "dp_tp":                  # dp, zero3, tp, sp: one axis over every device
+        return (n,) if len(spec.roles) == 1 else None
     inner = cluster.devices_per_node if cluster.nodes > 1 else _largest_inner(n)
     if inner in (1, n) or n % inner:
         return None

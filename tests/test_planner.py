@@ -109,6 +109,17 @@ def test_found_plan_never_worse_than_any_baseline(gpt, cluster4):
     again = plan_cost(gpt, outcome.found, cluster4)
     assert again.step_time_s == pytest.approx(found, rel=1e-12)
     assert set(outcome.meshes) == {(4,), (2, 2)}
+    meshes = {s.name: s.plan.mesh.shape for s in applicable}
+    assert meshes["dp"] == meshes["zero3"] == meshes["tp"] == (4,) and meshes["dp_tp"] == (2, 2)
+
+
+def test_dp_tp_replicates_on_dp_axis_and_splits_weights_on_tp_axis(gpt, cluster4):
+    form, base, sigs = _baseline(gpt, cluster4, (2, 2), "dp_tp")
+    assert base.applicable
+    fc = _storage(form, sigs, "transformer.h.0.mlp.c_fc.weight")
+    proj = _storage(form, sigs, "transformer.h.0.mlp.c_proj.weight")
+    assert fc == NdSbp.of(B, S(0)) and proj == NdSbp.of(B, S(1))
+    assert all(sigs[n.name].outputs[0][0] == S(0) for n in form.nodes if n.kind is NodeKind.INPUT)
 
 
 def test_memory_limit_nothing_fits_names_the_minimum(mlp, cluster4):
