@@ -107,7 +107,7 @@ def _largest_inner(n: int) -> int:
 
 
 def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tuple[int, ...] | None = None,
-           memory_gb: float | None = None, optimizer: str = "adamw", cd_time_limit_s: float = 0.3,
+           memory_gb: float | None = None, optimizer: str = "adamw", cd_time_limit_s: float = 1.0,
            progress: Callable[[str], None] | None = None) -> SearchOutcome:
     """Search every mesh; return the found plan and each baseline, all priced by the full cost model."""
     t0 = time.perf_counter()
