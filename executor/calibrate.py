@@ -33,22 +33,17 @@ collective fits (which need ``costmodel``) live in ``autoddl.calibrate_cli``.
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
-import pickle
 import platform
-import socket
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable
 
 from autoddl.cluster import COLLECTIVE_KINDS, ExecutorOverheads
+from executor.local_ranks import run_ranks
 
 SQUARE_SIZES = (64, 128, 256, 512, 1024, 2048)
 SKINNY_SHAPES = ((2048, 2048, 64), (2048, 64, 2048), (64, 2048, 2048), (2048, 256, 256),
@@ -257,52 +252,18 @@ def measure(settings: Settings, start_method: str = "fork") -> Measurements:
     not have initialised a process group. Raises with the failing rank's traceback, or
     ``TimeoutError`` after ``settings.timeout_s`` (every rank is killed).
     """
-    ctx = mp.get_context(start_method)
     if start_method == "fork":             # ranks inherit these imports (seconds each on 2 busy cores)
         import torch.distributed.device_mesh  # noqa: F401
         import torch.distributed.tensor  # noqa: F401
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="autoddl-calibrate-") as out_dir:
-        procs = [ctx.Process(target=_rank_main, args=(settings, r, port, out_dir), daemon=True)
-                 for r in range(settings.nproc)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + settings.timeout_s
-        try:
-            while any(p.is_alive() for p in procs):
-                if time.monotonic() > deadline or any(
-                        not p.is_alive() and p.exitcode != 0 for p in procs) or _any_error(out_dir, procs):
-                    break
-                time.sleep(0.05)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join(5)
-        results, errors = [], []
-        for r in range(settings.nproc):
-            path = Path(out_dir) / f"rank{r}.pkl"
-            if not path.exists():
-                errors.append(f"--- rank {r} --- exited without a result (exit code {procs[r].exitcode})")
-                continue
-            status, value = pickle.loads(path.read_bytes())
-            (results if status == "ok" else errors).append(value if status == "ok" else f"--- rank {r} ---\n{value}")
-    if time.monotonic() > deadline:
-        raise TimeoutError(f"calibrate: ranks still running after {settings.timeout_s:.0f} s; killed them all")
-    if errors:
-        raise RuntimeError(f"calibrate: {len(errors)} of {settings.nproc} ranks failed:\n" + "\n".join(errors))
+    try:
+        results = run_ranks(_bench_rank, settings.nproc, settings, timeout_s=settings.timeout_s,
+                            start_method=start_method, threads=settings.threads)
+    except TimeoutError as exc:
+        raise TimeoutError(f"calibrate: {exc}") from None
+    except RuntimeError as exc:
+        raise RuntimeError(f"calibrate: {exc}") from None
     return _combine(settings, results, time.perf_counter() - start)
-
-
-def _any_error(out_dir: str, procs: list) -> bool:
-    for r, p in enumerate(procs):
-        path = Path(out_dir) / f"rank{r}.pkl"
-        if not p.is_alive() and path.exists() and pickle.loads(path.read_bytes())[0] == "error":
-            return True
-    return False
 
 
 def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measurements:
@@ -332,28 +293,9 @@ def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measuremen
         collectives=tuple(colls), seconds=seconds, machine=ranks[0]["machine"], executor=executor)
 
 
-def _rank_main(settings: Settings, rank: int, port: int, out_dir: str) -> None:
-    os.environ.update({
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-        "WORLD_SIZE": str(settings.nproc), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(settings.nproc),
-        "OMP_NUM_THREADS": str(settings.threads),
-    })
-    try:
-        result = ("ok", _Bench(settings, rank).run())
-    except BaseException:  # report every failure to the parent
-        result = ("error", traceback.format_exc())
-    finally:
-        try:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:
-            pass
-    out = Path(out_dir) / f"rank{rank}.pkl"
-    tmp = out.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(result))
-    os.replace(tmp, out)
+def _bench_rank(settings: Settings) -> dict:
+    """One rank's benchmarks (run by :func:`executor.local_ranks.run_ranks`, which sets RANK)."""
+    return _Bench(settings, int(os.environ["RANK"])).run()
 
 
 # -- the benchmarks, inside one rank ---------------------------------------------------------------
