@@ -48,16 +48,18 @@ def _search(args: argparse.Namespace, progress):
 
 def _print_schemes(outcome) -> None:
     df = schemes_frame(outcome)
-    rows = []
+    rows, skipped = [], []
     for r in df.to_dict("records"):
         if not r["applicable"]:
-            rows.append((r["scheme"], "-", "not applicable: " + r["reason"], "", "", "", "", "", ""))
+            skipped.append(f"{r['scheme']}: not applicable: {r['reason']}")
             continue
         rows.append((r["scheme"], r["mesh"], f"{r['step_ms']:.3f}", f"{r['compute_ms']:.3f}",
                      f"{r['boxing_fwd_ms'] + r['boxing_bwd_ms']:.3f}", f"{r['grad_sync_ms']:.3f}",
                      f"{r['optimizer_ms']:.3f}", f"{r['memory_gb']:.3f}", "yes" if r["fits_memory"] else "NO"))
     print(_table(("scheme", "mesh", "step ms", "compute ms", "boxing ms", "grad sync ms", "optimizer ms",
                   "memory GB", "fits"), rows))
+    for line in skipped:
+        print(line)
 
 
 @register

@@ -257,7 +257,7 @@ def _not_applicable(spec: BaselineSpec, form: Formulation, assignment: np.ndarra
                     column += s.dim == 0
                     row += s.dim == 1
     if column == 0 or row == 0:
-        return (f"{spec.name} does not apply: no column -> row parallel linear pair "
+        return ("no column -> row parallel linear pair "
                 f"({column} column-split and {row} row-split weights)")
     return ""
 
