@@ -28,7 +28,6 @@ from autoddl.graph import NodeKind, OpNode
 from autoddl.sbp import B, Broadcast, NdSbp, Partial, S, Sbp, Signature, Split
 from search.formulate import Formulation
 
-ROLES = ("dp", "zero", "tp", "sp")
 MATMUL_OPS = frozenset({"linear", "mm", "addmm", "matmul", "bmm"})
 
 
@@ -97,13 +96,13 @@ def build_baseline(form: Formulation, spec: BaselineSpec) -> Baseline:
             if any(role in ("tp", "sp") for role in spec.roles):
                 lazy_params.add(i)            # on tp/sp axes, stored as the first consumer uses it
             else:
-                assignment[i] = _pick_placeholder(cands, _storage_wish(node, spec.roles, mesh))
+                assignment[i] = _pick_placeholder(cands, _storage_wish(node, spec.roles))
         else:
             assignment[i] = _greedy_op(i, node, cands, spec.roles, params, assignment, lazy_params, incoming,
                                        problem, form.index)
     for i in lazy_params:                     # a parameter nobody used: as its roles wish
         if assignment[i] < 0:
-            assignment[i] = _pick_placeholder(problem.choices[i], _storage_wish(nodes[i], spec.roles, mesh))
+            assignment[i] = _pick_placeholder(problem.choices[i], _storage_wish(nodes[i], spec.roles))
     reason = _not_applicable(spec, form, assignment)
     return Baseline(spec, None if reason else assignment, reason)
 
@@ -223,7 +222,7 @@ def _input_wish(node: OpNode, roles: tuple[str, ...]) -> tuple[Sbp, ...]:
     return tuple(wish)
 
 
-def _storage_wish(node: OpNode, roles: tuple[str, ...], mesh: tuple[int, ...]) -> tuple[Sbp, ...]:
+def _storage_wish(node: OpNode, roles: tuple[str, ...]) -> tuple[Sbp, ...]:
     return tuple(S(0) if role == "zero" and node.outputs[0].ndim >= 1 else B for role in roles)
 
 

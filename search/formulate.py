@@ -29,7 +29,7 @@ import numpy as np
 from autoddl import ops
 from autoddl.cluster import Cluster
 from autoddl.flops import VIEW_OPS
-from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
+from autoddl.graph import NodeKind, OpGraph, OpNode, TensorRef
 from autoddl.sbp import NdSbp, Signature
 from costmodel.boxing import (edge_backward_transitions, grad_ndsbp, needed_grad_ndsbp, transitions_of,
                               transitions_time_s)

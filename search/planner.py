@@ -23,7 +23,7 @@ from autoddl.cluster import Cluster
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.plan import Mesh, Plan
 from costmodel.breakdown import CostBreakdown, plan_cost
-from search.baselines import Baseline, BaselineSpec, baseline_specs, build_baseline
+from search.baselines import BaselineSpec, baseline_specs, build_baseline
 from search.coordinate_descent import coordinate_descent
 from search.formulate import Formulation, formulate
 from search.meshes import mesh_shapes
@@ -67,8 +67,7 @@ class SearchOutcome:
         return min(fitting, key=lambda s: s.step_time_s, default=None)
 
 
-def mesh_axis_names(roles_or_ndim) -> tuple[str, ...]:
-    ndim = roles_or_ndim if isinstance(roles_or_ndim, int) else len(roles_or_ndim)
+def mesh_axis_names(ndim: int) -> tuple[str, ...]:
     return ("dp",) if ndim == 1 else tuple(f"axis{i}" for i in range(ndim))
 
 
