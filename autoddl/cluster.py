@@ -36,13 +36,14 @@ import difflib
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from autoddl.atomic import write_text_atomic
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CLUSTER_PATH = CONFIG_DIR / "dgx-a100-8.yaml"
@@ -542,16 +543,7 @@ class Cluster:
         text = "".join(
             f"{line}  # {' '.join(comments[k].split())}\n" if comments.get(k) else f"{line}\n"
             for k, line in lines)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text_atomic(path, text)
 
     # -- shape ----------------------------------------------------------------------
     def resized(self, num_devices: int) -> "Cluster":

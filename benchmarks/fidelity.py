@@ -302,9 +302,9 @@ def analyze(csv_path: Path, out_dir: Path, command: str, study: str | None = Non
     study, rows = load_study(csv_path, study)
     summary = summarize(rows)
     text = markdown(study, rows, summary, command)
-    tmp = out_dir / ".fidelity_summary.md.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, out_dir / "fidelity_summary.md")
+    from autoddl.atomic import write_text_atomic
+
+    write_text_atomic(out_dir / "fidelity_summary.md", text)
     plot(rows, out_dir / "fidelity.png", f"predicted vs measured step time ({study}, local-cpu, gloo)")
     print(text)
     return summary

@@ -47,6 +47,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from autoddl.atomic import write_text_atomic
 from autoddl.loader import ModelFile, load_model_file
 from autoddl.plan import Plan
 from autoddl.trace import trace
@@ -249,10 +250,7 @@ def run_many(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=1))
 
 
 def _report_failure(args: argparse.Namespace, exc: BaseException) -> None:
