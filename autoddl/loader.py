@@ -16,12 +16,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import inspect
+import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -100,6 +101,30 @@ def trace_model_file(path: str | os.PathLike, **overrides: Any) -> tuple[ModelFi
     mf = load_model_file(path, **overrides)
     graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name)
     return mf, graph
+
+
+def parse_overrides(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """``["n_layer=2", "preset=tiny"]`` -> ``{"n_layer": 2, "preset": "tiny"}``: the ``--set KEY=VALUE`` pairs.
+
+    A value is read as JSON (``2``, ``1e-3``, ``true``, ``[2, 2]``, ``"x"``), else kept as a string;
+    Python's ``True`` / ``False`` / ``None`` are read as JSON's. The one parser of every ``--set``.
+    """
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, raw = str(pair).partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--set {pair!r}: expected KEY=VALUE with a Python identifier as KEY, "
+                             f"e.g. --set n_layer=2 or --set preset=tiny")
+        raw = _PY_LITERALS.get(raw, raw)
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+_PY_LITERALS = {"True": "true", "False": "false", "None": "null"}
 
 
 def _import(file: Path) -> ModuleType:
