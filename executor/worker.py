@@ -61,16 +61,12 @@ FAIL_MODE_ENV = "AUTODDL_TEST_FAIL_MODE"
 
 
 def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {pair!r}: expected KEY=VALUE, e.g. --set preset=tiny")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
+    from autoddl.loader import parse_overrides
+
+    try:
+        return parse_overrides(pairs)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
