@@ -9,9 +9,8 @@ import math
 import pytest
 import yaml
 
-import autoddl.calibrate_cli  # noqa: F401  (registers `calibrate` with autoddl.cli)
 from autoddl import cli
-from autoddl.calibrate_cli import calibrate_cluster, combined_link, disagreeing_kinds, fit_collectives
+from autoddl.calibration import calibrate_cluster, combined_link, disagreeing_kinds, fit_collectives
 from autoddl.cluster import CONFIG_DIR, Backend, Cluster, ClusterConfigError, CollectiveFits, LinkSpec
 from costmodel.collectives import (CollectiveKind as K, cluster_collective_time_s, collective_time_s,
                                    fit_collective)

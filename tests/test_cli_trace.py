@@ -83,7 +83,7 @@ def test_trace_prints_table_and_totals(write_model, capsys):
 
 def test_preset_set_and_top(write_model, capsys):
     code, out, err = run(["trace", str(write_model(MODEL)), "--preset", "large", "--set", "depth=3",
-                          "batch=2", "--top", "2"], capsys)
+                          "--set", "batch=2", "--top", "2"], capsys)
     assert code == 0, err
     rows = [line for line in out.splitlines()[2:] if line and not line.startswith("(")][:2]
     assert [r.split()[0] for r in rows] == ["linear_1", "linear_2"]   # 256x256 layers: the largest, first in order
@@ -122,7 +122,7 @@ def test_model_file_error_exit_2(write_model, capsys):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--set", "depth"], "--set expects key=value"),
+    (["--set", "depth"], "--set 'depth': expected KEY=VALUE"),
     (["--top", "0"], "--top must be a positive number"),
 ])
 def test_bad_options_exit_2(write_model, capsys, argv, match):
@@ -137,9 +137,14 @@ def test_usage_errors_and_help(capsys):
     assert "--preset NAME" in capsys.readouterr().out
 
 
-def test_parse_overrides():
-    assert cli.parse_overrides(["n=2", "lr=1e-3", "name=gpt", "flag=True", "shape=(2, 3)"]) == {
-        "n": 2, "lr": 1e-3, "name": "gpt", "flag": True, "shape": (2, 3)}
+def test_set_before_the_model_file_does_not_swallow_it(write_model, capsys):
+    """One KEY=VALUE per --set: `--set depth=3 MODEL_PY` keeps MODEL_PY as the positional argument."""
+    model = str(write_model(MODEL))
+    code, out, err = run(["trace", "--set", "depth=3", "--preset", "large", model, "--set", "batch=2"], capsys)
+    assert code == 0, err
+    assert "(top" not in out and "ops:        7" in out and "2x256" in out
+    code, _, err = run(["trace", "--set", "depth=3", "batch=2", model], capsys)   # two pairs need two --set
+    assert code == 2 and "unrecognized arguments" in err
 
 
 def test_registry_accepts_new_subcommands(capsys, monkeypatch):

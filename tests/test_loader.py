@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from autoddl.graph import NodeKind
-from autoddl.loader import ModelFile, ModelFileError, default_loss, load_model_file, trace_model_file
+from autoddl.loader import (ModelFile, ModelFileError, default_loss, load_model_file, parse_overrides,
+                            trace_model_file)
 
 MLP = """
 import torch
@@ -166,3 +167,19 @@ def test_two_files_with_the_same_name_do_not_clash(write_model, tmp_path):
     b.write_text(MLP.replace('"tiny": 4', '"tiny": 6'))
     assert load_model_file(a).example_inputs[0].shape == (2, 4)
     assert load_model_file(b).example_inputs[0].shape == (2, 6)
+
+
+def test_parse_overrides_reads_json_else_strings():
+    assert parse_overrides(["n=2", "lr=1e-3", "name=gpt", "flag=true", "layers=[2, 2, 1, 1]", 'quoted="7"',
+                            "empty=", "eq=a=b"]) == {
+        "n": 2, "lr": 1e-3, "name": "gpt", "flag": True, "layers": [2, 2, 1, 1], "quoted": "7", "empty": "",
+        "eq": "a=b"}
+    assert parse_overrides(["a=True", "b=False", "c=None"]) == {"a": True, "b": False, "c": None}  # Python spellings
+    assert parse_overrides([]) == {} and parse_overrides(None) == {}
+
+
+@pytest.mark.parametrize("pair", ["depth", "=2", "2x=3", "n layer=2"])
+def test_parse_overrides_names_the_bad_pair_and_shows_an_example(pair):
+    with pytest.raises(ValueError, match=r"--set .*expected KEY=VALUE.*e\.g\. --set n_layer=2") as info:
+        parse_overrides([pair])
+    assert repr(pair) in str(info.value)

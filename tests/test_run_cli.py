@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-import autoddl.run_cli as run_cli  # registers `run` (until autoddl.cli.COMMAND_MODULES lists it)
-from autoddl import cli
+from autoddl import cli, runs
+from autoddl.cli import run as run_cli
 from autoddl.plan import Mesh, Plan
 from autoddl.sbp import NdSbp, Signature
 from dist_utils import free_port
@@ -107,7 +107,7 @@ def no_launch(monkeypatch):
     def fail(*a, **k):
         raise AssertionError("launched although the input should have been refused")
 
-    monkeypatch.setattr(run_cli, "launch", fail)
+    monkeypatch.setattr(runs, "launch", fail)
 
 
 def test_plan_for_another_graph_is_refused(setup, tmp_path, capsys, no_launch):
@@ -160,7 +160,7 @@ def test_collectives_table_groups_and_flags_mismatches():
     measured = [{"kind": "all_reduce", "axis": 0, "bytes": 32, "phase": "grad_sync"},
                 {"kind": "all_reduce", "axis": 0, "bytes": 64, "phase": "grad_sync"},
                 {"kind": "all_reduce", "axis": 0, "bytes": 4, "phase": "forward"}]
-    assert run_cli.group_collectives(predicted) == {("grad_sync", "all_reduce", 0): (2, 96),
+    assert runs.group_collectives(predicted) == {("grad_sync", "all_reduce", 0): (2, 96),
                                                             ("forward", "all_gather", 0): (1, 400)}
     text, differ = run_cli.collectives_table(predicted, measured)
     lines = text.splitlines()
@@ -219,7 +219,7 @@ def test_failed_check_exits_1_and_is_recorded(setup, tmp_path, capsys, monkeypat
             "check": {"rtol": 1e-4, "ok": False, "optimizer": "sgd", "steps": 1, "max_rel_error": errors}}))
         return LaunchResult(0, 1.0)
 
-    monkeypatch.setattr(run_cli, "launch", fake_launch)
+    monkeypatch.setattr(runs, "launch", fake_launch)
     assert cli_main("run", paths["bad_mean"], "--steps", 1, "--warmup", 0, "--check", "--out", tmp_path / "r.csv") == 1
     captured = capsys.readouterr()
     assert "loss 2.50e-01; grad 1.00e-07 (grad/fc1.weight); param 3.00e-03 (param/fc1.weight) -> FAILED" in captured.out
@@ -257,7 +257,7 @@ def test_failing_rank_stops_every_rank(setup, tmp_path, capsys, monkeypatch, mod
     assert out.read_text() == "time,plan\nearlier,kept\n"
 
 
-NODE = "import sys, autoddl.run_cli; from autoddl.cli import main; sys.exit(main(sys.argv[1:]))"
+NODE = "import sys; from autoddl.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 @pytest.mark.distributed

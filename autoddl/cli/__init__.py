@@ -1,10 +1,13 @@
-"""The ``autoddl`` command line: one argparse subcommand per ``add_<name>(subparsers)`` function.
+"""The ``autoddl`` command line, the top layer: one module per command, over the API.
 
-A subcommand is registered with :func:`register`; its add function creates its
-parser (``subparsers.add_parser(name, parents=[common_options()])``) and sets
-``func``, a function ``(args) -> int`` returning the exit code. Modules listed in
-``COMMAND_MODULES`` are imported by :func:`build_parser` so that their
-``@register`` calls run. Expected failures (bad model file, untraceable model,
+Each command module (``autoddl.cli.trace``, ``plan`` for plan/compare/explain,
+``run``, ``calibrate``) only parses arguments and prints; the work is done by
+the API-level modules below it (``autoddl.api``, ``autoddl.runs``,
+``autoddl.calibration``). A subcommand is registered with :func:`register`; its
+add function creates its parser (``subparsers.add_parser(name,
+parents=[common_options()])``) and sets ``func``, a function ``(args) -> int``
+returning the exit code. Modules listed in ``COMMAND_MODULES`` are imported by
+:func:`build_parser` so that their ``@register`` calls run. Expected failures (bad model file, untraceable model,
 bad option) print one line ``autoddl: error: ...`` and exit 2; ``--debug``
 prints the traceback too.
 """
@@ -12,20 +15,19 @@ prints the traceback too.
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib
 import sys
-import time
 import traceback
 from typing import Any, Callable, Sequence
 
-from autoddl.loader import ModelFileError, load_model_file
-from autoddl.trace import TraceError, trace
+from autoddl.loader import ModelFileError, parse_overrides
+from autoddl.trace import TraceError
 
 AddFn = Callable[["argparse._SubParsersAction"], None]
 
 SUBCOMMANDS: dict[str, AddFn] = {}
-COMMAND_MODULES: list[str] = ["autoddl.plan_cli", "autoddl.run_cli", "autoddl.calibrate_cli"]  # imported before parsing, for their @register
+# imported before parsing, for their @register
+COMMAND_MODULES: list[str] = ["autoddl.cli.trace", "autoddl.cli.plan", "autoddl.cli.run", "autoddl.cli.calibrate"]
 # Failures that are the user's input, reported in one line; command modules may append their own.
 EXPECTED_ERRORS: list[type[BaseException]] = [ModelFileError, TraceError, FileNotFoundError, ValueError]
 
@@ -83,21 +85,6 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
-def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
-    """``["n_layer=2", "name=gpt"]`` -> ``{"n_layer": 2, "name": "gpt"}`` (Python literals, else strings)."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise ValueError(f"--set expects key=value with a Python identifier as key, got {item!r}")
-        try:
-            out[key] = ast.literal_eval(raw.strip())
-        except (ValueError, SyntaxError):
-            out[key] = raw.strip()
-    return out
-
-
 def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for build_model/example_inputs from ``--preset`` and ``--set``."""
     overrides = parse_overrides(args.set or [])
@@ -112,50 +99,14 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="model file defining build_model() and example_inputs()")
     parser.add_argument("--preset", metavar="NAME",
                         help="passed as preset=NAME to build_model() and example_inputs()")
-    parser.add_argument("--set", metavar="KEY=VALUE", nargs="+", action="extend", default=[],
-                        help="keyword arguments for build_model()/example_inputs(), e.g. --set n_layer=2")
+    # one KEY=VALUE per --set (a list of them would swallow MODEL_PY when --set comes first)
+    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                        help="a keyword argument for build_model()/example_inputs(), JSON value or string, "
+                             "e.g. --set n_layer=2; repeat for more")
 
 
-# -- autoddl trace ---------------------------------------------------------------------------------
-@register
-def add_trace(subparsers: "argparse._SubParsersAction") -> None:
-    p = subparsers.add_parser(
-        "trace", parents=[common_options()],
-        help="trace a model file on the meta device and print its op table",
-        description="Trace one training step's forward (loss included) on the meta device and print "
-                    "every op with its output shape, forward GFLOPs, MB moved and parameters.")
-    add_model_options(p)
-    p.add_argument("--top", type=int, metavar="N",
-                   help="show only the N ops with the most FLOPs (default: every op, in execution order)")
-    p.set_defaults(func=run_trace)
-
-
-def run_trace(args: argparse.Namespace) -> int:
-    if args.top is not None and args.top < 1:
-        raise ValueError(f"--top must be a positive number of ops, got {args.top}")
-    mf = load_model_file(args.model_py, **model_overrides(args))
-    start = time.perf_counter()
-    graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name)
-    trace_s = time.perf_counter() - start
-    ops = graph.ops()
-    shown = sorted(ops, key=lambda n: -n.flops)[: args.top] if args.top else ops
-    rows = [(n.name, n.op_name, "x".join(map(str, n.outputs[0].shape)) if n.outputs else "-",
-             f"{n.flops / 1e9:.6f}", f"{(n.bytes_read + n.bytes_written) / 1e6:.3f}",
-             ",".join(n.params) or "-") for n in shown]
-    print(_table(("op", "target", "output shape", "GFLOPs", "MB", "parameters"), rows))
-    if args.top and len(shown) < len(ops):
-        print(f"(top {len(shown)} of {len(ops)} ops by FLOPs)")
-    print()
-    print(f"model:      {mf.name} ({mf.path})")
-    print(f"ops:        {len(ops)}")
-    print(f"parameters: {graph.parameter_count:,} ({graph.parameter_bytes / 1e6:,.1f} MB)")
-    print(f"GFLOPs:     {graph.total_flops / 1e9:,.6f} forward (loss included)")
-    print(f"trace:      {trace_s:.2f} s")
-    return 0
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    numeric = {3, 4}
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = (3, 4)) -> str:
+    """A plain-text table: columns padded to their widest cell, ``numeric`` columns right-aligned."""
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     lines = []
     for row in (header, *rows):

@@ -2,242 +2,24 @@
 
     autoddl calibrate --nproc 2 --out configs/local-cpu.yaml [--base YAML] [--backend gloo] [--quick]
 
-``executor.calibrate.measure`` times matmuls, memory bandwidth, per-op overhead and
-every collective on ``--nproc`` ranks; :func:`calibrate_cluster` turns the timings
-into a ``Cluster``:
-
-- ``device.peak_tflops``: the best matmul rate (per-op dispatch taken out);
-  ``efficiency.compute``: what matmuls of 1 GFLOP or more reach of it;
-  ``compute_curve``: efficiency by matmul size;
-- ``device.memory_bandwidth_gbps``: the best of copy / add over large arrays
-  (achieved, so ``efficiency.memory`` is 1);
-- ``op_overhead_us``: a tiny op's dispatch + one DTensor from_local / to_local;
-- ``links.intra_node``: per collective kind, ``costmodel.collectives.fit_collective``
-  fits latency and bandwidth so that the cost model's formula reproduces the timings;
-  the link gets the median over kinds (``efficiency.network`` is 1), and when a kind
-  differs from it by more than 20% every kind's fit goes into ``collectives``.
-
-Fields not measured (name, device name and kind, nodes, inter-node link) come from
-``--base``; every measured number gets a comment saying what was measured.
+The measuring and fitting are ``autoddl.calibration``'s (its docstring says what each
+field is made of); this module parses the options, writes the files and prints.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import dataclasses
-import math
-import os
 import shlex
-import statistics
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
+from autoddl.calibration import DEFAULT_BASE, calibrate, write_raw
 from autoddl.cli import common_options, register
-from autoddl.cluster import CONFIG_DIR, Backend, Cluster, CollectiveFits, Efficiency, LinkSpec
-from costmodel.collectives import CollectiveFit, CollectiveKind, fit_collective
-from executor.calibrate import (with_executor_overheads, LARGE_MATMUL_FLOPS, CollectiveTiming, ComputeSummary, Measurements, Settings,
-                                compute_summary, measure)
-
-DEFAULT_BASE = CONFIG_DIR / "local-cpu.yaml"
-DISAGREEMENT = 0.20          # a kind whose fit differs from the link by more than this gets its own entry
-LATENCY_FLOOR_US = 5.0       # latencies within this many microseconds agree, whatever their ratio
+from autoddl.cluster import Backend, Cluster
+from executor.calibrate import Settings
 
 
-def _sig(x: float, digits: int = 4) -> float:
-    """``x`` rounded to ``digits`` significant digits (readable YAML, no false precision)."""
-    if x == 0 or not math.isfinite(x):
-        return x
-    return round(x, digits - 1 - int(math.floor(math.log10(abs(x)))))
-
-
-# -- fits ----------------------------------------------------------------------------------------
-def fit_collectives(timings: Sequence[CollectiveTiming], backend: Backend | str,
-                    failed: dict[str, str] | None = None) -> dict[str, CollectiveFit]:
-    """One :class:`CollectiveFit` per timed kind, over every axis size and message size.
-
-    A kind whose timings cannot be fitted (too noisy: they do not grow with the message
-    size) is left out and its reason put in ``failed``; raises when no kind can be fitted.
-    """
-    by_kind: dict[str, list[tuple[int, float, float]]] = {}
-    for t in timings:
-        by_kind.setdefault(t.kind, []).append((t.n_devices, t.nbytes, t.time_s))
-    fits, reasons = {}, {}
-    for kind, samples in by_kind.items():
-        try:
-            fits[kind] = fit_collective(CollectiveKind(kind), backend, samples)
-        except ValueError as exc:
-            reasons[kind] = str(exc)
-    if failed is not None:
-        failed.update(reasons)
-    if not fits:
-        raise ValueError("calibrate: no collective could be fitted: " + "; ".join(reasons.values())
-                         + ". The machine may be too busy: run again when it is idle")
-    return fits
-
-
-def combined_link(fits: dict[str, CollectiveFit]) -> LinkSpec:
-    """The link's numbers: the median over kinds of the fitted latency and of the fitted bandwidth."""
-    if not fits:
-        raise ValueError("combined_link: no collective fits")
-    return LinkSpec(bandwidth_gbps=statistics.median(f.bandwidth_gbps for f in fits.values()),
-                    latency_us=statistics.median(f.latency_us for f in fits.values()))
-
-
-def disagreeing_kinds(fits: dict[str, CollectiveFit], link: LinkSpec, tolerance: float = DISAGREEMENT) -> list[str]:
-    """Kinds whose fitted bandwidth or latency differs from ``link`` by more than ``tolerance`` (relative)."""
-    out = []
-    for kind, f in fits.items():
-        bw = abs(f.bandwidth_gbps - link.bandwidth_gbps) / link.bandwidth_gbps
-        lat = abs(f.latency_us - link.latency_us) / max(link.latency_us, LATENCY_FLOOR_US)
-        if bw > tolerance or lat > tolerance:
-            out.append(kind)
-    return out
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """A measured cluster, the comments and header its YAML gets, and the fits behind it."""
-
-    cluster: Cluster
-    comments: dict[str, str]
-    header: str
-    fits: dict[str, CollectiveFit]
-    compute: ComputeSummary
-
-    def write(self, path: str | os.PathLike) -> None:
-        self.cluster.to_yaml(path, comments=self.comments, header=self.header)
-
-
-def _total_memory_gb() -> float:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024 / 1e9
-    except OSError:
-        pass
-    return 0.0
-
-
-def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int | None = None,
-                      command: str = "") -> Calibration:
-    """Turn ``meas`` into a cluster: measured fields replaced, the rest from ``base`` (module docstring)."""
-    s = meas.settings
-    backend = Backend(s.backend)
-    if backend is Backend.NCCL and base.device.kind != "cuda":
-        raise ValueError(f"calibrate --backend nccl: the base cluster {base.source or base.name} has a "
-                         f"{base.device.kind} device; pass --base with a cuda device (e.g. configs/dgx-a100-8.yaml)")
-    dpn = devices_per_node or max(base.devices_per_node, s.nproc)
-    if dpn < s.nproc:
-        raise ValueError(f"calibrate: --devices-per-node {dpn} is less than --nproc {s.nproc}")
-    ranks = f"{s.nproc} ranks at once, {s.threads} thread{'s' * (s.threads > 1)} each"
-
-    comp = compute_summary(meas.matmuls, meas.dispatch_us * 1e-6)
-    best = max(comp.points, key=lambda p: p[1])[0]
-    largest = comp.points[-1][0]
-    n_large = sum(1 for mt, _ in comp.points if mt.flops >= LARGE_MATMUL_FLOPS)
-    mem_kind, mem_gbps = max(meas.memory_gbps.items(), key=lambda kv: kv[1])
-    memory_gb = base.device.memory_gb
-    if base.device.kind == "cpu" and _total_memory_gb() > 0:
-        memory_gb = _sig(_total_memory_gb() / dpn, 3)
-
-    failed: dict[str, str] = {}
-    fits = fit_collectives(meas.collectives, backend, failed)
-    link = combined_link(fits)
-    link = LinkSpec(bandwidth_gbps=_sig(link.bandwidth_gbps), latency_us=_sig(link.latency_us))
-    odd = disagreeing_kinds(fits, link)
-    per_kind = {k: LinkSpec(_sig(f.bandwidth_gbps), _sig(f.latency_us)) for k, f in fits.items()} if odd else {}
-    inter = link if base.nodes == 1 else base.inter_node
-
-    cluster = dataclasses.replace(
-        base, devices_per_node=dpn, backend=backend,
-        device=dataclasses.replace(base.device, peak_tflops=_sig(comp.peak_tflops), memory_gb=memory_gb,
-                                   memory_bandwidth_gbps=_sig(mem_gbps)),
-        intra_node=link, inter_node=inter,
-        efficiency=Efficiency(compute=_sig(min(1.0, comp.large_efficiency), 3), memory=1.0, network=1.0),
-        op_overhead_us=_sig(meas.op_overhead_us, 3), collectives=CollectiveFits(**per_kind),
-        compute_curve=comp.curve, source="")
-
-    sizes = sorted({t.nbytes for t in meas.collectives})
-    axes = sorted({t.n_devices for t in meas.collectives})
-    span = f"{sizes[0] / 1024:g} KB .. {sizes[-1] / 2**20:g} MB, axis size{'s' * (len(axes) > 1)} " \
-           f"{', '.join(map(str, axes))}, median of {s.repeats}"
-    comments = {
-        "devices_per_node": (f"ranks on this machine; calibrated with {s.nproc}"
-                             + (f"; above {s.nproc} ranks they share cores (slower compute and collectives "
-                                f"than measured)" if dpn > s.nproc else "")),
-        "device.peak_tflops": (f"measured: best matmul rate, {best.m}x{best.k} @ {best.k}x{best.n} "
-                               f"(per-op dispatch {meas.dispatch_us:.1f} us taken out), {ranks}"),
-        "device.memory_gb": (f"measured: {_total_memory_gb():.1f} GB RAM / {dpn} devices"
-                             if memory_gb != base.device.memory_gb or base.device.kind == "cpu" else "from base"),
-        "device.memory_bandwidth_gbps": (
-            f"measured: {mem_kind} over {s.memory_bytes >> 20} MB arrays (bytes read + written), per rank with "
-            f"{ranks}; " + ", ".join(f"{k} {v:.2f}" for k, v in meas.memory_gbps.items())),
-        "links.intra_node": (f"fitted: median over the {len(fits)} kinds of the per-kind fits below "
-                             f"({s.backend}, {span})"),
-        "efficiency.compute": ((f"measured: median efficiency of the {n_large} matmuls of >= "
-                                f"{LARGE_MATMUL_FLOPS / 1e9:g} GFLOP" if n_large else
-                                f"measured: efficiency of the largest matmul ({largest.m}x{largest.k}x{largest.n})")
-                               + " (compute_curve is used instead when present)"),
-        "efficiency.memory": "1: memory_bandwidth_gbps is already the achieved bandwidth",
-        "efficiency.network": "1: the link and collectives numbers are achieved (fitted) values",
-        "op_overhead_us": (f"measured: add of 1-element tensors needing grad {meas.tiny_op_us:.1f} us + "
-                           f"DTensor from_local/to_local {meas.dtensor_round_us:.1f} us, per rank"),
-        "compute_curve": "measured: matmul efficiency (of peak_tflops) by GFLOPs per matmul",
-    }
-    comments["links.inter_node"] = ("not measured (one node): same as intra_node, for resized()"
-                                    if base.nodes == 1 else "from base: not measured on one machine")
-    if per_kind:
-        comments["collectives"] = (f"per-kind fits ({', '.join(odd)} differ from the link by > "
-                                   f"{DISAGREEMENT:.0%}); used instead of links.intra_node")
-        for kind, f in fits.items():
-            comments[f"collectives.{kind}"] = _fit_text(f, meas)
-    for i, group in enumerate(comp.groups):
-        comments[f"compute_curve.{i}"] = "M x K x N: " + ", ".join(f"{mt.m}x{mt.k}x{mt.n}" for mt in group)
-
-    stamp = time.strftime("%Y-%m-%d %H:%M")
-    lines = [f"Measured by `{command or 'autoddl calibrate'}` on {stamp}",
-             f"on {meas.machine}; {ranks}; {meas.seconds.get('total', 0):.0f} s ("
-             + ", ".join(f"{k} {v:.0f} s" for k, v in meas.seconds.items() if k != "total") + ").",
-             "Units are in the field names: *_gbps = GB/s (1e9 bytes/s, per device, one direction), "
-             "*_us = microseconds.",
-             f"Collective fits ({s.backend}; t = formula of costmodel.collectives with latency a, bandwidth b):"]
-    lines += [f"  {k}: {_fit_text(f, meas)}" for k, f in fits.items()]
-    lines += [f"  {k}: not fitted, left to links.intra_node: {why}" for k, why in failed.items()]
-    if dpn > s.nproc:
-        lines.append(f"devices_per_node {dpn} > {s.nproc} calibrated ranks: with more ranks than "
-                     f"{s.nproc} they share cores, so compute and collectives run slower than these numbers.")
-    cluster, comments = with_executor_overheads(cluster, comments, meas)
-    return Calibration(cluster=cluster, comments=comments, header="\n".join(lines), fits=fits, compute=comp)
-
-
-def _fit_text(f: CollectiveFit, meas: Measurements) -> str:
-    how = next((t.how for t in meas.collectives if t.kind == f.kind.value), "")
-    return (f"a {f.latency_us:.1f} us, b {f.bandwidth_gbps:.3f} GB/s, {f.carried_as.value} formula, "
-            f"{f.points} points, R^2 {f.r2:.4f}, max rel residual {f.max_rel_residual:.0%} ({how})")
-
-
-def write_raw(meas: Measurements, path: str | os.PathLike) -> None:
-    """Every timing as CSV rows ``benchmark, what, n_devices, bytes_or_flops, time_s``."""
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["benchmark", "what", "n_devices", "bytes_or_flops", "time_s"])
-        for mt in meas.matmuls:
-            w.writerow(["matmul", f"{mt.m}x{mt.k}x{mt.n}", 1, int(mt.flops), mt.time_s])
-        for t in meas.collectives:
-            w.writerow(["collective", f"{t.kind}: {t.how}", t.n_devices, t.nbytes, t.time_s])
-        for k, v in meas.memory_gbps.items():
-            w.writerow(["memory_gbps", k, 1, meas.settings.memory_bytes, v])
-        w.writerow(["overhead_us", "tiny add", 1, 0, meas.dispatch_us])
-        w.writerow(["overhead_us", "tiny add with grad", 1, 0, meas.tiny_op_us])
-        w.writerow(["overhead_us", "dtensor round", 1, 0, meas.dtensor_round_us])
-
-
-# -- the command ---------------------------------------------------------------------------------
 @register
 def add_calibrate(subparsers: "argparse._SubParsersAction") -> None:
     p = subparsers.add_parser(
@@ -265,20 +47,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise ValueError(f"--devices-per-node must be a positive integer, got {args.devices_per_node}")
     base = Cluster.from_yaml(args.base)
     settings = Settings.default(args.nproc, args.backend, quick=args.quick, threads=args.threads)
-    if args.backend == Backend.NCCL.value:
-        import torch
-
-        if base.device.kind != "cuda":
-            raise ValueError(f"calibrate --backend nccl: the base cluster {args.base} has a {base.device.kind} "
-                             "device; pass --base with a cuda device (e.g. configs/dgx-a100-8.yaml)")
-        if torch.cuda.device_count() < args.nproc:
-            raise ValueError(f"calibrate --backend nccl needs one GPU per rank: --nproc {args.nproc}, "
-                             f"{torch.cuda.device_count()} GPUs visible; use --backend gloo or a smaller --nproc")
-    command = _command(args)
     print(f"calibrate: {settings.nproc} {settings.backend} ranks, {settings.threads} thread(s) each, "
           f"{'quick' if settings.quick else 'full'} settings", file=sys.stderr, flush=True)
-    meas = measure(settings)
-    cal = calibrate_cluster(meas, base, args.devices_per_node, command)
+    meas, cal = calibrate(base, settings, args.devices_per_node, _command(args))
     if args.raw:
         write_raw(meas, args.raw)
     if args.out:

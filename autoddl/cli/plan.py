@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 
 from autoddl.api import schemes_frame, search_model
-from autoddl.cli import EXPECTED_ERRORS, _table, add_model_options, common_options, model_overrides, register
+from autoddl.cli import EXPECTED_ERRORS, add_model_options, common_options, model_overrides, register, table
 from autoddl.cluster import DEFAULT_CLUSTER_PATH, Cluster
 from autoddl.graph import NodeKind
 from autoddl.loader import load_model_file, trace_model_file
 from autoddl.plan import Mesh, Plan
+from autoddl.trace import trace
 from search.problem import NoFeasiblePlanError
 
 EXPECTED_ERRORS.append(NoFeasiblePlanError)
@@ -56,7 +57,7 @@ def _print_schemes(outcome) -> None:
         rows.append((r["scheme"], r["mesh"], f"{r['step_ms']:.3f}", f"{r['compute_ms']:.3f}",
                      f"{r['boxing_fwd_ms'] + r['boxing_bwd_ms']:.3f}", f"{r['grad_sync_ms']:.3f}",
                      f"{r['optimizer_ms']:.3f}", f"{r['memory_gb']:.3f}", "yes" if r["fits_memory"] else "NO"))
-    print(_table(("scheme", "mesh", "step ms", "compute ms", "boxing ms", "grad sync ms", "optimizer ms",
+    print(table(("scheme", "mesh", "step ms", "compute ms", "boxing ms", "grad sync ms", "optimizer ms",
                   "memory GB", "fits"), rows))
     for line in skipped:
         print(line)
@@ -151,8 +152,6 @@ def run_explain(args: argparse.Namespace) -> int:
     if not plan.model:
         raise ValueError(f"{args.plan_json}: the plan names no model file; re-run `autoddl plan MODEL_PY`")
     mf = load_model_file(plan.model, **plan.model_args)
-    from autoddl.trace import trace
-
     graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name)
     if graph.fingerprint() != plan.graph_hash:
         raise ValueError(f"{args.plan_json} was made for another graph of {plan.model} (hash {plan.graph_hash}, "
@@ -179,7 +178,7 @@ def run_explain(args: argparse.Namespace) -> int:
                      str(form.problem.choices[i][runner]) if runner is not None else "-", extra,
                      "; ".join(by_op.get(node.name, [])) or "-"))
     print(f"{plan} ({plan.devices} devices, cluster {cluster.name})")
-    print(_table(("op", "signature", "runner-up", "runner-up costs", "collectives inserted"), rows))
+    print(table(("op", "signature", "runner-up", "runner-up costs", "collectives inserted"), rows))
     return 0
 
 
