@@ -11,11 +11,9 @@ Presets (PRESETS below; default "gpt2-small"):
   gpt2-xl     48/25/1600, vocab 50304, seq 1024, batch 16   (1.56B params)
   gpt3-175b   96/96/12288, vocab 50304, seq 2048, batch 32  (175B params)
 
-Sizes are set by keyword, then environment variable, then preset:
-  build_model("tiny", n_layer=1)            keyword wins
-  AUTODDL_GPT_PRESET=tiny or AUTODDL_PRESET=tiny   picks the preset
-  AUTODDL_GPT_<FIELD>=value, FIELD one of N_LAYER N_HEAD N_EMBD VOCAB_SIZE
-      BLOCK_SIZE BIAS BATCH_SIZE SEQ_LEN, e.g. AUTODDL_GPT_N_LAYER=2
+Sizes are set by keyword, then preset (the file reads no environment):
+  build_model("tiny", n_layer=1)           keyword wins
+  on the command line: --preset NAME --set FIELD=VALUE (one --set per field)
 
 Inputs: (idx, targets), both (B, T) int64; forward(idx, targets=None) returns
 logits (B, T, vocab); loss_fn(logits, idx, targets) is the cross entropy.
@@ -25,7 +23,6 @@ logits (B, T, vocab); loss_fn(logits, idx, targets) is the cross entropy.
 # sys.modules, which a loader importing the file by path may not have set up.
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -59,12 +56,11 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt3-175b": GPTConfig(n_layer=96, n_head=96, n_embd=12288, block_size=2048, batch_size=32, seq_len=2048),
 }
 DEFAULT_PRESET = "gpt2-small"
-ENV_PREFIX = "AUTODDL_GPT_"
 
 
 def config(preset: str | None = None, **overrides) -> GPTConfig:
-    """The preset's config with env-var and keyword overrides applied (keyword > env > preset)."""
-    name = preset or os.environ.get(ENV_PREFIX + "PRESET") or os.environ.get("AUTODDL_PRESET") or DEFAULT_PRESET
+    """The preset's config with keyword overrides applied (keyword > preset)."""
+    name = preset or DEFAULT_PRESET
     if name not in PRESETS:
         raise ValueError(f"gpt: unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     base = PRESETS[name]
@@ -72,26 +68,7 @@ def config(preset: str | None = None, **overrides) -> GPTConfig:
     unknown = set(overrides) - fields
     if unknown:
         raise TypeError(f"gpt: unknown config field(s) {sorted(unknown)}; valid fields: {sorted(fields)}")
-    values = {}
-    for field in sorted(fields):
-        env = os.environ.get(ENV_PREFIX + field.upper())
-        if field in overrides:
-            values[field] = overrides[field]
-        elif env is not None:
-            values[field] = _parse(env, getattr(base, field), ENV_PREFIX + field.upper())
-    return dataclasses.replace(base, **values)
-
-
-def _parse(text: str, like, var: str):
-    """Convert an env-var string to the type of the preset's value ``like``."""
-    try:
-        if isinstance(like, bool):
-            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(text)
-            return text.lower() in ("1", "true", "yes")
-        return type(like)(text)
-    except ValueError:
-        raise ValueError(f"{var}={text!r} is not a valid {type(like).__name__}") from None
+    return dataclasses.replace(base, **overrides)
 
 
 class CausalSelfAttention(nn.Module):

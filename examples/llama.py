@@ -13,11 +13,9 @@ Presets (PRESETS below; default "tiny", because the real ones are large):
   llama3-70b  80 layers, dim 8192, 64/8 heads, ffn 28672, vocab 128256,
               batch 8 x seq 8192                                  (70.6B params)
 
-Sizes are set by keyword, then environment variable, then preset:
-  build_model("tiny", n_layers=1)                 keyword wins
-  AUTODDL_LLAMA_PRESET=llama3-8b or AUTODDL_PRESET=...   picks the preset
-  AUTODDL_LLAMA_<FIELD>=value, FIELD one of N_LAYERS DIM N_HEADS N_KV_HEADS
-      FFN_DIM VOCAB_SIZE MAX_SEQ_LEN ROPE_THETA NORM_EPS BATCH_SIZE SEQ_LEN
+Sizes are set by keyword, then preset (the file reads no environment):
+  build_model("tiny", n_layers=1)          keyword wins
+  on the command line: --preset NAME --set FIELD=VALUE (one --set per field)
 
 Inputs: (tokens, targets), both (B, T) int64; forward(tokens, targets=None)
 returns logits (B, T, vocab); loss_fn(logits, tokens, targets) is the cross entropy.
@@ -27,7 +25,6 @@ returns logits (B, T, vocab); loss_fn(logits, tokens, targets) is the cross entr
 # sys.modules, which a loader importing the file by path may not have set up.
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -75,12 +72,11 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama3-70b": LlamaConfig(n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672),
 }
 DEFAULT_PRESET = "tiny"
-ENV_PREFIX = "AUTODDL_LLAMA_"
 
 
 def config(preset: str | None = None, **overrides) -> LlamaConfig:
-    """The preset's config with env-var and keyword overrides applied (keyword > env > preset)."""
-    name = preset or os.environ.get(ENV_PREFIX + "PRESET") or os.environ.get("AUTODDL_PRESET") or DEFAULT_PRESET
+    """The preset's config with keyword overrides applied (keyword > preset)."""
+    name = preset or DEFAULT_PRESET
     if name not in PRESETS:
         raise ValueError(f"llama: unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     base = PRESETS[name]
@@ -88,26 +84,7 @@ def config(preset: str | None = None, **overrides) -> LlamaConfig:
     unknown = set(overrides) - fields
     if unknown:
         raise TypeError(f"llama: unknown config field(s) {sorted(unknown)}; valid fields: {sorted(fields)}")
-    values = {}
-    for field in sorted(fields):
-        env = os.environ.get(ENV_PREFIX + field.upper())
-        if field in overrides:
-            values[field] = overrides[field]
-        elif env is not None:
-            values[field] = _parse(env, getattr(base, field), ENV_PREFIX + field.upper())
-    return dataclasses.replace(base, **values)
-
-
-def _parse(text: str, like, var: str):
-    """Convert an env-var string to the type of the preset's value ``like``."""
-    try:
-        if isinstance(like, bool):
-            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(text)
-            return text.lower() in ("1", "true", "yes")
-        return type(like)(text)
-    except ValueError:
-        raise ValueError(f"{var}={text!r} is not a valid {type(like).__name__}") from None
+    return dataclasses.replace(base, **overrides)
 
 
 class RMSNorm(nn.Module):

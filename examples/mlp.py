@@ -8,10 +8,9 @@ Presets (PRESETS below; default "tiny"):
   tiny   4 layers x 64 wide, batch 8                (16.6K params)
   large  16 layers x 8192 wide, batch 1024          (1.07B params)
 
-Sizes are set by keyword, then environment variable, then preset:
-  build_model("tiny", n_layers=2)                    keyword wins
-  AUTODDL_MLP_PRESET=large or AUTODDL_PRESET=large   picks the preset
-  AUTODDL_MLP_<FIELD>=value, FIELD one of N_LAYERS WIDTH ACTIVATION BIAS BATCH_SIZE
+Sizes are set by keyword, then preset (the file reads no environment):
+  build_model("tiny", n_layers=2)          keyword wins
+  on the command line: --preset NAME --set FIELD=VALUE (one --set per field)
 
 Inputs: (x, target), both (B, width) float; forward(x, target=None) returns
 (B, width); loss_fn(out, x, target) is the mean squared error.
@@ -20,7 +19,6 @@ Inputs: (x, target), both (B, width) float; forward(x, target=None) returns
 # No `from __future__ import annotations`: dataclasses would then need this module in
 # sys.modules, which a loader importing the file by path may not have set up.
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -50,12 +48,11 @@ PRESETS: dict[str, MLPConfig] = {
     "large": MLPConfig(n_layers=16, width=8192, batch_size=1024),
 }
 DEFAULT_PRESET = "tiny"
-ENV_PREFIX = "AUTODDL_MLP_"
 
 
 def config(preset: str | None = None, **overrides) -> MLPConfig:
-    """The preset's config with env-var and keyword overrides applied (keyword > env > preset)."""
-    name = preset or os.environ.get(ENV_PREFIX + "PRESET") or os.environ.get("AUTODDL_PRESET") or DEFAULT_PRESET
+    """The preset's config with keyword overrides applied (keyword > preset)."""
+    name = preset or DEFAULT_PRESET
     if name not in PRESETS:
         raise ValueError(f"mlp: unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     base = PRESETS[name]
@@ -63,26 +60,7 @@ def config(preset: str | None = None, **overrides) -> MLPConfig:
     unknown = set(overrides) - fields
     if unknown:
         raise TypeError(f"mlp: unknown config field(s) {sorted(unknown)}; valid fields: {sorted(fields)}")
-    values = {}
-    for field in sorted(fields):
-        env = os.environ.get(ENV_PREFIX + field.upper())
-        if field in overrides:
-            values[field] = overrides[field]
-        elif env is not None:
-            values[field] = _parse(env, getattr(base, field), ENV_PREFIX + field.upper())
-    return dataclasses.replace(base, **values)
-
-
-def _parse(text: str, like, var: str):
-    """Convert an env-var string to the type of the preset's value ``like``."""
-    try:
-        if isinstance(like, bool):
-            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(text)
-            return text.lower() in ("1", "true", "yes")
-        return type(like)(text)
-    except ValueError:
-        raise ValueError(f"{var}={text!r} is not a valid {type(like).__name__}") from None
+    return dataclasses.replace(base, **overrides)
 
 
 class MLP(nn.Module):

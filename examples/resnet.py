@@ -9,11 +9,9 @@ Presets (PRESETS below; default "resnet50"):
   resnet50  blocks 3-4-6-3, base width 64, 1000 classes, batch 32 x 3 x 224 x 224
   tiny      blocks 1-1-1-1, base width 8, 16 classes, batch 4 x 3 x 32 x 32
 
-Sizes are set by keyword, then environment variable, then preset:
-  build_model("tiny", num_classes=8)                 keyword wins
-  AUTODDL_RESNET_PRESET=tiny or AUTODDL_PRESET=tiny  picks the preset
-  AUTODDL_RESNET_<FIELD>=value, FIELD one of LAYERS (e.g. "2,2,2,2") BASE_WIDTH
-      NUM_CLASSES IMAGE_SIZE BATCH_SIZE
+Sizes are set by keyword, then preset (the file reads no environment):
+  build_model("tiny", num_classes=8)       keyword wins
+  on the command line: --preset NAME --set FIELD=VALUE (one --set per field)
 
 Inputs: (images (B, 3, H, W) float32, labels (B,) int64); forward(images,
 labels=None) returns logits (B, num_classes); loss_fn(logits, images, labels)
@@ -23,7 +21,6 @@ is the cross entropy.
 # No `from __future__ import annotations`: dataclasses would then need this module in
 # sys.modules, which a loader importing the file by path may not have set up.
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -54,12 +51,11 @@ PRESETS: dict[str, ResNetConfig] = {
     "tiny": ResNetConfig(layers=(1, 1, 1, 1), base_width=8, num_classes=16, image_size=32, batch_size=4),
 }
 DEFAULT_PRESET = "resnet50"
-ENV_PREFIX = "AUTODDL_RESNET_"
 
 
 def config(preset: str | None = None, **overrides) -> ResNetConfig:
-    """The preset's config with env-var and keyword overrides applied (keyword > env > preset)."""
-    name = preset or os.environ.get(ENV_PREFIX + "PRESET") or os.environ.get("AUTODDL_PRESET") or DEFAULT_PRESET
+    """The preset's config with keyword overrides applied (keyword > preset)."""
+    name = preset or DEFAULT_PRESET
     if name not in PRESETS:
         raise ValueError(f"resnet: unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     base = PRESETS[name]
@@ -67,28 +63,7 @@ def config(preset: str | None = None, **overrides) -> ResNetConfig:
     unknown = set(overrides) - fields
     if unknown:
         raise TypeError(f"resnet: unknown config field(s) {sorted(unknown)}; valid fields: {sorted(fields)}")
-    values = {}
-    for field in sorted(fields):
-        env = os.environ.get(ENV_PREFIX + field.upper())
-        if field in overrides:
-            values[field] = overrides[field]
-        elif env is not None:
-            values[field] = _parse(env, getattr(base, field), ENV_PREFIX + field.upper())
-    return dataclasses.replace(base, **values)
-
-
-def _parse(text: str, like, var: str):
-    """Convert an env-var string to the type of the preset's value ``like`` (tuples: "3,4,6,3")."""
-    try:
-        if isinstance(like, bool):
-            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(text)
-            return text.lower() in ("1", "true", "yes")
-        if isinstance(like, tuple):
-            return tuple(int(s) for s in text.split(","))
-        return type(like)(text)
-    except ValueError:
-        raise ValueError(f"{var}={text!r} is not a valid {type(like).__name__}") from None
+    return dataclasses.replace(base, **overrides)
 
 
 def conv_bn(c_in: int, c_out: int, kernel: int, stride: int = 1) -> nn.Sequential:

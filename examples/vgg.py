@@ -9,11 +9,9 @@ Presets (PRESETS below; default "vgg16"):
   vgg16   channels 64..512, FC 4096, 1000 classes, dropout 0.5, batch 32 x 3 x 224 x 224
   tiny    channels / 8 (8..64), FC 64, 16 classes, no dropout, pool 1, batch 4 x 3 x 32 x 32
 
-Sizes are set by keyword, then environment variable, then preset:
-  build_model("tiny", num_classes=8)                 keyword wins
-  AUTODDL_VGG_PRESET=tiny or AUTODDL_PRESET=tiny     picks the preset
-  AUTODDL_VGG_<FIELD>=value, FIELD one of WIDTH_DIVISOR FC_WIDTH NUM_CLASSES
-      DROPOUT POOL_SIZE IMAGE_SIZE BATCH_SIZE
+Sizes are set by keyword, then preset (the file reads no environment):
+  build_model("tiny", num_classes=8)       keyword wins
+  on the command line: --preset NAME --set FIELD=VALUE (one --set per field)
 
 Inputs: (images (B, 3, H, W) float32, labels (B,) int64); forward(images,
 labels=None) returns logits (B, num_classes); loss_fn(logits, images, labels)
@@ -23,7 +21,6 @@ is the cross entropy.
 # No `from __future__ import annotations`: dataclasses would then need this module in
 # sys.modules, which a loader importing the file by path may not have set up.
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -59,12 +56,11 @@ PRESETS: dict[str, VGGConfig] = {
                       image_size=32, batch_size=4),
 }
 DEFAULT_PRESET = "vgg16"
-ENV_PREFIX = "AUTODDL_VGG_"
 
 
 def config(preset: str | None = None, **overrides) -> VGGConfig:
-    """The preset's config with env-var and keyword overrides applied (keyword > env > preset)."""
-    name = preset or os.environ.get(ENV_PREFIX + "PRESET") or os.environ.get("AUTODDL_PRESET") or DEFAULT_PRESET
+    """The preset's config with keyword overrides applied (keyword > preset)."""
+    name = preset or DEFAULT_PRESET
     if name not in PRESETS:
         raise ValueError(f"vgg: unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     base = PRESETS[name]
@@ -72,26 +68,7 @@ def config(preset: str | None = None, **overrides) -> VGGConfig:
     unknown = set(overrides) - fields
     if unknown:
         raise TypeError(f"vgg: unknown config field(s) {sorted(unknown)}; valid fields: {sorted(fields)}")
-    values = {}
-    for field in sorted(fields):
-        env = os.environ.get(ENV_PREFIX + field.upper())
-        if field in overrides:
-            values[field] = overrides[field]
-        elif env is not None:
-            values[field] = _parse(env, getattr(base, field), ENV_PREFIX + field.upper())
-    return dataclasses.replace(base, **values)
-
-
-def _parse(text: str, like, var: str):
-    """Convert an env-var string to the type of the preset's value ``like``."""
-    try:
-        if isinstance(like, bool):
-            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(text)
-            return text.lower() in ("1", "true", "yes")
-        return type(like)(text)
-    except ValueError:
-        raise ValueError(f"{var}={text!r} is not a valid {type(like).__name__}") from None
+    return dataclasses.replace(base, **overrides)
 
 
 class VGG(nn.Module):

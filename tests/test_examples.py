@@ -220,7 +220,7 @@ def test_llama_grouped_query_attention_matches_reference():
     assert torch.allclose(attn(x, cos, sin), attn.wo(y), atol=1e-5)
 
 
-# -- overrides: keyword > env > preset ----------------------------------------------------
+# -- overrides: keyword > preset ----------------------------------------------------------
 def test_keyword_override_changes_parameter_count():
     gpt = load("gpt")
     base, one = gpt.config("tiny"), gpt.config("tiny", n_layer=1)
@@ -229,39 +229,33 @@ def test_keyword_override_changes_parameter_count():
     assert n == gpt_params(base) - (12 * 64 * 64 + 13 * 64)
 
 
-def test_env_override_and_precedence(monkeypatch):
-    gpt = load("gpt")
-    monkeypatch.setenv("AUTODDL_GPT_N_LAYER", "1")
-    assert gpt.config("tiny").n_layer == 1
-    assert gpt.config("tiny", n_layer=3).n_layer == 3  # keyword beats env
-    n = sum(p.numel() for p in gpt.build_model("tiny").parameters())
-    assert n == gpt_params(gpt.config("tiny")) == gpt_params(gpt.PRESETS["tiny"]) - (12 * 64 * 64 + 13 * 64)
-    monkeypatch.setenv("AUTODDL_GPT_BATCH_SIZE", "2")
-    assert gpt.example_inputs("tiny")[0].shape == (2, 32)
-
-
-def test_env_preset_selection(monkeypatch):
+def test_environment_is_not_read(monkeypatch):
+    """The model files are standalone: sizes come from keywords and presets only (the CLI's --preset/--set)."""
     gpt, llama = load("gpt"), load("llama")
-    assert gpt.config() == gpt.PRESETS["gpt2-small"] and llama.config() == llama.PRESETS["tiny"]
+    monkeypatch.setenv("AUTODDL_GPT_N_LAYER", "1")
     monkeypatch.setenv("AUTODDL_PRESET", "tiny")
-    assert gpt.config() == gpt.PRESETS["tiny"]
-    monkeypatch.setenv("AUTODDL_GPT_PRESET", "gpt2-xl")  # the model's own variable wins
-    assert gpt.config() == gpt.PRESETS["gpt2-xl"]
-    assert gpt.config("tiny") == gpt.PRESETS["tiny"]  # an explicit preset wins over both
+    monkeypatch.setenv("AUTODDL_GPT_PRESET", "gpt2-xl")
+    assert gpt.config() == gpt.PRESETS["gpt2-small"] and llama.config() == llama.PRESETS["tiny"]
+    assert gpt.config("tiny") == gpt.PRESETS["tiny"]
+    assert gpt.config("tiny", n_layer=3).n_layer == 3  # keyword beats preset
 
 
-def test_env_values_are_typed(monkeypatch):
-    monkeypatch.setenv("AUTODDL_RESNET_LAYERS", "2,1,1,1")
-    monkeypatch.setenv("AUTODDL_VGG_DROPOUT", "0.25")
-    monkeypatch.setenv("AUTODDL_GPT_BIAS", "false")
-    monkeypatch.setenv("AUTODDL_LLAMA_ROPE_THETA", "10000")
-    assert load("resnet").config("tiny").layers == (2, 1, 1, 1)
-    assert load("vgg").config("tiny").dropout == 0.25
-    assert load("gpt").config("tiny").bias is False
-    assert load("llama").config("tiny").rope_theta == 10000.0
+def test_set_values_reach_the_config_typed():
+    """`--set` pairs, parsed as the CLI does, give each field its type."""
+    from autoddl.loader import parse_overrides
+
+    def cfg(name, *pairs):
+        kw = parse_overrides(pairs)
+        return load(name).config(kw.pop("preset", None), **kw)
+
+    assert cfg("resnet", "preset=tiny", "layers=[2, 1, 1, 1]").layers == (2, 1, 1, 1)
+    assert cfg("vgg", "preset=tiny", "dropout=0.25").dropout == 0.25
+    assert cfg("gpt", "preset=tiny", "bias=false").bias is False
+    assert cfg("llama", "rope_theta=10000").rope_theta == 10000.0
+    assert load("gpt").example_inputs("tiny", **parse_overrides(["batch_size=2"]))[0].shape == (2, 32)
 
 
-def test_bad_settings_name_the_problem(monkeypatch):
+def test_bad_settings_name_the_problem():
     gpt = load("gpt")
     with pytest.raises(ValueError, match="unknown preset 'gpt5'.*gpt2-small"):
         gpt.config("gpt5")
@@ -271,6 +265,3 @@ def test_bad_settings_name_the_problem(monkeypatch):
         gpt.config("tiny", n_head=5)
     with pytest.raises(ValueError, match="n_heads=4 must be divisible by n_kv_heads=3"):
         load("llama").config("tiny", n_kv_heads=3)
-    monkeypatch.setenv("AUTODDL_GPT_N_LAYER", "two")
-    with pytest.raises(ValueError, match="AUTODDL_GPT_N_LAYER='two' is not a valid int"):
-        gpt.config("tiny")
