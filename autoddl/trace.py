@@ -73,7 +73,149 @@ def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor],
             raise _explain(exc, name, printed.getvalue()) from exc
     if printed.getvalue():
         sys.stderr.write(printed.getvalue())  # export succeeded: pass its warnings on
+    inline_higher_order_ops(exported, name)
     return graph_from_exported(exported, name=name, strip_prefix="model." if loss_fn is not None else "")
+
+
+# Higher-order ops torch.export wraps a region of ops in, by name: the position of the region's
+# submodule among the op's arguments. ``@torch.no_grad()`` / ``torch.set_grad_enabled`` give
+# wrap_with_set_grad_enabled(enable, submod, *operands); ``torch.autocast`` gives
+# wrap_with_autocast(device_type, dtype, enabled, cache_enabled, submod, *operands)
+# (torch/_export/passes/replace_{set_grad,autocast}_with_hop_pass.py).
+WRAPPER_HOPS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4, "wrap": 0}
+
+
+def inline_higher_order_ops(exported: "torch.export.ExportedProgram", model_name: str = "") -> int:
+    """Inline every region higher-order op of ``exported``'s graph module, in place; returns how many.
+
+    The region's ops become ordinary nodes of the top-level graph (with their own
+    ``stack_trace`` and ``nn_module_stack``), so the OpGraph and the graph module the
+    executor runs agree node for node. A grad-disabled region's floating outputs pass
+    through ``aten.detach`` (what leaving the region did); an autocast region must be
+    disabled (HF rotary embeddings force fp32 this way), since its ops, inlined, would
+    no longer run at the autocast dtype. Any other higher-order op (torch.cond,
+    while_loop, map, flex_attention, ...) raises a TraceError naming it and its line.
+    """
+    gm = exported.graph_module
+    count, renamed = _inline_all(gm, model_name)
+    if count:
+        for n in [n for n in gm.graph.nodes if n.op == "get_attr" and not n.users]:
+            gm.graph.erase_node(n)
+        for name, child in list(gm.named_children()):
+            if isinstance(child, torch.fx.GraphModule) and not any(
+                    n.op == "get_attr" and n.target == name for n in gm.graph.nodes):
+                delattr(gm, name)
+        gm.graph.lint()
+        gm.recompile()
+        for spec in exported.graph_signature.output_specs:
+            arg_name = getattr(spec.arg, "name", None)
+            if arg_name in renamed:
+                spec.arg.name = renamed[arg_name]
+    return count
+
+
+def _check_inlinable(node: torch.fx.Node, model_name: str) -> None:
+    """Raise a TraceError for a higher-order op autoddl cannot turn into ordinary ops."""
+    hop = node.target.name()
+    if hop == "wrap_with_autocast" and bool(node.args[2]):
+        construct = (f"an enabled torch.autocast region (dtype {node.args[1]}, device {node.args[0]!r}) "
+                     f"in forward(), exported as {hop}")
+        hint = ("plan in fp32: remove the autocast context from forward() (or pass enabled=False); "
+                "its ops, inlined, would no longer run at the autocast dtype")
+    elif hop not in WRAPPER_HOPS:
+        construct = f"the higher-order op torch.ops.higher_order.{hop} (control flow or a fused kernel)"
+        hint = ("autoddl plans straight-line aten graphs: replace torch.cond / while_loop / map / scan by "
+                "static Python control flow that depends only on shapes and config, and flex_attention "
+                "by scaled_dot_product_attention with a mask")
+    else:
+        return
+    location = _region_location(node)
+    raise TraceError(f"cannot trace {model_name or 'the model'}: {construct}"
+                     + (f"\n  at {location}" if location else "") + f"\n  what to do: {hint}",
+                     construct=construct, location=location, hint=hint)
+
+
+def _region_location(node: torch.fx.Node) -> str:
+    """Where a higher-order op is in the user's code: its stack trace, else its region's first one."""
+    location = _fx_location(node)
+    if location:
+        return location
+    for arg in node.args:
+        if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+            sub = getattr(node.graph.owning_module, arg.target, None)
+            for inner in getattr(getattr(sub, "graph", None), "nodes", ()):
+                if _fx_location(inner):
+                    return _fx_location(inner)
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        path, mtype = list(stack.values())[-1]
+        return f"module {path or '<root>'} ({getattr(mtype, '__name__', mtype)})"
+    return ""
+
+
+def _inline_region(gm: torch.fx.GraphModule, node: torch.fx.Node, model_name: str) -> dict[str, str]:
+    """Copy the region's nodes before ``node``, rewire its users, erase it; old -> new output names."""
+    hop = node.target.name()
+    sub_pos = WRAPPER_HOPS[hop]
+    sub = getattr(gm, node.args[sub_pos].target)
+    _inline_all(sub, model_name)   # nested regions first
+    operands = list(node.args[sub_pos + 1:])
+    env: dict[torch.fx.Node, Any] = {}
+    outputs: Any = None
+    placeholders = iter(operands)
+    with gm.graph.inserting_before(node):
+        for inner in sub.graph.nodes:
+            if inner.op == "placeholder":
+                env[inner] = next(placeholders)
+            elif inner.op == "output":
+                outputs = torch.fx.map_arg(inner.args[0], lambda n: env[n])
+            elif inner.op == "get_attr":
+                raise TraceError(f"cannot trace {model_name or 'the model'}: a {hop} region reads the "
+                                 f"attribute {inner.target!r}, which autoddl cannot lift\n  at "
+                                 f"{_region_location(node)}\n  what to do: register the tensor as a buffer")
+            else:
+                env[inner] = gm.graph.node_copy(inner, lambda n: env[n])
+        if hop == "wrap_with_set_grad_enabled" and not node.args[0]:
+            outputs = _detached(gm.graph, outputs)
+    return _replace_uses(node, outputs)
+
+
+def _inline_all(gm: torch.fx.GraphModule, model_name: str) -> tuple[int, dict[str, str]]:
+    """Inline the region higher-order ops of one graph module; (how many, old -> new output names)."""
+    count, renamed = 0, {}
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            _check_inlinable(node, model_name)
+            renamed.update(_inline_region(gm, node, model_name))
+            count += 1
+    return count, renamed
+
+
+def _detached(graph: torch.fx.Graph, outputs: Any) -> Any:
+    """``aten.detach`` of every floating tensor in ``outputs``: no gradient leaves a no_grad region."""
+    def detach(n: torch.fx.Node) -> torch.fx.Node:
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            return n
+        out = graph.call_function(torch.ops.aten.detach.default, (n,))
+        out.meta.update({k: v for k, v in n.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+        return out
+    return torch.fx.map_arg(outputs, detach)
+
+
+def _replace_uses(node: torch.fx.Node, outputs: Any) -> dict[str, str]:
+    """Point the users of a region op (``getitem(node, i)`` or ``node`` itself) at ``outputs``."""
+    renamed: dict[str, str] = {}
+    for user in list(node.users):
+        if user.target is operator.getitem and isinstance(outputs, (list, tuple)):
+            new = outputs[user.args[1]]
+            renamed[user.name] = new.name if isinstance(new, torch.fx.Node) else user.name
+            user.replace_all_uses_with(new)
+            node.graph.erase_node(user)
+        else:
+            user.replace_input_with(node, outputs)
+    node.graph.erase_node(node)
+    return renamed
 
 
 def to_meta(model: nn.Module) -> nn.Module:

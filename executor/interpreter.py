@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor import Partial as DPartial
 
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
+from autoddl.ops import localize_devices
 from autoddl.ops.registry import piece_offset
 from autoddl.plan import Plan
 from autoddl.sbp import Broadcast, NdSbp, Partial, Signature, Split
@@ -319,8 +320,7 @@ class PlanInterpreter(torch.fx.Interpreter):
         position = [0]
         args = _substitute(args, locals_, position)
         kwargs = _substitute(kwargs, locals_, position)
-        if "device" in kwargs:  # traced on meta
-            kwargs["device"] = torch.device(self.device)
+        args, kwargs = localize_devices(args, kwargs, self.device)  # traced on meta
         out = kernel(*args, **kwargs)
         if not self.use_ops_rules:
             scale = _mean_scale(n, op, locals_)

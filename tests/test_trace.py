@@ -234,3 +234,125 @@ def test_device_pinned_tensor_error():
     with pytest.raises(TraceError, match="pinned to a real device") as info:
         autoddl.trace(PinnedDevice(), (torch.randn(3),))
     assert 'torch.ones(3, device="cpu")' in str(info.value) and "device=x.device" in str(info.value)
+
+
+# -- higher-order ops: grad-mode and autocast regions are inlined, others named ----------------------
+
+class Rotary(nn.Module):
+    """A rotary-embedding-like module whose table is computed under @torch.no_grad(), from a
+    parameter too, so that leaving the region must cut the gradient there."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.arange(1, d + 1, dtype=torch.float32))
+        self.w = nn.Parameter(torch.randn(d))
+
+    @torch.no_grad()
+    def table(self, x):
+        pos = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)        # (T,)
+        freqs = pos[:, None] * self.inv_freq.to(device=x.device, dtype=torch.float32)  # (T, d)
+        return freqs.cos() * self.w, freqs.sin()
+
+    def forward(self, x):                                                            # x: (B, T, d)
+        cos, sin = self.table(x)
+        with torch.autocast("cpu", enabled=False):
+            y = x * cos + x.flip(-1) * sin
+        return y * self.w
+
+
+def _run_graph_module(graph: OpGraph, model: nn.Module, *inputs):
+    """Run the (inlined) exported graph module on real tensors, the way the executor walks it."""
+    ep = graph.exported
+    sig = ep.graph_signature
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    values = []
+    for spec in sig.input_specs:
+        values.append(state[spec.target] if spec.target is not None else inputs[len(values) - len(state)])
+    return _LocalRun(ep.graph_module).run(*values)
+
+
+class _LocalRun(torch.fx.Interpreter):
+    """Skips export's metadata assertions and moves meta devices to the CPU, as the executor does."""
+
+    def call_function(self, target, args, kwargs):
+        from autoddl.ops import localize_devices
+
+        if getattr(target, "__name__", "").startswith("_assert"):
+            return None
+        args, kwargs = localize_devices(args, kwargs, "cpu")
+        return target(*args, **kwargs)
+
+
+def test_grad_and_autocast_regions_are_inlined_into_the_graph_module():
+    model = Rotary()
+    graph = autoddl.trace(model, (torch.randn(2, 3, 4),))
+    gm = graph.exported.graph_module
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert not [n for n in gm.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)]
+    assert not [name for name, _ in gm.named_children()]
+    # OpGraph and graph module agree node for node (the trace drops unused assertions only)
+    ops_in_gm = [n.name for n in gm.graph.nodes if n.op == "call_function"
+                 and not (n.target.__name__.startswith("_assert") and not n.users)]
+    assert ops_in_gm == [n.name for n in graph.ops()]
+    cos = [n for n in graph.ops() if n.op_name == "cos"]
+    assert len(cos) == 1 and cos[0].outputs[0].shape == (3, 4)
+    # the region's ops keep their module path; its outputs are detached where the region ends
+    assert {n.module_path for n in graph.ops() if n.op_name in ("cos", "sin", "arange")} == {""}
+    assert sum(n.op_name == "detach" for n in graph.ops()) == 2
+
+
+def test_inlined_no_grad_region_keeps_gradients_out_of_it():
+    torch.manual_seed(0)
+    model = Rotary()
+    x = torch.randn(2, 3, 4)
+    graph = autoddl.trace(model, (x,))
+    (out,) = _run_graph_module(graph, model, x)
+    out.sum().backward()
+    graph_grad = model.w.grad.clone()
+    model.w.grad = None
+    model(x).sum().backward()               # eager: w inside table() gets no gradient
+    torch.testing.assert_close(graph_grad, model.w.grad)
+    torch.testing.assert_close(out, model(x))
+
+
+class Autocast(nn.Module):
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return x @ x.transpose(-1, -2)
+
+
+class Cond(nn.Module):
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t - 1, (x,))
+
+
+def test_enabled_autocast_region_is_named_with_its_line():
+    with pytest.raises(TraceError) as info:
+        autoddl.trace(Autocast(), (torch.randn(2, 3, 3),))
+    message = str(info.value)
+    assert "torch.autocast region" in message and "bfloat16" in message
+    assert "test_trace.py" in info.value.location and "x @ x.transpose" in info.value.location
+    assert "what to do: plan in fp32" in message
+
+
+def test_control_flow_higher_order_op_is_named_with_what_to_do():
+    with pytest.raises(TraceError) as info:
+        autoddl.trace(Cond(), (torch.randn(3),))
+    assert "torch.ops.higher_order.cond" in str(info.value)
+    assert "what to do:" in str(info.value) and "torch.cond" in info.value.hint
+
+
+def test_localize_devices_replaces_meta_devices_everywhere():
+    from autoddl.ops import localize_devices
+
+    meta, cpu, cuda = torch.device("meta"), torch.device("cpu"), torch.device("cuda", 1)
+    args, kwargs = localize_devices((None, meta, torch.float32, [meta, (meta, 3)], cuda),
+                                    {"device": meta, "other": cuda, "dtype": torch.int64}, "cpu")
+    assert args == (None, cpu, torch.float32, [cpu, (cpu, 3)], cuda)
+    assert isinstance(args[3], list) and isinstance(args[3][1], tuple)
+    assert kwargs == {"device": cpu, "other": cuda, "dtype": torch.int64}
+    # the positional device of aten.to.device, as HF's rotary `inv_freq.to(device=x.device)` traces
+    node = next(n for n in autoddl.trace(Rotary(), (torch.randn(2, 3, 4),)).ops() if n.target == "aten.to.device")
+    assert node.args[1] == meta
+    local_args, _ = localize_devices(node.args, node.kwargs, "cpu")
+    assert local_args[1] == cpu

@@ -34,7 +34,7 @@ from autoddl.ops import (  # noqa: E402,F401  (imported for their registrations)
 
 __all__ = [
     "Sig1D", "rule_1d", "candidate_signatures", "has_rule", "unsupported_ops", "placeholder_candidates",
-    "aten_op", "local_args", "local_kernel", "local_callable", "RULES",
+    "aten_op", "local_args", "local_kernel", "local_callable", "localize_devices", "RULES",
 ]
 
 
@@ -167,3 +167,26 @@ def local_callable(node: OpNode, sig: Signature, mesh_shape: Sequence[int],
                    coord: Sequence[int]) -> Callable[..., Any]:
     """What device ``coord`` runs for ``node`` under ``sig``: the local kernel or the aten op."""
     return local_kernel(node, sig, mesh_shape, coord) or aten_op(node)
+
+
+def localize_devices(args: Any, kwargs: dict[str, Any], device: str | torch.device) -> tuple[Any, dict[str, Any]]:
+    """``(args, kwargs)`` with every meta ``torch.device`` replaced by ``device``.
+
+    The trace runs on the meta device, so ops that name a device record ``meta``:
+    positionally (``aten.to.device(x, meta, float32)``), by keyword
+    (``_to_copy(x, device=meta)``, ``arange(..., device=meta)``) or inside a list or
+    tuple. Before running such an op on real tensors, every one of them must name
+    the run device; other devices and every other value are kept as they are.
+    """
+    device = torch.device(device)
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, torch.device):
+            return device if value.type == "meta" else value
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(swap(v) for v in value)
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        return value
+
+    return swap(tuple(args)), swap(dict(kwargs))
