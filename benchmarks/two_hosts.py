@@ -239,7 +239,9 @@ class Testbed:
 
     def start(self, h: Host, argv: Sequence[str], nproc: int) -> subprocess.Popen:
         """Start ``argv`` inside host ``h`` (its own session, so its whole tree can be stopped)."""
-        p = subprocess.Popen(["ip", "netns", "exec", h.ns, *argv], cwd=ROOT, env=self.env(h, nproc),
+        uts = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', f"host{h.index}"] \
+            if shutil.which("unshare") else []         # its own host name too (the runs table's hosts column)
+        p = subprocess.Popen(["ip", "netns", "exec", h.ns, *uts, *argv], cwd=ROOT, env=self.env(h, nproc),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                              start_new_session=True)
         self.procs.append(p)
