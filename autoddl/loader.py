@@ -2,13 +2,23 @@
 
 A model file is the unit every CLI command takes::
 
-    def build_model(**sizes) -> nn.Module: ...           # sizes by keyword, e.g. preset="small"
-    def example_inputs(**sizes) -> tuple[Tensor, ...]: ... # one training step's batch
-    def loss_fn(output, *inputs) -> Tensor: ...          # optional; default_loss otherwise
+    def build_model(**sizes) -> nn.Module: ...            # sizes by keyword, e.g. preset="small"
+    def example_inputs(**sizes) -> tuple[Tensor, ...] | dict[str, Tensor]: ...
+                                                          # forward's inputs: model(*t) or model(**d)
+    def example_targets(**sizes) -> tuple[Tensor, ...] | dict[str, Tensor]: ...
+                                                          # optional: tensors only the loss takes
+    def loss_fn(output, *targets) -> Tensor: ...          # optional; default_loss otherwise
 
-The file is imported by path under a unique module name, and both functions run
-under ``torch.device(device)`` (``"meta"`` by default) so a 175B-parameter
-model is built without allocating its weights.
+Without ``example_targets`` the loss is ``loss_fn(output, *inputs)`` (``**inputs``
+for a dict), the classic convention; with it, ``loss_fn(output, *targets)``
+(``**targets`` for a dict). The file is imported by path under a unique module
+name, and its functions run under ``torch.device(device)`` (``"meta"`` by
+default) so a 175B-parameter model is built without allocating its weights.
+
+The step's tensors are ``ModelFile.example_inputs``, a flat :class:`StepInputs`
+in graph-input order (forward's positional inputs, its keyword inputs, the
+targets): ``dmodel(*mf.example_inputs)`` feeds the traced graph and
+``mf.step_loss(model, values)`` computes the same step's loss eagerly.
 """
 
 from __future__ import annotations
@@ -28,11 +38,12 @@ import torch
 from torch import nn
 
 from autoddl.graph import OpGraph
-from autoddl.trace import trace
+from autoddl.trace import StepInputs, step_inputs, trace
 
 _SIGNATURES = {
     "build_model": "def build_model(**sizes) -> torch.nn.Module",
-    "example_inputs": "def example_inputs(**sizes) -> tuple[torch.Tensor, ...]",
+    "example_inputs": "def example_inputs(**sizes) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]",
+    "example_targets": "def example_targets(**sizes) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]",
 }
 
 
@@ -45,11 +56,37 @@ class ModelFile:
     path: str                     # absolute path of the file
     name: str                     # file stem, e.g. "gpt"
     model: nn.Module
-    example_inputs: tuple[torch.Tensor, ...]
+    example_inputs: StepInputs    # flat, graph-input order: forward args, forward kwargs, targets
     loss_fn: Callable[..., torch.Tensor]
 
+    @property
+    def forward_args(self) -> tuple[torch.Tensor, ...]:
+        """The tensors ``forward`` takes positionally."""
+        return self.example_inputs.split()[0]
 
-def default_loss(output: Any, *inputs: Any) -> torch.Tensor:
+    @property
+    def forward_kwargs(self) -> dict[str, torch.Tensor]:
+        """The tensors ``forward`` takes by keyword (``example_inputs()`` returned a dict)."""
+        return self.example_inputs.split()[1]
+
+    @property
+    def targets(self) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
+        """The tensors only the loss takes (``example_targets()``); empty without it."""
+        return self.example_inputs.split()[2]
+
+    def step_loss(self, model: nn.Module | None = None, values: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """One eager training step's loss on ``model`` (default: the file's), single process.
+
+        ``values`` is a flat sequence in ``example_inputs`` order (e.g. moved to a device
+        or sharded on the batch dim); default: ``example_inputs`` themselves."""
+        return self.example_inputs.step_loss(self.model if model is None else model, self.loss_fn, values)
+
+    def trace(self) -> OpGraph:
+        """The whole training step's forward (loss included) as an OpGraph."""
+        return trace(self.model, self.example_inputs, self.loss_fn, name=self.name)
+
+
+def default_loss(output: Any, *inputs: Any, **keyword_inputs: Any) -> torch.Tensor:
     """Mean of every floating-point tensor in ``output`` (a tensor, or a tuple/list/dict of them), summed."""
     tensors = [t for t in _flatten(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not tensors:
@@ -74,33 +111,53 @@ def load_model_file(path: str | os.PathLike, *, device: str | torch.device = "me
     module = _import(file)
     build = _required(module, file, "build_model")
     make_inputs = _required(module, file, "example_inputs")
-    _check_overrides(file, overrides, build, make_inputs)
+    make_targets = _optional(module, file, "example_targets")
+    _check_overrides(file, overrides, build, make_inputs, *([make_targets] if make_targets else []))
     with torch.device(device):
         model = _call(file, "build_model", build, overrides)
-        inputs = _call(file, "example_inputs", make_inputs, overrides)
+        inputs = _tensors(file, "example_inputs", _call(file, "example_inputs", make_inputs, overrides))
+        targets = None if make_targets is None else \
+            _tensors(file, "example_targets", _call(file, "example_targets", make_targets, overrides))
     if not isinstance(model, nn.Module):
         raise ModelFileError(f"{file}: build_model() returned {type(model).__name__}, expected an nn.Module "
                              f"({_SIGNATURES['build_model']})")
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
-        got = type(inputs).__name__ if not isinstance(inputs, (tuple, list)) else \
-            "a sequence holding " + ", ".join(sorted({type(t).__name__ for t in inputs}))
-        raise ModelFileError(f"{file}: example_inputs() returned {got}, expected a tuple of tensors "
-                             f"({_SIGNATURES['example_inputs']})")
     loss_fn = getattr(module, "loss_fn", None)
     if loss_fn is not None and not callable(loss_fn):
         raise ModelFileError(f"{file}: loss_fn is a {type(loss_fn).__name__}, expected a function "
-                             "def loss_fn(output, *inputs) -> torch.Tensor")
-    return ModelFile(path=str(file), name=file.stem, model=model, example_inputs=tuple(inputs),
+                             f"def loss_fn(output, *{'targets' if make_targets else 'inputs'}) -> torch.Tensor")
+    step = step_inputs(inputs, targets)
+    names = step.names(getattr(model, "forward", None))
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:
+        raise ModelFileError(f"{file}: example_targets() uses the name(s) {clash} of forward inputs; "
+                             "rename the targets (keys of the dict it returns)")
+    return ModelFile(path=str(file), name=file.stem, model=model, example_inputs=step,
                      loss_fn=loss_fn or default_loss)
+
+
+def _tensors(file: Path, fn_name: str, value: Any) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
+    """``value`` as a tuple of tensors or a dict of str -> tensor; a ModelFileError naming what it held."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, dict):
+        bad = {k: type(v).__name__ for k, v in value.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)}
+        if bad or not value:
+            got = "an empty dict" if not value else "a dict holding " + ", ".join(f"{k!r}: {t}" for k, t in bad.items())
+            raise ModelFileError(f"{file}: {fn_name}() returned {got}, expected tensors by keyword name "
+                                 f"({_SIGNATURES[fn_name]})")
+        return dict(value)
+    if isinstance(value, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in value):
+        return tuple(value)
+    got = type(value).__name__ if not isinstance(value, (tuple, list)) else \
+        "a sequence holding " + ", ".join(sorted({type(t).__name__ for t in value}))
+    raise ModelFileError(f"{file}: {fn_name}() returned {got}, expected a tuple of tensors or a dict of them "
+                         f"({_SIGNATURES[fn_name]})")
 
 
 def trace_model_file(path: str | os.PathLike, **overrides: Any) -> tuple[ModelFile, OpGraph]:
     """Load ``path`` on the meta device and trace one training step's forward, loss included."""
     mf = load_model_file(path, **overrides)
-    graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name)
-    return mf, graph
+    return mf, mf.trace()
 
 
 def parse_overrides(pairs: Sequence[str] | None) -> dict[str, Any]:
@@ -143,6 +200,13 @@ def _import(file: Path) -> ModuleType:
     return module
 
 
+def _optional(module: ModuleType, file: Path, name: str) -> Callable[..., Any] | None:
+    fn = getattr(module, name, None)
+    if fn is not None and not callable(fn):
+        raise ModelFileError(f"{file}: {name} is a {type(fn).__name__}, expected a function `{_SIGNATURES[name]}`")
+    return fn
+
+
 def _identifier(text: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in text)
 
@@ -177,7 +241,9 @@ def _check_overrides(file: Path, overrides: dict[str, Any], *fns: Callable[..., 
     unknown = sorted(set(overrides) - used)
     if unknown:
         accepted = sorted({p for fn in fns for p in _parameter_names(fn)})
-        raise ModelFileError(f"{file}: neither build_model() nor example_inputs() takes "
+        names = [f"{getattr(fn, '__name__', 'function')}()" for fn in fns]
+        which = " nor ".join(names) if len(names) <= 2 else f"none of {', '.join(names)}"
+        raise ModelFileError(f"{file}: {'neither ' if len(names) == 2 else ''}{which} takes "
                              f"{', '.join(repr(k) for k in unknown)}; they accept: "
                              f"{', '.join(accepted) or 'no keyword arguments'}")
 

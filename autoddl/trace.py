@@ -51,20 +51,115 @@ _ASSERT_OPS = frozenset({"_assert_tensor_metadata", "_assert_scalar", "_assert_a
 LOSS_MODULE_TYPE = "loss_fn"  # module_type of the ops that loss_fn adds
 
 
-def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor],
-          loss_fn: Callable[..., torch.Tensor] | None = None, *, name: str = "") -> OpGraph:
-    """Export ``model`` (and ``loss_fn(output, *inputs)`` if given) to an OpGraph on the meta device.
+class StepInputs(tuple):
+    """One training step's tensors, flat, in the order of the traced graph's inputs.
 
-    With ``loss_fn`` the graph is the whole training step's forward (its output is
-    the loss); parameter fqns and module paths are those of ``model``.
+    The order is: ``forward``'s positional inputs, its keyword inputs (``names`` says
+    which), then the targets that only the loss takes. The tuple is what the
+    executor feeds the graph (``dmodel(*step_inputs)``; a rank's batch shards keep
+    the layout); ``split`` turns any flat sequence of this layout back into
+    ``(args, kwargs, targets)``, and ``step_loss`` runs one eager step with it.
+    ``has_targets`` is False for the classic convention, ``loss_fn(output, *inputs)``.
+    """
+
+    n_args: int
+    kwarg_names: tuple[str, ...]
+    target_names: tuple[str, ...]
+    has_targets: bool
+    targets_by_keyword: bool
+
+    def __new__(cls, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+                targets: Sequence[Any] | dict[str, Any] | None = None) -> "StepInputs":
+        kwargs = dict(kwargs or {})
+        by_keyword = isinstance(targets, dict)
+        target_values = list(targets.values()) if by_keyword else list(targets or ())
+        self = super().__new__(cls, (*args, *kwargs.values(), *target_values))
+        self.n_args, self.kwarg_names = len(args), tuple(kwargs)
+        self.target_names = tuple(targets) if by_keyword else tuple(
+            "target" if i == 0 else f"target_{i}" for i in range(len(target_values)))
+        self.has_targets, self.targets_by_keyword = targets is not None, by_keyword
+        return self
+
+    def layout(self) -> "StepInputs":
+        """The same layout holding no tensors (None in every slot)."""
+        args, kwargs, targets = self.split([None] * len(self))
+        return StepInputs(args, kwargs, targets if self.has_targets else None)
+
+    def __reduce__(self):
+        args, kwargs, targets = self.split()
+        return (StepInputs, (args, kwargs, targets if self.has_targets else None))
+
+    def split(self, values: Sequence[Any] | None = None) -> tuple[tuple, dict[str, Any], Any]:
+        """``(forward args, forward kwargs, targets)`` of ``values`` (default: these tensors).
+
+        ``targets`` is a dict when the model file's example_targets() returned one, else a tuple."""
+        values = tuple(self if values is None else values)
+        if len(values) != len(self):
+            raise ValueError(f"a step takes {len(self)} tensors ({', '.join(self.names(None))}), got {len(values)}")
+        k = self.n_args + len(self.kwarg_names)
+        targets = values[k:]
+        return (values[:self.n_args], dict(zip(self.kwarg_names, values[self.n_args:k])),
+                dict(zip(self.target_names, targets)) if self.targets_by_keyword else targets)
+
+    def names(self, forward: Callable[..., Any] | None) -> list[str]:
+        """Graph input names: ``forward``'s own positional parameter names, keyword names, target names."""
+        positional = _positional_names(forward) if forward is not None else []
+        args = [positional[i] if i < len(positional) else f"input_{i}" for i in range(self.n_args)]
+        return args + list(self.kwarg_names) + list(self.target_names)
+
+    def step_loss(self, model: Callable[..., Any], loss_fn: Callable[..., torch.Tensor],
+                  values: Sequence[Any] | None = None) -> torch.Tensor:
+        """One eager step's loss: ``loss_fn(model(*args, **kwargs), *targets)`` (or ``**targets``),
+        or ``loss_fn(output, *args, **kwargs)`` when there are no targets."""
+        args, kwargs, targets = self.split(values)
+        output = model(*args, **kwargs)
+        if not self.has_targets:
+            return loss_fn(output, *args, **kwargs)
+        return loss_fn(output, **targets) if self.targets_by_keyword else loss_fn(output, *targets)
+
+
+def step_inputs(example_inputs: Any, targets: Any = None) -> StepInputs:
+    """A StepInputs from a tensor, a tuple/list of tensors or a dict of keyword tensors (+ targets)."""
+    if isinstance(example_inputs, StepInputs) and targets is None:
+        return example_inputs
+    if isinstance(example_inputs, StepInputs):
+        args, kwargs, _ = example_inputs.split()
+        return StepInputs(args, kwargs, targets)
+    if isinstance(example_inputs, torch.Tensor):
+        return StepInputs((example_inputs,), None, targets)
+    if isinstance(example_inputs, dict):
+        return StepInputs((), example_inputs, targets)
+    return StepInputs(tuple(example_inputs), None, targets)
+
+
+def _positional_names(fn: Callable[..., Any]) -> list[str]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+
+
+def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[..., torch.Tensor] | None = None, *,
+          targets: Any = None, name: str = "") -> OpGraph:
+    """Export ``model`` (and ``loss_fn`` if given) to an OpGraph on the meta device.
+
+    ``example_inputs`` is a tuple of tensors (``model(*inputs)``), a dict of keyword
+    tensors (``model(**inputs)``) or a :class:`StepInputs`; ``targets`` (a tuple or
+    dict) go only to the loss: ``loss_fn(output, *targets)``. Without targets the loss
+    is ``loss_fn(output, *inputs)``. With ``loss_fn`` the graph is the whole training
+    step's forward (its output is the loss) and its inputs are ``StepInputs`` order;
+    parameter fqns and module paths are those of ``model``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"trace() needs an nn.Module, got {type(model).__name__}")
     name = name or type(model).__name__
-    example_inputs = tuple(example_inputs)
+    step = step_inputs(example_inputs, targets)
+    meta_inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in step)
     meta_model = to_meta(model)
-    meta_inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in example_inputs)
-    root: nn.Module = _WithLoss(meta_model, loss_fn) if loss_fn is not None else meta_model
+    plain = loss_fn is None and not step.kwarg_names and not step.has_targets
+    root: nn.Module = meta_model if plain else _Step(meta_model, loss_fn, step.layout())
     with _captured_torch_output() as printed:
         try:
             with torch.device("meta"):
@@ -74,7 +169,8 @@ def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor],
     if printed.getvalue():
         sys.stderr.write(printed.getvalue())  # export succeeded: pass its warnings on
     inline_higher_order_ops(exported, name)
-    return graph_from_exported(exported, name=name, strip_prefix="model." if loss_fn is not None else "")
+    return graph_from_exported(exported, name=name, strip_prefix="" if plain else "model.",
+                               loss_wrapped=loss_fn is not None)
 
 
 # Higher-order ops torch.export wraps a region of ops in, by name: the position of the region's
@@ -233,40 +329,46 @@ def to_meta(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-class _WithLoss(nn.Module):
-    """``loss_fn(model(*inputs), *inputs)`` as one module; inputs keep the names of model.forward's arguments."""
+class _Step(nn.Module):
+    """One training step's forward as a module of flat inputs (``StepInputs`` order).
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]):
+    ``forward(*flat)`` calls ``model(*args, **kwargs)`` and, with a ``loss_fn``, returns
+    its loss; the graph's inputs are named after model.forward's arguments, the
+    keyword inputs and the targets.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, step: StepInputs):
         super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
-        try:
-            signature = inspect.signature(model.forward)
-        except (TypeError, ValueError):
-            return
+        self.model, self.loss_fn, self.step = model, loss_fn, step
+        names = step.names(model.forward)
+        if len(set(names)) != len(names):
+            raise TraceError(f"the step's inputs have repeated names {names}: give targets names that "
+                             "differ from forward()'s inputs")
         call = self._step
 
-        def forward(*inputs):
-            return call(*inputs)
+        def forward(*flat):
+            return call(*flat)
 
-        forward.__signature__ = signature  # export names input placeholders after these
+        forward.__signature__ = inspect.Signature(  # export names input placeholders after these
+            [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
         self.forward = forward
 
-    def _step(self, *inputs):
-        return self.loss_fn(self.model(*inputs), *inputs)
-
-    def forward(self, *inputs):
-        return self._step(*inputs)
+    def _step(self, *flat):
+        if self.loss_fn is None:
+            args, kwargs, _ = self.step.split(flat)
+            return self.model(*args, **kwargs)
+        return self.step.step_loss(self.model, self.loss_fn, flat)
 
 
 def graph_from_exported(exported: "torch.export.ExportedProgram", *, name: str = "",
-                        strip_prefix: str = "") -> OpGraph:
+                        strip_prefix: str = "", loss_wrapped: bool | None = None) -> OpGraph:
     """Convert an ExportedProgram's graph into OpNodes (FLOPs, bytes, parameter fqns, module paths).
 
     ``strip_prefix`` ("model." when a loss wrapper was traced) is removed from
     parameter/buffer fqns and module paths; ops of the wrapper itself get
-    ``module_type == "loss_fn"``.
+    ``module_type == "loss_fn"`` when ``loss_wrapped`` (default: a prefix was given).
     """
+    loss_wrapped = bool(strip_prefix) if loss_wrapped is None else loss_wrapped
     sig = exported.graph_signature
     param_of = dict(sig.inputs_to_parameters)
     buffer_of = {**dict(sig.inputs_to_buffers), **dict(getattr(sig, "inputs_to_lifted_tensor_constants", {}))}
@@ -295,7 +397,7 @@ def graph_from_exported(exported: "torch.export.ExportedProgram", *, name: str =
         elif fx_node.op == "call_function":
             if short_name(_target_name(fx_node.target)) in _ASSERT_OPS and not fx_node.users:
                 continue
-            nodes.append(_op_node(fx_node, param_placeholder, fqn, name, alias, loss_wrapped=bool(strip_prefix)))
+            nodes.append(_op_node(fx_node, param_placeholder, fqn, name, alias, loss_wrapped=loss_wrapped))
         elif fx_node.op == "output":
             refs, args = _refs_and_args(fx_node.args[0], alias)
             nodes.append(OpNode(fx_node.name, NodeKind.OUTPUT, "output", inputs=refs,

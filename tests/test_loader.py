@@ -135,11 +135,12 @@ def test_raising_example_inputs(write_model):
 
 @pytest.mark.parametrize("returned, described", [
     ("[1, 2]", "a sequence holding int"),
-    ("{'x': torch.randn(2, 4)}", "dict"),
+    ("{'x': 3}", "a dict holding 'x': int"),
+    ("{}", "an empty dict"),
 ])
 def test_example_inputs_must_be_tensors(write_model, returned, described):
     source = MLP.replace("return (torch.randn(batch, PRESETS[preset]),)", f"return {returned}")
-    with pytest.raises(ModelFileError, match=f"example_inputs\\(\\) returned {described}, expected a tuple of tensors"):
+    with pytest.raises(ModelFileError, match=f"example_inputs\\(\\) returned {described}, expected "):
         load_model_file(write_model(source))
 
 
@@ -183,3 +184,131 @@ def test_parse_overrides_names_the_bad_pair_and_shows_an_example(pair):
     with pytest.raises(ValueError, match=r"--set .*expected KEY=VALUE.*e\.g\. --set n_layer=2") as info:
         parse_overrides([pair])
     assert repr(pair) in str(info.value)
+
+
+# -- a model file as a real training setup: keyword inputs and targets only the loss takes ------------
+
+SEQUENTIAL_WITH_TARGETS = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+def build_model(d=4, classes=3):
+    return nn.Sequential(nn.Linear(d, 8), nn.ReLU(), nn.Linear(8, classes))
+
+def example_inputs(batch=6, d=4):
+    return (torch.randn(batch, d),)
+
+def example_targets(batch=6, classes=3):
+    return (torch.randint(0, classes, (batch,)),)
+
+def loss_fn(logits, target):
+    return F.cross_entropy(logits, target)
+"""
+
+KEYWORD_INPUTS = """
+import torch
+from torch import nn
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, input_ids, attention_mask=None, scale=None):
+        h = self.emb(input_ids) * attention_mask[..., None]           # (B, T, 4)
+        return {"logits": self.out(h), "hidden": h}
+
+def build_model():
+    return Encoder()
+
+def example_inputs(batch=2, seq=5):
+    return {"attention_mask": torch.ones(batch, seq), "input_ids": torch.randint(0, 10, (batch, seq))}
+
+def example_targets(batch=2, seq=5):
+    return {"labels": torch.randint(0, 2, (batch, seq))}
+
+def loss_fn(output, labels):
+    return torch.nn.functional.cross_entropy(output["logits"].flatten(0, 1), labels.flatten())
+"""
+
+
+def _consumers(graph, name):
+    return [n for n in graph.ops() if any(r.node == name for r in n.inputs)]
+
+
+def test_sequential_with_targets_traces_unwrapped(write_model):
+    torch.manual_seed(0)
+    mf = load_model_file(write_model(SEQUENTIAL_WITH_TARGETS), device="cpu")
+    assert len(mf.forward_args) == 1 and mf.forward_kwargs == {} and len(mf.targets) == 1
+    assert [t.shape for t in mf.example_inputs] == [(6, 4), (6,)]          # flat: inputs, then targets
+    x, target = mf.example_inputs
+    expected = torch.nn.functional.cross_entropy(mf.model(x), target)
+    torch.testing.assert_close(mf.step_loss(), expected)
+    graph = mf.trace()
+    assert [n.target for n in graph.nodes_of(NodeKind.INPUT)] == ["input", "target"]
+    # the target reaches only the loss; the input reaches the model's first Linear
+    assert {n.module_type for n in _consumers(graph, "target")} == {"loss_fn"}
+    assert [n.module_path for n in _consumers(graph, "input")] == ["0"]
+    (loss,) = [n for n in graph.ops() if n.op_name == "cross_entropy_loss"]
+    assert loss.flops == 5 * 6 * 3 + 6                                     # log-softmax per logit + 1 per target
+
+
+def test_keyword_inputs_and_keyword_targets(write_model):
+    torch.manual_seed(0)
+    mf = load_model_file(write_model(KEYWORD_INPUTS), device="cpu")
+    assert list(mf.forward_kwargs) == ["attention_mask", "input_ids"] and list(mf.targets) == ["labels"]
+    mask, ids, labels = mf.example_inputs
+    out = mf.model(input_ids=ids, attention_mask=mask)
+    expected = torch.nn.functional.cross_entropy(out["logits"].flatten(0, 1), labels.flatten())
+    torch.testing.assert_close(mf.step_loss(), expected)
+    graph = mf.trace()
+    assert [n.target for n in graph.nodes_of(NodeKind.INPUT)] == ["attention_mask", "input_ids", "labels"]
+    assert {n.module_type for n in _consumers(graph, "labels")} == {"loss_fn"}
+    assert [n.op_name for n in _consumers(graph, "input_ids")] == ["embedding"]
+    assert {p for p in graph.parameters()} == {"emb.weight", "out.weight", "out.bias"}   # no "model." prefix
+
+
+def test_keyword_inputs_without_targets_go_to_the_loss_by_keyword(write_model):
+    source = KEYWORD_INPUTS.split("def example_targets")[0] + """
+def loss_fn(output, input_ids, attention_mask):
+    return (output["hidden"] * attention_mask[..., None]).sum() + input_ids.float().mean()
+"""
+    mf = load_model_file(write_model(source), device="cpu")
+    mask, ids = mf.example_inputs
+    out = mf.model(input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(mf.step_loss(), (out["hidden"] * mask[..., None]).sum() + ids.float().mean())
+    assert mf.targets == () and [n.target for n in mf.trace().nodes_of(NodeKind.INPUT)] == ["attention_mask", "input_ids"]
+
+
+def test_step_loss_takes_a_flat_batch_of_the_same_layout(write_model):
+    mf = load_model_file(write_model(SEQUENTIAL_WITH_TARGETS), device="cpu")
+    halves = [t.chunk(2, dim=0)[0] for t in mf.example_inputs]          # a rank's batch shard
+    args, kwargs, targets = mf.example_inputs.split(halves)
+    assert args[0].shape == (3, 4) and kwargs == {} and targets[0].shape == (3,)
+    expected = torch.nn.functional.cross_entropy(mf.model(halves[0]), halves[1])
+    torch.testing.assert_close(mf.step_loss(values=halves), expected)
+    with pytest.raises(ValueError, match=r"a step takes 2 tensors \(input_0, target\), got 1"):
+        mf.example_inputs.split(halves[:1])
+
+
+def test_step_inputs_pickle_with_their_layout(write_model):
+    import pickle
+
+    mf = load_model_file(write_model(KEYWORD_INPUTS), device="cpu")
+    again = pickle.loads(pickle.dumps(mf.example_inputs))
+    assert again.kwarg_names == ("attention_mask", "input_ids") and again.target_names == ("labels",)
+    assert again.targets_by_keyword and all(torch.equal(a, b) for a, b in zip(again, mf.example_inputs))
+
+
+def test_target_named_like_a_forward_input_is_an_error(write_model):
+    source = KEYWORD_INPUTS.replace('return {"labels": torch.randint', 'return {"input_ids": torch.randint')
+    with pytest.raises(ModelFileError, match=r"example_targets\(\) uses the name\(s\) \['input_ids'\] of forward inputs"):
+        load_model_file(write_model(source))
+
+
+def test_example_targets_must_be_tensors(write_model):
+    source = SEQUENTIAL_WITH_TARGETS.replace("return (torch.randint(0, classes, (batch,)),)", "return [1, 2]")
+    with pytest.raises(ModelFileError, match=r"example_targets\(\) returned a sequence holding int, expected"):
+        load_model_file(write_model(source))
