@@ -50,7 +50,7 @@ DEFAULT_CLUSTER_PATH = CONFIG_DIR / "dgx-a100-8.yaml"
 DEFAULT_CLUSTER = DEFAULT_CLUSTER_PATH          # alias used in the shared interface notes
 
 DEVICE_KINDS = ("cuda", "cpu")
-# The collective kinds of costmodel.collectives.CollectiveKind (by value; the core does not import costmodel).
+# The values of autoddl.collective_kinds.CollectiveKind (which imports this module's Backend).
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 

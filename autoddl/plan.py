@@ -16,6 +16,7 @@ from typing import Any
 
 from autoddl.atomic import write_text_atomic
 from autoddl.sbp import NdSbp, Signature
+from autoddl.training import Training
 
 SCHEMA_VERSION = 1
 
@@ -69,6 +70,7 @@ class Plan:
     cluster: str = ""
     cluster_file: str = ""                      # the cluster YAML the plan was priced with
     optimizer: str = "adamw"
+    training: Training = field(default_factory=Training)
     cost: dict[str, Any] = field(default_factory=dict)      # costmodel breakdown, seconds / bytes
     op_costs: list[dict[str, Any]] = field(default_factory=list)  # per-op rows (summary table)
     notes: list[str] = field(default_factory=list)
@@ -89,6 +91,7 @@ class Plan:
             "cluster_file": self.cluster_file,
             "graph_hash": self.graph_hash,
             "optimizer": self.optimizer,
+            "training": self.training.to_dict(),
             "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
             "signatures": {k: str(v) for k, v in self.signatures.items()},
             "param_storage": {k: str(v) for k, v in self.param_storage.items()},
@@ -112,6 +115,7 @@ class Plan:
                 graph_hash=data["graph_hash"], model=data.get("model", ""),
                 model_args=data.get("model_args", {}), cluster=data.get("cluster", ""),
                 cluster_file=data.get("cluster_file", ""), optimizer=data.get("optimizer", "adamw"),
+                training=Training.from_dict(data.get("training"), source=source),
                 cost=data.get("cost", {}), op_costs=data.get("op_costs", []), notes=data.get("notes", []),
             )
         except KeyError as exc:

@@ -15,13 +15,29 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence, Union
 
 
+class SbpBase:
+    """What every SBP answers: which of the three it is (as DTensor's ``Placement``)."""
+
+    def is_split(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_broadcast(self) -> bool:
+        return False
+
+    def is_partial(self) -> bool:
+        return False
+
+
 @dataclass(frozen=True)
-class Split:
+class Split(SbpBase):
     dim: int
 
     def __post_init__(self) -> None:
         if not isinstance(self.dim, int) or self.dim < 0:
             raise ValueError(f"Split dim must be a non-negative int, got {self.dim!r}")
+
+    def is_split(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
 
     def __str__(self) -> str:
         return f"S({self.dim})"
@@ -30,7 +46,10 @@ class Split:
 
 
 @dataclass(frozen=True)
-class Broadcast:
+class Broadcast(SbpBase):
+    def is_broadcast(self) -> bool:
+        return True
+
     def __str__(self) -> str:
         return "B"
 
@@ -38,8 +57,11 @@ class Broadcast:
 
 
 @dataclass(frozen=True)
-class Partial:
+class Partial(SbpBase):
     """Every device holds an addend of the logical tensor (a sum reduction)."""
+
+    def is_partial(self) -> bool:
+        return True
 
     def __str__(self) -> str:
         return "P"

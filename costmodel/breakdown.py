@@ -1,14 +1,14 @@
-"""The cost of one training step of a plan, broken down: compute, communication, optimizer, memory.
+"""The cost of one training step of a plan: the simulated timeline of its step program, broken down.
 
-``step_time_s = compute_s + comm_s + optimizer_s + step_overhead_s`` with
-``comm_s = boxing_forward_s + boxing_backward_s + grad_sync_s``: no overlap of
-communication with compute is assumed (an upper bound; eager DTensor code with
-blocking redistributes runs that way). ``step_overhead_s`` is the executor's calibrated
-fixed cost per step (``cluster.executor.step_us``: input placement, loss read-out,
-zero_grad), 0 for a cluster that was not calibrated. Which collectives run is decided in
-:mod:`costmodel.edges`; :func:`predicted_collectives` lists them, kinds after
-the backend's emulation, for the executor's audit (compare as a multiset of
-``(kind, axis, bytes, phase)``).
+``step_time_s`` is the finish time of the simulated timeline (costmodel/simulate.py)
+of ``autoddl.program.lower(graph, plan)``: communication that overlaps compute
+(gradient buckets during backward) is hidden as it runs. Beside it:
+``compute_s`` (compute-stream busy time), ``comm_s`` (every collective's
+duration, added up: ``boxing_forward_s + boxing_backward_s + grad_sync_s``),
+``exposed_comm_s`` (step time the compute stream does not cover), the
+optimizer, and memory per device. :func:`predicted_collectives` lists the
+program's collectives, kinds after the backend's emulation, for the executor's
+audit (compare as a multiset of ``(kind, axis, bytes, phase)``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import pandas as pd
 from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph
 from autoddl.plan import Plan
-from costmodel.collectives import Collective, carried_out_as, cluster_collective_time_s
-from costmodel.compute import op_backward_time_s, op_forward_time_s, optimizer_time_s
-from costmodel.edges import plan_transitions, requires_grad, signature_of
-from costmodel.memory import activation_bytes, local_parameters, memory_bytes
+from autoddl.program import COMPUTE, StepProgram, lower, signature_of
+from costmodel.collectives import Collective, carried_out_as
+from costmodel.memory import activation_bytes, memory_bytes
+from costmodel.simulate import Timeline, simulate
 
 PER_OP_COLUMNS = ["op", "target", "output_shape", "signature", "compute_us", "comm_us", "memory_mb"]
 
@@ -45,6 +45,8 @@ class CostBreakdown:
     memory_limit_bytes: int = 0
     collectives: list[Collective] = field(default_factory=list)
     step_overhead_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    timeline: Timeline | None = None
 
     @property
     def fits_memory(self) -> bool:
@@ -70,6 +72,7 @@ class CostBreakdown:
             "comm_s": float(self.comm_s), "boxing_forward_s": float(self.boxing_forward_s),
             "boxing_backward_s": float(self.boxing_backward_s), "grad_sync_s": float(self.grad_sync_s),
             "optimizer_s": float(self.optimizer_s), "step_overhead_s": float(self.step_overhead_s),
+            "exposed_comm_s": float(self.exposed_comm_s),
             "memory_bytes_per_device": int(self.memory_bytes_per_device),
             "memory_limit_bytes": int(self.memory_limit_bytes), "fits_memory": bool(self.fits_memory),
             "memory": {k: int(v) for k, v in self.memory.items()},
@@ -77,60 +80,51 @@ class CostBreakdown:
         }
 
 
-def predicted_collectives(graph: OpGraph, plan: Plan, cluster: Cluster) -> list[Collective]:
+def predicted_collectives(graph: OpGraph, plan: Plan, cluster: Cluster,
+                          program: StepProgram | None = None) -> list[Collective]:
     """Exactly the collectives one training step runs, as ``cluster.backend`` carries them out."""
-    return [Collective(carried_out_as(t.kind, cluster.backend), t.axis, t.bytes, t.phase, t.tensor)
-            for t in plan_transitions(graph, plan)]
+    program = program or lower(graph, plan)
+    return [Collective(carried_out_as(t.collective, cluster.backend), t.axis, t.nbytes, t.phase, t.tensor)
+            for t in program.collectives()]
 
 
 def plan_cost(graph: OpGraph, plan: Plan, cluster: Cluster) -> CostBreakdown:
-    """Score ``plan`` for ``graph`` on ``cluster``: see the module docstring for the model."""
-    mesh = plan.mesh.shape
+    """Score ``plan`` for ``graph`` on ``cluster`` by simulating its step program (module docstring)."""
     if plan.mesh.size > cluster.num_devices:
         raise ValueError(f"plan {plan.name!r} uses a {plan.mesh} mesh ({plan.mesh.size} devices) but cluster "
                          f"{cluster.name} has {cluster.num_devices}; use cluster.resized({plan.mesh.size})")
-    rg = requires_grad(graph)
-    transitions = plan_transitions(graph, plan)
-    collectives: list[Collective] = []
-    phase_s = {"forward": 0.0, "backward": 0.0, "grad_sync": 0.0}
-    comm_by_op: dict[str, float] = defaultdict(float)
-    for t in transitions:
-        c = Collective(carried_out_as(t.kind, cluster.backend), t.axis, t.bytes, t.phase, t.tensor)
-        collectives.append(c)
-        seconds = cluster_collective_time_s(c.kind, c.bytes, mesh, c.axis, cluster)
-        phase_s[c.phase] += seconds
-        comm_by_op[t.op] += seconds
-
-    activations = activation_bytes(graph, plan)
-    rows = []
-    compute_s = 0.0
-    for node in graph.ops():
-        sig = signature_of(plan, node, plan.mesh.ndim)
-        seconds = op_forward_time_s(node, sig, mesh, cluster)
-        if node.name in rg:
-            seconds += op_backward_time_s(node, sig, mesh, cluster)
-        compute_s += seconds
-        rows.append({
-            "op": node.name, "target": node.target,
-            "output_shape": "x".join(map(str, node.outputs[0].shape)) if node.outputs else "",
-            "signature": str(sig), "compute_us": seconds * 1e6, "comm_us": comm_by_op.get(node.name, 0.0) * 1e6,
-            "memory_mb": activations.get(node.name, 0) / 1e6,
-        })
-    per_op = pd.DataFrame(rows, columns=PER_OP_COLUMNS)
-
-    param_bytes, param_numel = local_parameters(graph, plan)
-    optimizer_s = optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster)
-    step_overhead_s = cluster.executor.step_us * 1e-6
+    program = lower(graph, plan)
+    timeline = simulate(program, graph, plan, cluster)
+    collectives = predicted_collectives(graph, plan, cluster, program)
     memory = memory_bytes(graph, plan, collectives)
-    comm_s = sum(phase_s.values())
     return CostBreakdown(
-        step_time_s=compute_s + comm_s + optimizer_s + step_overhead_s, compute_s=compute_s, comm_s=comm_s,
-        boxing_forward_s=phase_s["forward"], boxing_backward_s=phase_s["backward"],
-        grad_sync_s=phase_s["grad_sync"], optimizer_s=optimizer_s,
-        memory_bytes_per_device=memory["total"], memory=memory, per_op=per_op,
+        step_time_s=timeline.step_time_s, compute_s=timeline.busy_s(stream=COMPUTE, collective=False)
+        - timeline.busy_s(phase="optimizer"),
+        comm_s=timeline.busy_s(collective=True),
+        boxing_forward_s=timeline.busy_s(phase="forward", collective=True),
+        boxing_backward_s=timeline.busy_s(phase="backward", collective=True),
+        grad_sync_s=timeline.busy_s(phase="grad_sync", collective=True),
+        optimizer_s=timeline.busy_s(phase="optimizer") - cluster.executor.step_us * 1e-6,
+        memory_bytes_per_device=memory["total"], memory=memory, per_op=_per_op(graph, plan, timeline),
         memory_limit_bytes=int(cluster.device.memory_gb * 1e9), collectives=collectives,
-        step_overhead_s=step_overhead_s,
+        step_overhead_s=cluster.executor.step_us * 1e-6, exposed_comm_s=timeline.exposed_comm_s,
+        timeline=timeline,
     )
+
+
+def _per_op(graph: OpGraph, plan: Plan, timeline: Timeline) -> pd.DataFrame:
+    """Per op: compute (forward + backward) and the collectives charged to it, in µs."""
+    compute: dict[str, float] = defaultdict(float)
+    comm: dict[str, float] = defaultdict(float)
+    for t in timeline.tasks:
+        (comm if t.task.is_collective else compute)[t.task.op] += t.duration_s
+    activations = activation_bytes(graph, plan)
+    rows = [{"op": node.name, "target": node.target,
+             "output_shape": "x".join(map(str, node.outputs[0].shape)) if node.outputs else "",
+             "signature": str(signature_of(plan, node)), "compute_us": compute[node.name] * 1e6,
+             "comm_us": comm[node.name] * 1e6, "memory_mb": activations.get(node.name, 0) / 1e6}
+            for node in graph.ops()]
+    return pd.DataFrame(rows, columns=PER_OP_COLUMNS)
 
 
 def _plain(v: Any) -> Any:

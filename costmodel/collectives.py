@@ -35,27 +35,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import Enum
-from types import MappingProxyType
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from autoddl.cluster import Backend, Cluster, LinkSpec
+from autoddl.collective_kinds import BACKENDS, BackendCollectives, CollectiveKind, carried_out_as  # noqa: F401
 
 
-class CollectiveKind(str, Enum):
-    ALL_REDUCE = "all_reduce"
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_TO_ALL = "all_to_all"
-    BROADCAST = "broadcast"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-PHASES = ("forward", "backward", "grad_sync")
+PHASES = ("forward", "backward", "grad_sync", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -75,49 +63,6 @@ class Collective:
     def to_dict(self) -> dict:
         return {"kind": self.kind.value, "axis": self.axis, "bytes": int(self.bytes),
                 "phase": self.phase, "tensor": self.tensor}
-
-
-@dataclass(frozen=True)
-class BackendCollectives:
-    """How one backend carries out each collective kind (kind -> kind that really runs)."""
-
-    backend: Backend
-    carried_as: Mapping[CollectiveKind, CollectiveKind]
-    note: str = ""
-
-    def __call__(self, kind: CollectiveKind) -> CollectiveKind:
-        return self.carried_as.get(CollectiveKind(kind), CollectiveKind(kind))
-
-
-_NATIVE = MappingProxyType({k: k for k in CollectiveKind})
-
-BACKENDS: Mapping[Backend, BackendCollectives] = MappingProxyType({
-    Backend.NCCL: BackendCollectives(Backend.NCCL, _NATIVE, "NCCL runs every kind natively"),
-    # torch 2.13, checked in the installed package and its C++ source:
-    # - reduce-scatter: ProcessGroupGloo::reduce_scatter_tensor_coalesced (pytorch PR #118911), which
-    #   `_reduce_scatter_base` and funcol.reduce_scatter_single reach, clones the input, runs
-    #   `allreduce` on the clone and copies out `buffer.chunk(world)[rank]`: an all-reduce of M.
-    # - all-to-all: torch/distributed/tensor/_collective_utils.py::shard_dim_alltoall, for
-    #   mesh.device_type == "cpu": "Gloo does not support alltoall, so falling back to allgather
-    #   + chunk": DTensor's S(i)->S(j) is an all-gather of the full M, then a local chunk.
-    Backend.GLOO: BackendCollectives(
-        Backend.GLOO,
-        MappingProxyType({**_NATIVE,
-                          CollectiveKind.REDUCE_SCATTER: CollectiveKind.ALL_REDUCE,
-                          CollectiveKind.ALL_TO_ALL: CollectiveKind.ALL_GATHER}),
-        "gloo: reduce-scatter = all-reduce + local chunk; all-to-all (DTensor on CPU) = all-gather + chunk",
-    ),
-})
-
-
-def carried_out_as(kind: CollectiveKind, backend: Backend | str) -> CollectiveKind:
-    """The collective that really runs for ``kind`` on ``backend``."""
-    try:
-        table = BACKENDS[Backend(backend)]
-    except ValueError:
-        raise ValueError(f"costmodel.collectives: unknown backend {backend!r}; "
-                         f"known: {', '.join(b.value for b in Backend)}") from None
-    return table(kind)
 
 
 def native_time_s(kind: CollectiveKind, nbytes: float, n_devices: int,

@@ -38,7 +38,8 @@ from typing import Sequence
 from autoddl.cluster import Cluster
 from autoddl.flops import VIEW_OPS
 from autoddl.graph import OpNode
-from autoddl.sbp import Signature, Split
+from autoddl.program import work_divisor  # noqa: F401  (re-exported: the search prices with it)
+from autoddl.sbp import Signature
 
 MATMUL_LIKE = frozenset({
     "mm", "addmm", "linear", "bmm", "baddbmm", "matmul", "conv1d", "conv2d", "conv3d", "convolution",
@@ -85,13 +86,6 @@ def roofline_time_s(flops: float, nbytes: float, cluster: Cluster, op_flops: flo
     eff_compute = compute_efficiency(flops if op_flops is None else op_flops, cluster)
     return max(flops / (dev.peak_tflops * 1e12 * eff_compute),
                nbytes / (dev.memory_bandwidth_gbps * 1e9 * eff.memory))
-
-
-def work_divisor(sig: Signature, mesh_shape: Sequence[int]) -> int:
-    """Product of the mesh sizes of the axes on which some input or output of ``sig`` is split."""
-    nds = sig.inputs + sig.outputs
-    return math.prod(n for axis, n in enumerate(mesh_shape)
-                     if any(isinstance(nd[axis], Split) for nd in nds))
 
 
 def executor_forward_s(node: OpNode, cluster: Cluster) -> float:

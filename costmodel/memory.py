@@ -21,10 +21,10 @@ from typing import Sequence
 
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.plan import Plan
+from autoddl.program import signature_of, storage_of, used_parameters
 from autoddl.sbp import NdSbp
 from costmodel.collectives import Collective, CollectiveKind
 from costmodel.compute import ZERO_COST, optimizer_state_bytes
-from costmodel.edges import signature_of, storage_of, used_parameters
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "buffers", "activations",
               "gathered_params", "boxing_buffer")
@@ -40,7 +40,7 @@ def local_parameters(graph: OpGraph, plan: Plan) -> tuple[int, int]:
     mesh = plan.mesh.shape
     nbytes = numel = 0
     for fqn, node in used_parameters(graph).items():
-        frac = storage_of(plan, fqn, plan.mesh.ndim).shard_fraction(mesh)
+        frac = storage_of(plan, fqn).shard_fraction(mesh)
         nbytes += int(round(node.outputs[0].nbytes * frac))
         numel += int(round(node.outputs[0].numel * frac))
     return nbytes, numel
@@ -48,11 +48,11 @@ def local_parameters(graph: OpGraph, plan: Plan) -> tuple[int, int]:
 
 def activation_bytes(graph: OpGraph, plan: Plan) -> dict[str, int]:
     """Saved-activation bytes per node (inputs and non-view ops), per the module docstring's rule."""
-    mesh, ndim = plan.mesh.shape, plan.mesh.ndim
+    mesh = plan.mesh.shape
     out: dict[str, int] = {}
     for node in graph.topo():
         if node.kind is NodeKind.INPUT or (node.is_op and node.op_name not in ZERO_COST):
-            sig = signature_of(plan, node, ndim)
+            sig = signature_of(plan, node)
             used = {i for c, i, _ in graph.uses(node.name) if c.is_op}
             out[node.name] = sum(local_bytes(node.outputs[i].nbytes, sig.outputs[i], mesh)
                                  for i in used if node.outputs[i].dtype != "none")
@@ -61,7 +61,7 @@ def activation_bytes(graph: OpGraph, plan: Plan) -> dict[str, int]:
 
 def gathered_param_bytes(graph: OpGraph, plan: Plan) -> int:
     """Largest per-op sum of parameters used at a larger local size than stored."""
-    mesh, ndim = plan.mesh.shape, plan.mesh.ndim
+    mesh = plan.mesh.shape
     params = graph.parameters()
     best = 0
     for op in graph.ops():
@@ -71,10 +71,10 @@ def gathered_param_bytes(graph: OpGraph, plan: Plan) -> int:
             p = graph[ref.node]
             if p.kind is not NodeKind.PARAMETER:
                 continue
-            sig = sig or signature_of(plan, op, ndim)
+            sig = sig or signature_of(plan, op)
             meta = params[p.target].outputs[0]
             used = local_bytes(meta.nbytes, sig.inputs[slot], mesh)
-            if used > local_bytes(meta.nbytes, storage_of(plan, p.target, ndim), mesh):
+            if used > local_bytes(meta.nbytes, storage_of(plan, p.target), mesh):
                 total += used
         best = max(best, total)
     return best
@@ -93,9 +93,9 @@ def memory_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective] =
     ``collectives`` are the step's collectives after backend emulation
     (:func:`costmodel.breakdown.predicted_collectives`); they size ``boxing_buffer``.
     """
-    mesh, ndim = plan.mesh.shape, plan.mesh.ndim
+    mesh = plan.mesh.shape
     param_bytes, param_numel = local_parameters(graph, plan)
-    buffers = sum(local_bytes(n.outputs[0].nbytes, signature_of(plan, n, ndim).outputs[0], mesh)
+    buffers = sum(local_bytes(n.outputs[0].nbytes, signature_of(plan, n).outputs[0], mesh)
                   for n in graph.nodes_of(NodeKind.BUFFER) if n.outputs)
     mem = {
         "parameters": param_bytes,

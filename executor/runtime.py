@@ -7,12 +7,14 @@ Inside a torchrun (or test) process::
     opt = build_optimizer(plan.optimizer, dmodel.parameters())
     loss = train_step(dmodel, inputs, opt)
 
-A step is: forward through ``PlanInterpreter`` (every edge boxed as planned), the
-loss boxed to B, ``backward()``, then an explicit grad sync that reduces each
-parameter's use-gradients to its storage NdSbp (P->B all-reduce for data
-parallel, P->S(0) reduce-scatter for ZeRO), then the optimizer on local shards
-(``LocalShardOptimizer``: one foreach pass over the local tensors).
-``run_check`` compares all of it with a single-process run.
+``DistributedModel`` lowers the plan to its step program (autoddl.program) and
+compiles this rank's part into a local fx program (executor/compiled.py):
+forward runs it on local tensors (boxing with functional collectives), backward
+is autograd over the local ops, gradient sync runs in buckets launched from
+backward hooks (executor/gradsync.py) and ends with each parameter's local
+gradient in its storage layout. Parameters are DTensors with the storage
+placements (what users' optimizers and checkpoints see); the step works on
+their local tensors. ``run_check`` compares all of it with a single-process run.
 """
 
 from __future__ import annotations
@@ -30,10 +32,16 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.plan import Plan
+from autoddl.program import lower
 from autoddl.sbp import NdSbp
-from autoddl.trace import tied_aliases
 from executor.audit import CommRecord, CommRecorder
-from executor.interpreter import PlanExecutionError, PlanInterpreter, box, place
+from executor.compiled import LocalStep, ProgramCompiler
+from executor.gradsync import GradSync
+from executor.moves import Boxer, place_local
+
+
+class PlanExecutionError(RuntimeError):
+    """The plan cannot be run as written; the message names the node and what to do."""
 
 
 def init_mesh(plan: Plan, device: str = "cpu", timeout_s: float = 120.0) -> DeviceMesh:
@@ -104,7 +112,8 @@ def _set_param(module: nn.Module, fqn: str, value: nn.Parameter) -> None:
 
 
 class DistributedModel(nn.Module):
-    """``model``'s parameters as DTensors (storage NdSbp); ``forward`` runs the planned graph."""
+    """``model``'s parameters as DTensors (storage NdSbp); ``forward`` runs the compiled local program
+    and returns the loss (a plain scalar, the same on every rank); backward syncs the gradients."""
 
     def __init__(self, model: nn.Module, graph: OpGraph, plan: Plan, mesh: DeviceMesh, *,
                  recorder: CommRecorder | None = None):
@@ -113,93 +122,81 @@ class DistributedModel(nn.Module):
         self.graph, self.plan, self.mesh, self.recorder = graph, plan, mesh, recorder
         self.device = torch.device(mesh.device_type)
         self.module = copy.deepcopy(model)  # the caller's model stays a plain single-device reference
-        placed: dict[int, nn.Parameter] = {}  # by id of the plain parameter: tied weights stay tied
-        for fqn, p in list(self.module.named_parameters(remove_duplicate=False)):
-            if id(p) not in placed:
-                dt = place(p.detach().to(self.device), plan.param_storage[fqn], mesh)
-                placed[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
-            _set_param(self.module, fqn, placed[id(p)])
-        self.interp = PlanInterpreter(graph, plan, mesh, recorder, device=mesh.device_type)
+        self.program = lower(graph, plan)
+        boxer = Boxer(tuple(plan.mesh.shape), tuple(mesh.get_coordinate()),
+                      [mesh.get_group(a) for a in range(mesh.ndim)], dist.get_backend(), self._on_collective)
+        self.local_params = self._place_parameters(boxer)
+        self.grad_sync = GradSync(self.program, boxer, self.local_params, self._set_phase)
+        self.step = LocalStep(self.program, boxer, self.local_params, self.grad_sync)
+        fx_targets = {n.name: n.target for n in graph.exported.graph_module.graph.nodes if n.op == "call_function"}
+        self.local_program = ProgramCompiler(graph, plan, self.step, self.device, fx_targets).compile()
+        self.run_program: Callable[..., torch.Tensor] = self.local_program
         ep = graph.exported
         self._user_inputs = list(ep.graph_signature.user_inputs)
         self._constants = dict(getattr(ep.graph_signature, "inputs_to_lifted_tensor_constants", {}))
-        self._placeholders = [n.name for n in ep.graph_module.graph.nodes if n.op == "placeholder"]
-        self._alias = tied_aliases(ep)  # tied-weight placeholders the OpGraph folds into their first name
-        # buffer mutations (e.g. BatchNorm running stats) come first among the outputs; they are
-        # not written back yet
-        kinds = [spec.kind.name for spec in ep.graph_signature.output_specs]
-        self._loss_index = kinds.index("USER_OUTPUT") if "USER_OUTPUT" in kinds else 0
+        self._placeholders = [n for n in graph.topo() if n.kind in (NodeKind.INPUT, NodeKind.BUFFER)]
 
-    def _nd(self, name: str) -> NdSbp:
-        sig = self.plan.signatures.get(name)  # validate_plan checked inputs and buffers have one
-        return sig.outputs[0] if sig is not None else NdSbp.broadcast(self.plan.mesh.ndim)
+    def _place_parameters(self, boxer: Boxer) -> dict[str, torch.Tensor]:
+        """Every parameter as a DTensor of its storage layout (tied weights stay tied); returns the
+        local tensors (sharing storage with the DTensors) by the graph's fqns."""
+        placed: dict[int, nn.Parameter] = {}
+        by_name: dict[str, nn.Parameter] = {}
+        for fqn, p in list(self.module.named_parameters(remove_duplicate=False)):
+            if id(p) not in placed:
+                nd = self.plan.param_storage.get(fqn) or NdSbp.broadcast(self.mesh.ndim)
+                local = place_local(boxer, p.detach().to(self.device), nd)
+                dt = DTensor.from_local(local, self.mesh, nd.to_placements(), run_check=False,
+                                        shape=p.shape, stride=p.stride())
+                param = nn.Parameter(dt, requires_grad=p.requires_grad)
+                param._autoddl_local = dt._local_tensor      # the tensor the step and the optimizer use
+                placed[id(p)] = param
+            _set_param(self.module, fqn, placed[id(p)])
+            by_name[fqn] = placed[id(p)]
+        return {fqn: by_name[fqn]._autoddl_local for fqn in self.graph.parameters() if fqn in by_name}
 
-    def _placeholder_values(self, inputs: Sequence[torch.Tensor]) -> list[Any]:
+    # -- audit labels ----------------------------------------------------------------------------
+    def _set_phase(self, phase: str) -> None:
+        if self.recorder is not None:
+            self.recorder.phase = phase
+
+    def _on_collective(self, kind, axis: int, nbytes: int, label: str) -> None:
+        if self.recorder is not None:
+            self.recorder.tensor = label
+
+    # -- a step --------------------------------------------------------------------------------------
+    def _local_inputs(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if len(inputs) != len(self._user_inputs):
             raise PlanExecutionError(f"the traced graph takes {len(self._user_inputs)} inputs, got {len(inputs)}")
-        params = dict(self.module.named_parameters())
         buffers = dict(self.module.named_buffers())
         values = []
-        for name in self._placeholders:
-            node = self.graph[self._alias.get(name, name)]
-            if node.kind is NodeKind.PARAMETER:
-                values.append(params[node.target])
-            elif name in self._constants:  # a lifted tensor constant (the OpGraph calls it a buffer)
-                t = self.graph.exported.constants[self._constants[name]]
-                values.append(place(t.to(self.device), self._nd(node.name), self.mesh))
+        for node in self._placeholders:
+            if node.name in self._constants:
+                full = self.graph.exported.constants[self._constants[node.name]]
             elif node.kind is NodeKind.BUFFER:
-                values.append(place(buffers[node.target].to(self.device), self._nd(node.name), self.mesh))
+                full = buffers[node.target]
             else:
-                t = inputs[self._user_inputs.index(name)]
-                values.append(place(t.to(self.device), self._nd(name), self.mesh)
-                              if isinstance(t, torch.Tensor) else t)
+                full = inputs[self._user_inputs.index(node.name)]
+            nd = self.plan.signatures[node.name].outputs[0]
+            values.append(self.step.place(full.to(self.device), nd) if isinstance(full, torch.Tensor) else full)
         return values
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """Run the planned graph; returns the loss as a plain local tensor (same on every rank)."""
-        if self.recorder is not None:
-            self.recorder.phase = "forward"
-        outs = self.interp.run_step(self._placeholder_values(inputs))
-        loss = outs[self._loss_index] if isinstance(outs, (tuple, list)) else outs
-        if not isinstance(loss, DTensor) or loss.numel() != 1:
-            raise PlanExecutionError("the traced graph's first output must be a scalar loss: trace with "
-                                     "autoddl.trace(model, inputs, loss_fn)")
-        # every rank reports the loss: box it straight to B (costmodel/edges.py prices this;
-        # an "output" signature is not applied, it would only add a B -> P -> B round trip)
-        if self.recorder is not None:
-            self.recorder.tensor = "output"
-        loss = box(loss, (Replicate(),) * self.mesh.ndim)
-        return loss.to_local()
+        """Run the compiled program; the gradient sync finishes at the end of the loss's backward."""
+        self._set_phase("forward")
+        loss = self.run_program(*self._local_inputs(inputs))
+        if loss.requires_grad:
+            loss.register_hook(self._queue_finish)
+        return loss
 
-    def sync_grads(self) -> None:
-        """Reduce every parameter's use-gradients to its storage NdSbp and set ``.grad``."""
-        if self.recorder is not None:
-            self.recorder.phase = "grad_sync"
-        for fqn, param in self.module.named_parameters():
-            grads = [leaf.grad for leaf in self.interp.param_uses.get(fqn, []) if leaf.grad is not None]
-            if not grads:
-                param.grad = None
-                continue
-            if len(grads) == 1 and tuple(grads[0].placements) == tuple(param.placements):
-                param.grad = grads[0]  # already in storage placements: nothing to reduce or redistribute
-                continue
-            by_placements: dict[tuple, torch.Tensor] = {}
-            for g in grads:  # same placements add locally, so one collective per placement group
-                key = tuple(g.placements)
-                by_placements[key] = g.to_local() + by_placements[key] if key in by_placements else g.to_local()
-            total = None
-            if self.recorder is not None:
-                self.recorder.tensor = fqn
-            for key, local in by_placements.items():
-                g = DTensor.from_local(local, self.mesh, key, run_check=False, shape=param.shape,
-                                       stride=param.stride())
-                g = g.redistribute(self.mesh, param.placements)
-                total = g if total is None else total + g
-            param.grad = total
-        if self.recorder is not None:
-            self.recorder.tensor = ""
-        self.interp.param_uses.clear()
+    def _queue_finish(self, grad: torch.Tensor) -> torch.Tensor:
+        self._set_phase("backward")
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        return grad
 
+    def _finish_backward(self) -> None:
+        with torch.no_grad():
+            self.grad_sync.finish()
+        self._set_phase("optimizer")
 
 def _torch_optimizer(name: str, params, lr: float, **kw) -> torch.optim.Optimizer:
     name = name.lower()
@@ -222,7 +219,7 @@ class LocalShardOptimizer:
     def __init__(self, name: str, params, lr: float = 1e-2):
         self.params = [p for p in params if p.requires_grad]
         with torch.no_grad():
-            self.locals = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in self.params]
+            self.locals = [_local_of(p) for p in self.params]
         self.inner = _torch_optimizer(name, self.locals, lr, foreach=True)
 
     @property
@@ -244,15 +241,23 @@ class LocalShardOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        """The local gradients DistributedModel's sync wrote; a DTensor ``.grad`` set by other code
+        takes their place."""
         for p, t in zip(self.params, self.locals):
-            g = p.grad
-            t.grad = None if g is None else (g.to_local() if isinstance(g, DTensor) else g).detach()
+            if p.grad is not None:
+                t.grad = (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).detach()
         self.inner.step()
-        for t in self.locals:
-            t.grad = None
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
+
+
+def _local_of(p: torch.Tensor) -> torch.Tensor:
+    """The local tensor a DistributedModel keeps for ``p`` (shared storage), else ``p``'s local piece."""
+    local = getattr(p, "_autoddl_local", None)
+    if local is not None:
+        return local
+    return (p.to_local() if isinstance(p, DTensor) else p).detach()
 
 
 def build_optimizer(name: str, params, lr: float = 1e-2):
@@ -268,16 +273,10 @@ def build_optimizer(name: str, params, lr: float = 1e-2):
 
 
 def train_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> float:
-    """forward, backward, grad sync, optimizer step; returns the loss."""
+    """forward, backward (the gradient sync finishes inside it), optimizer step; returns the loss."""
     optimizer.zero_grad(set_to_none=True)
     loss = dmodel(*inputs)
-    rec = dmodel.recorder
-    if rec is not None:
-        rec.phase = "backward"
     loss.backward()
-    dmodel.sync_grads()
-    if rec is not None:
-        rec.phase = "optimizer"
     optimizer.step()
     return float(loss.detach())
 
@@ -286,12 +285,12 @@ def audit_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor],
                optimizer: torch.optim.Optimizer) -> list[CommRecord]:
     """Run one training step with a CommRecorder; return the collectives it ran."""
     rec = CommRecorder(dmodel.mesh)
-    old, dmodel.recorder, dmodel.interp.recorder = dmodel.recorder, rec, rec
+    old, dmodel.recorder = dmodel.recorder, rec
     try:
         with rec:
             train_step(dmodel, inputs, optimizer)
     finally:
-        dmodel.recorder = dmodel.interp.recorder = old
+        dmodel.recorder = old
     return rec.records
 
 
@@ -328,13 +327,13 @@ def run_check(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callabl
     for fqn, p in ref.named_parameters():
         dp = d_params[fqn]
         if fqn in r_grads:
-            if dp.grad is None:
+            grad = _local_of(dp).grad
+            if grad is None:
                 errors[f"grad/{fqn}"] = float("inf")
             else:
-                if tuple(dp.grad.placements) != tuple(dp.placements):
-                    raise PlanExecutionError(f"{fqn}: grad placements {dp.grad.placements} != storage "
-                                             f"{dp.placements} after grad sync")
-                errors[f"grad/{fqn}"] = max_rel_error(dp.grad.full_tensor(), r_grads[fqn])
+                full = DTensor.from_local(grad, mesh, dp.placements, run_check=False, shape=dp.shape,
+                                          stride=dp.stride()).full_tensor()
+                errors[f"grad/{fqn}"] = max_rel_error(full, r_grads[fqn])
         errors[f"param/{fqn}"] = max_rel_error(dp.detach().full_tensor(), p)
     return errors
 
@@ -346,34 +345,21 @@ class ParallelModule(DistributedModel):
 
     ``forward(*inputs)`` runs the plan's graph, which includes the loss function it was traced
     with, and returns the loss (a plain scalar tensor, the same on every rank). At the end of
-    every ``backward()`` the parameters' gradients are reduced to their storage NdSbp (the grad
-    sync ``train_step`` runs explicitly) and added to ``.grad``, so gradients accumulate over
-    several backward passes as usual until the optimizer's ``zero_grad``.
+    every ``backward()`` the gradients, synced to their storage layout, are added to each DTensor
+    parameter's ``.grad``, so any torch optimizer over ``parameters()`` works and gradients
+    accumulate over several backward passes as usual until its ``zero_grad``.
     """
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        loss = super().forward(*inputs)
-        if loss.requires_grad:
-            loss.register_hook(self._queue_grad_sync)
-        return loss
-
-    def _queue_grad_sync(self, grad: torch.Tensor) -> torch.Tensor:
-        torch.autograd.Variable._execution_engine.queue_callback(self._grad_sync_after_backward)
-        return grad
-
-    def _grad_sync_after_backward(self) -> None:
-        before = {fqn: p.grad for fqn, p in self.module.named_parameters()}
-        with torch.no_grad():
-            DistributedModel.sync_grads(self)
-            for fqn, p in self.module.named_parameters():
-                old = before[fqn]
-                if old is not None:
-                    p.grad = old if p.grad is None else p.grad + old
-
-    def sync_grads(self) -> None:
-        """Already done at the end of backward; only runs if a backward's sync is still pending."""
-        if self.interp.param_uses:
-            self._grad_sync_after_backward()
+    def _finish_backward(self) -> None:
+        super()._finish_backward()
+        for p in self.module.parameters():
+            local = getattr(p, "_autoddl_local", None)
+            if local is None or local.grad is None:
+                continue
+            g = DTensor.from_local(local.grad, self.mesh, p.placements, run_check=False, shape=p.shape,
+                                   stride=p.stride())
+            p.grad = g if p.grad is None else p.grad + g
+            local.grad = None
 
 
 def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor] | None = None,

@@ -34,7 +34,7 @@ from autoddl.sbp import NdSbp, Signature
 from costmodel.boxing import (edge_backward_transitions, grad_ndsbp, needed_grad_ndsbp, transitions_of,
                               transitions_time_s)
 from costmodel.compute import op_compute_time_s, optimizer_state_bytes, optimizer_time_s
-from costmodel.edges import requires_grad
+from autoddl.program import requires_grad
 from search.problem import SearchProblem
 
 _PLACEHOLDERS = (NodeKind.INPUT, NodeKind.PARAMETER, NodeKind.BUFFER)

@@ -1,0 +1,178 @@
+"""Boxing: the moves that turn one tensor's NdSbp into another, and the backward gradient rule.
+
+Written once here and used by both sides of the step program: the cost model
+prices these moves, the executor runs them on local tensors.
+
+Per mesh axis (DESIGN.md "Boxing"):
+
+    S -> B  all-gather        P -> B  all-reduce       P -> S  reduce-scatter
+    S(i) -> S(j)  all-to-all  B -> S  local chunk      same -> same  nothing
+    S -> P  local: the own piece zero-padded           B -> P  local: the axis root keeps it, others zero
+
+``S -> P`` is local unless a later mesh axis of the target splits the same dim
+(the pieces are then nested inside that split and do not add up): that axis
+goes ``S -> B -> P``, an all-gather. An N-D transition is: the collective steps
+to the target with its ``-> P`` axes held back (:func:`redistribute_target`), in
+the order of DTensor's greedy planner (:func:`dtensor_steps`: inner to outer
+axes first when the source is sharded, then outer to inner), then the local
+``-> P`` moves. A step on axis k moves the tensor as the steps before left it:
+``M_k = nbytes / prod(mesh[j] for j != k if axis j is S at that moment)``.
+
+The backward gradient rule: an op hands back, for an input held as ``S(d)``, a
+gradient ``S(d)``; for ``P``, ``B``; for ``B``, ``B`` when every output of the op
+is ``B`` on that axis (every device computed the same thing), else ``P`` (each
+device holds its share). A producer needs its output's gradient as ``S(d)`` for
+``S(d)`` and ``B`` for ``B`` or ``P``. Since every boxing is the identity on the
+logical tensor, the gradient of a boxed edge is one boxing from the gradient the
+consumers hand back to the one the producer needs (:func:`gradient_moves`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from autoddl.collective_kinds import CollectiveKind
+from autoddl.sbp import B, NdSbp, Partial, Sbp
+
+
+# -- the gradient rule ---------------------------------------------------------------------------
+
+def grad_sbp(input_sbp: Sbp, op_output_sbps_on_axis: Sequence[Sbp]) -> Sbp:
+    """SBP of the gradient an op hands back for one input, on one mesh axis (module docstring)."""
+    if input_sbp.is_split():
+        return input_sbp
+    if input_sbp.is_partial():
+        return B
+    return B if all(o.is_broadcast() for o in op_output_sbps_on_axis) else Partial()
+
+
+def needed_grad_sbp(output_sbp: Sbp) -> Sbp:
+    """SBP a producer needs its output's gradient in: S(d) for S(d), B for B or P."""
+    return output_sbp if output_sbp.is_split() else B
+
+
+def grad_ndsbp(input_nd: NdSbp, op_outputs: Sequence[NdSbp]) -> NdSbp:
+    """:func:`grad_sbp` on every mesh axis: the gradient NdSbp a consumer hands back for an input."""
+    return NdSbp(tuple(grad_sbp(s, [o[axis] for o in op_outputs]) for axis, s in enumerate(input_nd)))
+
+
+def needed_grad_ndsbp(output_nd: NdSbp) -> NdSbp:
+    return NdSbp(tuple(needed_grad_sbp(s) for s in output_nd))
+
+
+# -- moves -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Move:
+    """One step of a boxing: on ``axes`` the tensor goes from layout ``before`` to ``after``.
+
+    A collective step has one axis, a ``kind`` and ``nbytes`` (M of the alpha-beta formula,
+    the full tensor as seen on that axis). A local step (``kind`` None) is a chunk (B -> S),
+    a zero-padded piece (S -> P, all such axes at once) or a keep-on-root (B -> P)."""
+
+    axes: tuple[int, ...]
+    before: NdSbp
+    after: NdSbp
+    kind: CollectiveKind | None = None
+    nbytes: int = 0
+
+    @property
+    def axis(self) -> int:
+        return self.axes[0]
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind is not None
+
+    def __str__(self) -> str:
+        what = f"{self.kind.value} {self.nbytes} B" if self.kind else "local"
+        return f"{self.before} -> {self.after} on axes {list(self.axes)} ({what})"
+
+
+def transition_kind(src: Sbp, dst: Sbp) -> CollectiveKind | None:
+    """The collective one mesh axis needs to go from ``src`` to ``dst``; None when local or equal."""
+    if src == dst:
+        return None
+    if src.is_split():
+        if dst.is_broadcast():
+            return CollectiveKind.ALL_GATHER
+        if dst.is_split():
+            return CollectiveKind.ALL_TO_ALL
+        return None                                   # S -> P: keep own piece zero-padded
+    if src.is_partial():
+        return CollectiveKind.ALL_REDUCE if dst.is_broadcast() else CollectiveKind.REDUCE_SCATTER
+    return None                                       # B -> S, B -> P: local
+
+
+def redistribute_target(src: NdSbp, dst: NdSbp) -> tuple[NdSbp, tuple[int, ...], tuple[int, ...]]:
+    """(the layout the collective steps reach, axes then made P by a zero-padded local piece,
+    axes then made P by keeping the value on the axis root) for ``src -> dst``."""
+    to_p = [i for i, (s, d) in enumerate(zip(src, dst)) if d.is_partial() and not s.is_partial()]
+    pad = tuple(i for i in to_p if src[i].is_split() and not any(x == src[i] for x in tuple(dst)[i + 1:]))
+    keep = tuple(i for i in to_p if i not in pad)
+    mid = NdSbp(tuple(s if i in pad else (B if i in keep else d) for i, (s, d) in enumerate(zip(src, dst))))
+    return mid, pad, keep
+
+
+def dtensor_steps(src: NdSbp, dst: NdSbp, mesh: Sequence[int]) -> list[tuple[int, Sbp]]:
+    """``(mesh axis, target SBP)`` steps from ``src`` to ``dst`` (no P created), in the order of
+    torch 2.13's ``DTensorRedistributePlanner.generate_greedy_transform_infos``
+    (torch/distributed/tensor/_redistribute.py): on a 1-D mesh one step; otherwise, if the
+    source is sharded (over more than one device), axes inner to outer, a target S(d) whose
+    earlier axes split d differently becoming B first (nested sharding); then axes outer to
+    inner for what is left. That order keeps every step's local piece contiguous."""
+    mesh = tuple(mesh)
+    cur = list(src)
+    steps: list[tuple[int, Sbp]] = []
+    if len(mesh) == 1:
+        return [(0, dst[0])] if src[0] != dst[0] else []
+    if math.prod(n for s, n in zip(src, mesh) if s.is_split()) > 1:
+        for axis in reversed(range(len(cur))):
+            target = dst[axis]
+            if target.is_split():
+                if [i for i in range(axis) if cur[i] == target] != [i for i in range(axis) if dst[i] == target]:
+                    target = B
+            if cur[axis] != target:
+                steps.append((axis, target))
+                cur[axis] = target
+    for axis in range(len(cur)):
+        if cur[axis] != dst[axis]:
+            steps.append((axis, dst[axis]))
+            cur[axis] = dst[axis]
+    return steps
+
+
+def boxing_moves(nbytes: int, src: NdSbp, dst: NdSbp, mesh: Sequence[int]) -> tuple[Move, ...]:
+    """Every step taking a tensor of ``nbytes`` from ``src`` to ``dst`` on ``mesh`` (module docstring).
+
+    Steps on a mesh axis of size 1 change the layout without moving data: they are kept as
+    local moves so that each step's ``before`` is the layout the tensor really has."""
+    mesh = tuple(mesh)
+    mid, pad, keep = redistribute_target(src, dst)
+    moves: list[Move] = []
+    cur = src
+    for axis, target in dtensor_steps(src, mid, mesh):
+        nxt = NdSbp(tuple(target if i == axis else s for i, s in enumerate(cur)))
+        kind = transition_kind(cur[axis], target) if mesh[axis] > 1 else None
+        others = math.prod(n for j, (s, n) in enumerate(zip(cur, mesh)) if j != axis and s.is_split())
+        moves.append(Move((axis,), cur, nxt, kind, nbytes // others if kind else 0))
+        cur = nxt
+    for axes in (pad, keep):
+        if axes:
+            nxt = NdSbp(tuple(dst[i] if i in axes else s for i, s in enumerate(cur)))
+            moves.append(Move(axes, cur, nxt))
+            cur = nxt
+    return tuple(moves)
+
+
+def gradient_moves(nbytes: int, grad: NdSbp, src: NdSbp, mesh: Sequence[int]) -> tuple[Move, ...]:
+    """The gradient of an edge whose consumers hand back ``grad``, to what the producer of ``src``
+    needs (for a parameter, ``src`` is its storage: this is the gradient sync)."""
+    return boxing_moves(nbytes, grad, needed_grad_ndsbp(src), mesh)
+
+
+def collectives_of(moves: Sequence[Move]) -> list[tuple[CollectiveKind, int, int]]:
+    """``(kind, axis, M bytes)`` of the collective moves (kinds before backend emulation)."""
+    return [(m.kind, m.axis, m.nbytes) for m in moves if m.kind is not None]

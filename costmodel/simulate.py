@@ -1,0 +1,88 @@
+"""The timeline of a step program: each task starts when its dependencies are done and its stream is free.
+
+One pass over the tasks in issue order (every dependency is issued earlier):
+``start = max(end of every dependency, end of the stream's previous task)``,
+``end = start + duration``. Streams are the compute stream and one
+communication stream per mesh axis, so an asynchronous gradient bucket runs
+while backward goes on, and is exposed only where the optimizer (or the next
+bucket) has to wait for it. Durations:
+
+- compute: the roofline of the op's local share (costmodel.compute), forward or backward;
+- collective: alpha-beta on the link of its mesh axis, as the backend carries it out
+  (costmodel.collectives);
+- optimizer: the memory-bound step over the local parameters, plus the executor's fixed
+  per-step cost (``cluster.executor.step_us``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoddl.cluster import Cluster
+from autoddl.graph import OpGraph
+from autoddl.plan import Plan
+from autoddl.program import COMPUTE, StepProgram, Task, signature_of
+from costmodel.collectives import cluster_collective_time_s
+from costmodel.compute import op_backward_time_s, op_forward_time_s, optimizer_time_s
+from costmodel.memory import local_parameters
+
+
+@dataclass(frozen=True)
+class TimedTask:
+    task: Task
+    start_s: float
+    end_s: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass
+class Timeline:
+    tasks: list[TimedTask]
+
+    @property
+    def step_time_s(self) -> float:
+        return max((t.end_s for t in self.tasks), default=0.0)
+
+    def busy_s(self, *, stream: str | None = None, phase: str | None = None, collective: bool | None = None
+               ) -> float:
+        """Summed durations of the tasks matching every given filter."""
+        return sum(t.duration_s for t in self.tasks
+                   if (stream is None or t.task.stream == stream) and (phase is None or t.task.phase == phase)
+                   and (collective is None or t.task.is_collective == collective))
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """Step time not covered by the compute stream: communication nothing overlapped."""
+        return max(0.0, self.step_time_s - self.busy_s(stream=COMPUTE))
+
+
+def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster) -> float:
+    """Duration of one task (module docstring)."""
+    mesh = tuple(plan.mesh.shape)
+    if task.is_collective:
+        return cluster_collective_time_s(task.collective, task.nbytes, mesh, task.axis, cluster)
+    if task.phase == "optimizer":
+        param_bytes, param_numel = local_parameters(graph, plan)
+        return optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster) + cluster.executor.step_us * 1e-6
+    node = graph[task.op]
+    sig = signature_of(plan, node)
+    if task.phase == "forward":
+        return op_forward_time_s(node, sig, mesh, cluster)
+    return op_backward_time_s(node, sig, mesh, cluster)
+
+
+def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster) -> Timeline:
+    """The timeline of ``program`` on ``cluster`` (module docstring)."""
+    end: list[float] = []
+    stream_free: dict[str, float] = {}
+    timed: list[TimedTask] = []
+    for task in program.tasks:
+        start = max([end[d] for d in task.deps] + [stream_free.get(task.stream, 0.0)])
+        finish = start + task_time_s(task, graph, plan, cluster)
+        end.append(finish)
+        stream_free[task.stream] = finish
+        timed.append(TimedTask(task, start, finish))
+    return Timeline(timed)

@@ -1,0 +1,154 @@
+"""Compile a rank's part of the step program into a torch.fx GraphModule of local ops.
+
+The GraphModule's inputs are this rank's pieces of the user inputs and buffers;
+its output is the loss, the same on every rank. Each op of the traced graph
+becomes one call of its aten op (or the op rule's local kernel) on local
+tensors, with shape arguments made local (``autoddl.ops.local_args``); each
+input the program boxes becomes one ``BoxFunction`` call (forward moves, and
+the backward moves of its gradient), and each parameter use one call of
+``LocalStep.param_use``, which makes the use's leaf (gathered if its storage is
+sharded) and hooks its gradient into the gradient sync. Nothing is dispatched
+through DTensor at run time; autograd runs the backward of the local ops.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from autoddl import ops
+from autoddl.graph import NodeKind, OpGraph, OpNode, TensorRef
+from autoddl.plan import Plan
+from autoddl.program import BoxKey, InputSource, StepProgram, signature_of
+from autoddl.sbp import NdSbp
+from executor.gradsync import GradSync
+from executor.moves import Boxer, BoxFunction, place_local
+
+
+class LocalStep:
+    """What the compiled graph calls at run time: parameter uses, boxes, and local placement."""
+
+    def __init__(self, program: StepProgram, boxer: Boxer, local_params: dict[str, torch.Tensor],
+                 grad_sync: GradSync):
+        self.program, self.boxer, self.local_params, self.grad_sync = program, boxer, local_params, grad_sync
+        self.edges = list(program.edges.values())
+        self.edge_index = {e.key: i for i, e in enumerate(self.edges)}
+
+    def param_use(self, index: int) -> torch.Tensor:
+        """A fresh leaf holding parameter use ``index`` in its use layout, its gradient hooked."""
+        use = self.program.param_uses[index]
+        local = self.local_params[use.fqn]
+        with torch.no_grad():
+            value = self.boxer.run(use.forward, local, use.meta.shape, use.fqn) if use.forward else local
+        leaf = value.detach()
+        if use.grad is not None:
+            leaf.requires_grad_(True)
+            leaf.register_post_accumulate_grad_hook(lambda t, i=index: self.grad_sync.on_grad_ready(i, t))
+        return leaf
+
+    def box(self, x: torch.Tensor, edge: int) -> torch.Tensor:
+        e = self.edges[edge]
+        return BoxFunction.apply(x, self.boxer, e.forward, e.backward, e.meta.shape, e.label)
+
+    def place(self, full: torch.Tensor, nd: NdSbp) -> torch.Tensor:
+        """This rank's piece, in layout ``nd``, of a tensor every rank holds whole (no communication)."""
+        return place_local(self.boxer, full, nd)
+
+
+def localize_devices(value: Any, device: torch.device) -> Any:
+    """Every ``torch.device('meta')`` in (nested) arguments replaced by ``device`` (the trace ran on meta)."""
+    if isinstance(value, torch.device):
+        return device if value.type == "meta" else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(localize_devices(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: localize_devices(v, device) for k, v in value.items()}
+    return value
+
+
+class ProgramCompiler:
+    """Builds the GraphModule of one rank (module docstring)."""
+
+    def __init__(self, graph: OpGraph, plan: Plan, step: LocalStep, device: torch.device,
+                 fx_targets: dict[str, Any]):
+        self.graph, self.plan, self.step, self.device, self.fx_targets = graph, plan, step, device, fx_targets
+        self.mesh = tuple(plan.mesh.shape)
+        self.fx = torch.fx.Graph()
+        self.env: dict[str, torch.fx.Node] = {}
+        self.sources: dict[Any, torch.fx.Node] = {}
+
+    def compile(self) -> torch.fx.GraphModule:
+        for node in self.graph.topo():
+            if node.kind in (NodeKind.INPUT, NodeKind.BUFFER):
+                self.env[node.name] = self.fx.placeholder(node.name)
+            elif node.kind is NodeKind.OP:
+                self.env[node.name] = self.op(node)
+        loss = self.step.program.loss
+        self.fx.output(self.source_node(TensorRef(loss.node, loss.index), loss))
+        module = torch.fx.GraphModule(torch.nn.Module(), self.fx, class_name="LocalProgram")
+        module.graph.lint()
+        return module
+
+    def op(self, node: OpNode) -> torch.fx.Node:
+        sig = signature_of(self.plan, node)
+        sources = self.step.program.op_inputs[node.name]
+        tensors = [self.source_node(ref, src) for ref, src in zip(node.inputs, sources)]
+        args, kwargs = ops.local_args(node, sig, self.mesh)
+        position = [0]
+        args = localize_devices(_substitute(args, tensors, position), self.device)
+        kwargs = localize_devices(_substitute(kwargs, tensors, position), self.device)
+        out = self.fx.call_function(self.kernel(node, sig), tuple(args), kwargs)
+        if not node.inputs and any(not nd.is_broadcast for nd in sig.outputs):
+            if len(node.outputs) != 1:
+                raise NotImplementedError(f"op {node.name} ({node.target}) creates {len(node.outputs)} tensors "
+                                          f"laid out {sig.outputs}; only single-output factory ops may be split")
+            out = self.fx.call_function(self.step.place, (out, sig.outputs[0]))
+        return out
+
+    def kernel(self, node: OpNode, sig) -> Any:
+        local = ops.local_kernel(node, sig, self.mesh, self.step.boxer.coord)
+        if local is not None:
+            return local
+        if node.target == "getitem":
+            return ops.aten_op(node)
+        return self.fx_targets.get(node.name) or ops.aten_op(node)
+
+    def source_node(self, ref: TensorRef, source: InputSource) -> torch.fx.Node:
+        """The fx node of one input: a parameter use, or a (boxed) activation; one node per source."""
+        if source in self.sources:
+            return self.sources[source]
+        if isinstance(source, BoxKey):
+            value = self.output_node(ref)
+            edge = self.step.program.edges[source]
+            if edge.forward or edge.backward:
+                value = self.fx.call_function(self.step.box, (value, self.step.edge_index[source]))
+        else:
+            value = self.fx.call_function(self.step.param_use, (source,))
+        self.sources[source] = value
+        return value
+
+    def output_node(self, ref: TensorRef) -> torch.fx.Node:
+        producer = self.graph[ref.node]
+        value = self.env[ref.node]
+        if producer.kind is NodeKind.OP and len(producer.outputs) > 1:
+            key = ("out", ref.node, ref.index)
+            if key not in self.sources:
+                self.sources[key] = self.fx.call_function(operator.getitem, (value, ref.index))
+            value = self.sources[key]
+        return value
+
+
+def _substitute(value: Any, tensors: Sequence[Any], pos: list[int]) -> Any:
+    """Replace TensorRefs in (nested) args by ``tensors`` in order."""
+    if isinstance(value, TensorRef):
+        t = tensors[pos[0]]
+        pos[0] += 1
+        return t
+    if isinstance(value, (list, tuple)):
+        return type(value)(_substitute(v, tensors, pos) for v in value)
+    if isinstance(value, dict):
+        return {k: _substitute(v, tensors, pos) for k, v in value.items()}
+    return value

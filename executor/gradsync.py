@@ -1,0 +1,121 @@
+"""Gradient sync as the step program says: buckets launched asynchronously from backward hooks.
+
+Every parameter use of the program is a fresh leaf each step (``ParamUses``).
+When autograd has accumulated a leaf's gradient, its post-accumulate hook hands
+it to ``GradSync``: a bucketed use counts down its bucket, and every bucket
+whose gradients are all there is launched, in bucket order (every rank must
+issue the same collectives in the same order), as one asynchronous functional
+collective over a flat buffer, while backward goes on, as DistributedDataParallel's
+Reducer does. At the end of backward (``finish``) the buckets are waited for and
+unpacked, the uses synced on their own run their moves, and each parameter's
+gradient, in its storage layout, is added to its local ``.grad``.
+
+A reduce-scatter bucket lays its gradients out as FSDP2 does: each gradient's
+scatter dim first, cut into one row per rank, the rows of all gradients side by
+side, so rank r's slice of the flat result is its piece of every gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from autoddl.collective_kinds import CollectiveKind, carried_out_as
+from autoddl.program import Bucket, ParamUse, StepProgram
+from executor.moves import Boxer, wait
+
+
+class GradSync:
+    """One step's gradient sync over ``program``'s uses and buckets; ``local_params`` by fqn."""
+
+    def __init__(self, program: StepProgram, boxer: Boxer, local_params: dict[str, torch.Tensor],
+                 set_phase: Callable[[str], None]):
+        self.program, self.boxer, self.local_params, self.set_phase = program, boxer, local_params, set_phase
+        self.start_step()
+
+    def start_step(self) -> None:
+        self.grads: dict[int, torch.Tensor] = {}
+        self.remaining = [len(b.uses) for b in self.program.buckets]
+        self.in_flight: list[torch.Tensor] = []      # one result per launched bucket, in bucket order
+
+    def on_grad_ready(self, use_index: int, leaf: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of a use's leaf."""
+        self.grads[use_index] = leaf.grad
+        leaf.grad = None
+        bucket = self.program.param_uses[use_index].bucket
+        if bucket >= 0:
+            self.remaining[bucket] -= 1
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while len(self.in_flight) < len(self.program.buckets) and self.remaining[len(self.in_flight)] == 0:
+            self.in_flight.append(self._launch(self.program.buckets[len(self.in_flight)]))
+
+    def _launch(self, bucket: Bucket) -> torch.Tensor:
+        uses = [self.program.param_uses[i] for i in bucket.uses]
+        grads = [self._grad(u) for u in uses]
+        self.set_phase("grad_sync")
+        try:
+            if self.boxer.on_collective is not None:
+                self.boxer.on_collective(carried_out_as(bucket.kind, self.boxer.backend), bucket.axis,
+                                         bucket.nbytes, f"bucket{bucket.index}")
+            group = self.boxer.groups[bucket.axis]
+            if bucket.kind is CollectiveKind.ALL_REDUCE:
+                return funcol.all_reduce(torch.cat([g.reshape(-1) for g in grads]), "sum", group)
+            n = self.boxer.mesh_shape[bucket.axis]
+            rows = [g.movedim(u.grad_sync[0].after[bucket.axis].dim, 0).reshape(n, -1) for u, g in zip(uses, grads)]
+            return funcol.reduce_scatter_single(torch.cat(rows, dim=1).reshape(-1), "sum", 0, group)
+        finally:
+            self.set_phase("backward")
+
+    def _grad(self, use: ParamUse) -> torch.Tensor:
+        """The use's gradient; zeros when autograd never reached it (the parameter did not
+        contribute to the loss this step), so that every rank still issues the same buckets."""
+        g = self.grads.get(use.index)
+        if g is None:
+            g = torch.zeros(use.dst.local_shape(use.meta.shape, self.boxer.mesh_shape),
+                            dtype=self.local_params[use.fqn].dtype, device=self.local_params[use.fqn].device)
+            self.grads[use.index] = g
+        return g
+
+    def finish(self) -> None:
+        """End of backward: launch what is left, wait, unpack, add to each parameter's ``.grad``."""
+        self.set_phase("grad_sync")
+        for b in self.program.buckets:
+            self.remaining[b.index] = 0
+        self._launch_ready()
+        synced: dict[str, torch.Tensor] = {}
+        for bucket, result in zip(self.program.buckets, self.in_flight):
+            for use, g in zip((self.program.param_uses[i] for i in bucket.uses), self._unpack(bucket, wait(result))):
+                synced[use.fqn] = g if use.fqn not in synced else synced[use.fqn] + g
+        for use in self.program.param_uses:
+            if use.grad is None or use.bucket >= 0:
+                continue
+            g = self.boxer.run(use.grad_sync, self._grad(use), use.meta.shape, use.fqn)
+            synced[use.fqn] = g if use.fqn not in synced else synced[use.fqn] + g
+        for fqn, g in synced.items():
+            local = self.local_params[fqn]
+            local.grad = g.view_as(local) if local.grad is None else local.grad + g.view_as(local)
+        self.start_step()
+
+    def _unpack(self, bucket: Bucket, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The bucket's gradients, each in its storage layout, from the collective's flat result."""
+        uses = [self.program.param_uses[i] for i in bucket.uses]
+        mesh = self.boxer.mesh_shape
+        out, start = [], 0
+        for use in uses:
+            after = use.grad_sync[0].after
+            shape = after.local_shape(use.meta.shape, mesh)
+            numel = math.prod(shape)
+            piece = flat[start:start + numel]
+            start += numel
+            if bucket.kind is CollectiveKind.REDUCE_SCATTER:
+                dim = after[bucket.axis].dim
+                moved = (shape[dim],) + tuple(s for i, s in enumerate(shape) if i != dim)
+                out.append(piece.reshape(moved).movedim(0, dim).contiguous())
+            else:
+                out.append(piece.reshape(shape))
+        return out
