@@ -55,3 +55,44 @@ def test_dp_plan_checks_across_two_namespaced_hosts(tmp_path):
     assert out["hosts"] == ["host0", "host0", "host1", "host1"]      # node rank 0 holds ranks 0-1
     assert out["collectives_summary"]["grad_sync/all_reduce/axis0"]["count"] > 0
     assert _our_namespaces() <= before, f"namespaces left behind: {_our_namespaces() - before}"
+
+
+# -- the across-hosts fit, on synthetic timings (no testbed needed) ----------------------------------
+def _ring_s(kind: str, m: float, n: int, b: float, a: float) -> float:
+    """Gloo's formulas of the cost model (DESIGN.md "Cost model"): reduce-scatter runs as an all-reduce,
+    all-to-all as an all-gather."""
+    ar, ag = 2 * (n - 1) / n * m / b + 2 * (n - 1) * a, (n - 1) / n * m / b + (n - 1) * a
+    return {"all_reduce": ar, "reduce_scatter": ar, "all_gather": ag, "all_to_all": ag,
+            "broadcast": m / b + (n - 1) * a}[kind]
+
+
+def test_host_groups_and_two_hosts_cluster_recover_both_links(tmp_path, monkeypatch):
+    from autoddl.calibration import fit_collectives
+    from autoddl.cluster import CONFIG_DIR, Cluster
+    from executor.calibrate import (CHECK_BYTES, HOST_PATHS, CollectiveTiming, HostTimings, Settings,
+                                    fit_host_paths, host_groups, two_hosts_cluster)
+
+    assert host_groups(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert host_groups(6, 2) == ([[0, 1], [2, 3], [4, 5]], [[0, 2, 4], [1, 3, 5]])
+    with pytest.raises(ValueError, match="not 2 or more whole hosts"):
+        host_groups(4, 4)
+    links = {"intra_host": (400e-6, 0.5e9), "inter_host": (300e-6, 0.0625e9), "inter_host_alone": (80e-6, 0.125e9)}
+    settings = Settings.default(4, quick=True, threads=1)
+    paths = {p: tuple(CollectiveTiming(k, 2, m, _ring_s(k, m, 2, b, a), "synthetic") for k in
+                      (("all_reduce", "all_gather") if p == "inter_host_alone" else
+                       ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"))
+                      for m in settings.message_bytes) for p, (a, b) in links.items()}
+    measured = {"inter_host_alone": 0.070, "inter_host": 0.130, "world": 0.105}     # seconds, 8 MB all-reduce
+    ht = HostTimings(settings, 2, 2, paths, measured, {"rate_mbit": 1000.0, "delay_ms": 0.0}, "test", 1.0)
+    fits = fit_host_paths(ht, fit_collectives)
+    assert set(fits) == set(HOST_PATHS) and set(fits["inter_host_alone"]) == {"all_reduce", "all_gather"}
+    cluster, comments, header = two_hosts_cluster(ht, fits, Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml"))
+    assert (cluster.name, cluster.nodes, cluster.devices_per_node, cluster.num_devices) == ("two-hosts", 2, 2, 4)
+    assert (cluster.intra_node.latency_us, cluster.intra_node.bandwidth_gbps) == pytest.approx((400, 0.5))
+    assert (cluster.inter_node.latency_us, cluster.inter_node.bandwidth_gbps) == pytest.approx((300, 0.0625))
+    assert not cluster.collectives.get("all_reduce")                 # every intra kind agrees with the link
+    # 8 MB all-reduce of one pair alone: 2 * 80 us + 8e6 B / 0.125 GB/s = 64.16 ms, measured 70 ms
+    assert "one pair alone on the link: measured 70.0 ms, alpha-beta 64.2 ms (-8%), link rate alone 64.0 ms" in header
+    assert f"{CHECK_BYTES / 1e6:g} MB" in header and "tbf 1000 Mbit/s" in header and "R^2 1.0000" in header
+    cluster.to_yaml(tmp_path / "two.yaml", comments=comments, header=header)
+    assert Cluster.from_yaml(tmp_path / "two.yaml") == cluster

@@ -39,10 +39,16 @@ def add_calibrate(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--devices-per-node", type=int, metavar="N",
                    help="devices_per_node to write (default: the base's, at least --nproc)")
     p.add_argument("--raw", metavar="CSV", help="also write every timing to this CSV file")
+    p.add_argument("--across-hosts", action="store_true", help="run as torchrun ranks on several hosts "
+                   "(benchmarks/two_hosts.py -- -m autoddl calibrate --across-hosts): fit intra- and inter-host links")
     p.set_defaults(func=run_calibrate)
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    if args.across_hosts:            # measured by executor.calibrate, fitted per kind by autoddl.calibration
+        from autoddl.calibration import fit_collectives
+        from executor.calibrate import calibrate_across_hosts
+        return calibrate_across_hosts(args.out, args.base, fit_collectives, quick=args.quick)
     if args.devices_per_node is not None and args.devices_per_node < 1:
         raise ValueError(f"--devices-per-node must be a positive integer, got {args.devices_per_node}")
     base = Cluster.from_yaml(args.base)
