@@ -13,6 +13,11 @@ repaired (cheapest cost per byte saved). Local minima are escaped by
   * forest moves (search/forest.py): the exact best choices of an induced
     forest of nodes, the rest held fixed; they subsume pair moves on edges
     (still available, off by default);
+  * region moves (search/forest.py): the exact best choices of a region grown
+    from a root that may contain cycles (variable elimination with bounded
+    tables), tried from every root (up to ``region_roots``) on the best plan
+    until none improves; a forest move cannot change a cyclic group such as
+    RoPE's rotate-half diamond, which left llama tiny 10% above the optimum;
   * Lagrangian starts when memory binds: descend on cost + lambda * memory;
   * restarts: an exact forest move conditioned on each choice of a root
     (roots taken in turn), or a random kick of a small connected region,
@@ -35,7 +40,7 @@ from typing import Callable
 
 import numpy as np
 
-from search.forest import forest_value, grow_forest, solve_forest
+from search.forest import Region, forest_value, grow_forest, grow_region, solve_forest, solve_region_within
 from search.problem import SearchProblem, SearchResult, _Arrays, memory_tolerance
 
 _REL_TOL = 1e-12
@@ -105,11 +110,17 @@ class _Engine:
         self.pair_dirty = np.ones(n, bool)
         self.blocked = np.zeros(n, bool)
         self.lam_hint = [0.0]              # last memory price (s/B) whose forest plan fitted
+        self.regions: dict[int, tuple[Region, np.ndarray]] = {}  # root -> its region and what it reads
+        self.moves = 0                     # move counter: changed_at[i] is the move that last set node i
+        self.changed_at = np.zeros(n, np.int64)
+        self.region_failed_at = np.full(n, -1, np.int64)   # move count when root's region move last failed
         self.a = np.zeros(n, np.int64)
         self.mem_now = 0.0
 
     def reset(self, a: np.ndarray, dirty: np.ndarray | None = None) -> None:
         self.a = a.copy()
+        self.moves += 1
+        self.changed_at[:] = self.moves
         self.mem_now = self.A.memory(self.a)
         if dirty is None:
             self.dirty[:] = True
@@ -133,6 +144,8 @@ class _Engine:
                 touch.extend(self.A.nbr[i].tolist())
         self.dirty[touch] = True
         self.pair_dirty[touch] = True
+        self.moves += 1
+        self.changed_at[np.asarray(nodes, dtype=np.int64)] = self.moves
         self.mem_now += dmem
         if dmem < 0 and self.limit is not None:       # more room: retry moves memory blocked
             self.dirty |= self.blocked
@@ -353,6 +366,64 @@ class _Engine:
         roots = self.rng.permutation(n)[:min(n, self.forest_roots)]
         return any(self.forest_move(int(r), n, pareto=False) for r in roots)
 
+    def region_move(self, root: int) -> bool:
+        """Re-optimise exactly a bounded-width region grown from ``root``, the rest held fixed
+        (search/forest.py: cycles inside the region are allowed, unlike a forest move)."""
+        A, a = self.A, self.a
+        if root not in self.regions:                     # the region depends on the graph only
+            region = grow_region(A, root)
+            reads = np.unique(np.concatenate([np.array(region.order, dtype=np.int64)]
+                                             + [A.nbr[x] for x in region.order]))
+            self.regions[root] = (region, reads)
+        region, reads = self.regions[root]
+        if len(region) < 2 or self.changed_at[reads].max() < self.region_failed_at[root]:
+            return False                                 # nothing it reads changed since it last failed
+        self.region_failed_at[root] = self.moves + 1
+        order = region.order
+        unary = [self.local(x)[None, :] for x in order]
+        for j, edges in enumerate(region.edges):          # region edges are the DP's, not the unary's
+            for p, m in edges:
+                unary[j] = unary[j] - m[a[order[p]], :][None, :]
+                unary[p] = unary[p] - m[:, a[order[j]]][None, :]
+        nodes = np.array(order, dtype=np.int64)
+        mem_old = float(A.mem[A.off[nodes] + a[nodes]].sum())
+        room = None if self.limit is None else self.limit - self.mem_now + mem_old
+        found = solve_region_within(region, unary, [self.memv[x] for x in order], room)
+        if found is None:
+            return False
+        old = a[nodes].copy()
+        cost_old = self.total()
+        a[nodes] = found[0]
+        if not _improves(self.total(), cost_old):       # judged on the whole objective: no rounding loops
+            a[nodes] = old
+            return False
+        touch = np.unique(np.concatenate([nodes] + [A.nbr[x] for x in order]))
+        self._moved(nodes, found[2] - mem_old, touch)
+        return True
+
+    def total(self) -> float:
+        """The engine's objective (its own node costs, e.g. with a memory price) of the current plan."""
+        A, a = self.A, self.a
+        edges = A.ec[A.e_off + a[A.eu] * A.k[A.ev] + a[A.ev]].sum() if len(A.eu) else 0.0
+        return float(self.nc[A.off[:-1] + a].sum() + edges)
+
+    def region_sweep(self, max_sweeps: int, deadline: float | None, roots: int) -> bool:
+        """Region moves from up to ``roots`` roots (all of them on small graphs, in random order),
+        each followed by descent, until a pass improves nothing or ``deadline`` passes; True when
+        anything improved. Roots whose region saw no change since they last failed are skipped."""
+        improved = False
+        for _ in range(max_sweeps):
+            moved = False
+            for root in self.rng.permutation(len(self.a))[:roots]:
+                if deadline is not None and time.perf_counter() > deadline:
+                    return improved
+                if self.region_move(int(root)):
+                    moved = improved = True
+                    self.descend(max_sweeps, forest=False)
+            if not moved:
+                break
+        return improved
+
     def descend(self, max_sweeps: int, forest: bool = True) -> int:
         """Descend to a local minimum (all move kinds; forest moves when ``forest``); returns sweeps."""
         self.repair()
@@ -383,7 +454,7 @@ def _compile_groups(problem: SearchProblem, A: _Arrays) -> list[_Group]:
 def coordinate_descent(problem: SearchProblem, starts: dict[str, np.ndarray] | None = None, *,
                        max_sweeps: int = 50, restarts: int = 24, seed: int = 0,
                        pair_moves: bool = False, block_moves: bool = True, forest_roots: int = 2,
-                       lagrangian: bool = True, polish: int = 4,
+                       lagrangian: bool = True, polish: int = 4, region_roots: int = 256,
                        time_limit_s: float | None = None,
                        progress: Callable[[str], None] | None = None) -> SearchResult:
     """Search ``problem`` from each start (name -> (n,) choice indices) plus a greedy start.
@@ -393,6 +464,8 @@ def coordinate_descent(problem: SearchProblem, starts: dict[str, np.ndarray] | N
     4 * ``restarts``); ``time_limit_s`` bounds the restarts only (the descents
     from the starts always finish). ``polish``: how many of the best distinct
     local minima get forest moves (``forest_roots`` roots tried per round).
+    ``region_roots``: roots per sweep of exact region moves on the best plan (0: none);
+    ``time_limit_s`` also bounds these sweeps.
     ``progress`` receives one line per start and per improving restart.
     """
     t0 = time.perf_counter()
@@ -448,6 +521,12 @@ def coordinate_descent(problem: SearchProblem, starts: dict[str, np.ndarray] | N
             sweeps += engine.descend(max_sweeps)
             offer(A.cost(engine.a), name, engine.a, sweeps)
 
+    # 2b. exact region moves from every root of the best plan: cyclic blocks forest moves cannot take
+    deadline = None if time_limit_s is None else t0 + time_limit_s
+    if region_roots:
+        sweeps = _region_polish(engine, best[2], max_sweeps, deadline, region_roots)
+        offer(A.cost(engine.a), best[1], engine.a, best[3] + sweeps)
+
     # 3. restarts: exact re-optimisation around a random root, or a random kick, then descent
     n = problem.n
     best_before_restarts = best[0]
@@ -486,6 +565,9 @@ def coordinate_descent(problem: SearchProblem, starts: dict[str, np.ndarray] | N
         engine.reset(best[2])
         sweeps = engine.descend(max_sweeps)
         offer(A.cost(engine.a), best[1], engine.a, best[3] + sweeps)
+        if region_roots:
+            sweeps = _region_polish(engine, best[2], max_sweeps, deadline, region_roots)
+            offer(A.cost(engine.a), best[1], engine.a, best[3] + sweeps)
     cost, name, a, sweeps = best
     feasible_start_costs = [start_costs[s] for s, a0 in all_starts.items() if problem.feasible(a0)]
     assert not feasible_start_costs or cost <= min(feasible_start_costs), "descent lost its best start"
@@ -493,6 +575,16 @@ def coordinate_descent(problem: SearchProblem, starts: dict[str, np.ndarray] | N
                         method="coordinate_descent", start=name, sweeps=sweeps,
                         start_costs=start_costs, descended_costs=descended,
                         seconds=time.perf_counter() - t0)
+
+
+def _region_polish(engine: _Engine, a: np.ndarray, max_sweeps: int, deadline: float | None,
+                   roots: int) -> int:
+    """Region sweeps from ``a`` until none improves, then forest moves; returns descent sweeps."""
+    engine.reset(a)
+    sweeps = engine.descend(max_sweeps, forest=False)
+    while engine.region_sweep(max_sweeps, deadline, roots):
+        sweeps += engine.descend(max_sweeps)
+    return sweeps
 
 
 def _lagrangian_starts(A: _Arrays, groups, rng, max_sweeps: int):

@@ -10,6 +10,7 @@ when its frontiers are not truncated.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import numpy as np
@@ -276,3 +277,177 @@ def forest_dp(parent: list[int], mxp: list, unary: list[np.ndarray]) -> np.ndarr
         p = parent[j]
         vals[:, j] = total[j].argmin(axis=1) if p < 0 else arg[j][rows, vals[:, p]]
     return vals
+
+
+# -- bounded-width regions ------------------------------------------------------------------
+#
+# A forest move cannot re-optimise a block with a cycle in it, and real graphs have short
+# cycles everywhere (RoPE's rotate-half diamond, residual adds, a weight shared by two
+# consumers), so a local minimum that needs a cyclic group of ops to change together stays
+# put. A region move grows a block breadth first and keeps a node whenever eliminating the
+# block in reverse order of admission keeps every table at most ``budget`` entries: a
+# junction tree of bounded width, solved exactly by variable elimination. On a forest
+# every table is one edge matrix, so this generalises the forest DP to cycles.
+
+REGION_BUDGET = 1 << 16     # entries of the largest elimination table a region move builds
+REGION_SIZE = 32            # nodes per region move
+REGION_LAMBDAS = 12         # memory prices tried at once when the region's plan does not fit
+
+
+class Region:
+    """Nodes admitted in ``order``; ``scope[j]``: earlier positions node j's elimination
+    table depends on (its earlier neighbours plus the fill its later neighbours send it);
+    ``edges[j]``: (earlier position p, matrix (k_p, k_j)) for each region edge ending at j."""
+
+    def __init__(self) -> None:
+        self.order: list[int] = []
+        self.scope: list[set[int]] = []
+        self.edges: list[list[tuple[int, np.ndarray]]] = []
+        self.edge_ids: list[int] = []
+        self.plan: list[tuple] | None = None     # elimination plan, built on first solve
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+def _admit_fill(region: Region, scope: set[int], k: list[int], budget: int) -> list | None:
+    """Give a new last node ``scope``; pass the fill down the elimination chain.
+
+    Eliminating node j sends a table over scope[j] minus its largest member z to z, so
+    z's scope grows by that set, and so on down. Returns the (position, old scope)
+    changes made, or None (nothing changed) when some table would exceed ``budget``.
+    """
+    sizes = [k[x] for x in region.order]
+    changes: list[tuple[int, set[int]]] = []
+    current = scope
+    while current:
+        z = max(current)
+        add = current - {z} - region.scope[z]
+        if not add:
+            break
+        grown = region.scope[z] | add
+        if sizes[z] * math.prod(sizes[s] for s in grown) > budget:
+            for pos, old in reversed(changes):
+                region.scope[pos] = old
+            return None
+        changes.append((z, region.scope[z]))
+        region.scope[z] = grown
+        current = grown
+    return changes
+
+
+def grow_region(A: _Arrays, root: int, max_size: int = REGION_SIZE, budget: int = REGION_BUDGET) -> Region:
+    """Breadth first from ``root``; keep a node when every elimination table stays within ``budget``."""
+    nbr, col_off, k = A.nbr_list, A.col_off_list, A.k_list
+    region = Region()
+    where: dict[int, int] = {}
+    seen = {root}
+    queue = deque([root])
+    while queue and len(region) < max_size:
+        x = queue.popleft()
+        kept = [(j, where[y]) for j, y in enumerate(nbr[x]) if y in where]
+        scope = {p for _, p in kept}
+        own = k[x] * math.prod(k[region.order[p]] for p in scope)
+        if own <= budget and _admit_fill(region, scope, k, budget) is not None:
+            where[x] = len(region.order)
+            region.order.append(x)
+            region.scope.append(scope)
+            region.edges.append([(p, A.mcat[x][:, col_off[x][j]:col_off[x][j] + k[region.order[p]]].T)
+                                 for j, p in kept])
+            region.edge_ids += [A.nbr_edge_list[x][j] for j, _ in kept]
+        for y in nbr[x]:
+            if y not in seen:
+                seen.add(y)
+                queue.append(y)
+    return region
+
+
+def _broadcast_shape(axes: list[int], target: list[int], sizes: list[int]) -> tuple[int, ...]:
+    """Shape that lets a table over ``axes`` (a sorted subset of ``target``) broadcast against ``target``."""
+    present = set(axes)
+    return tuple(sizes[t] if t in present else 1 for t in target)
+
+
+def _elimination_plan(region: Region, sizes: list[int]) -> list[tuple]:
+    """Per position j (built once per region): its table's axes, the sum of its region edges
+    over them, the shape its unary takes, and who sends it a message in which shape."""
+    senders: list[list[int]] = [[] for _ in range(len(region))]
+    for y, scope in enumerate(region.scope):
+        if scope:
+            senders[max(scope)].append(y)
+    plan = []
+    for j in range(len(region)):
+        axes = sorted(region.scope[j]) + [j]
+        static = np.zeros(tuple(sizes[t] for t in axes))
+        for p, m in region.edges[j]:
+            static = static + m.reshape(_broadcast_shape([p, j], axes, sizes))
+        inbox = [(y, _broadcast_shape(sorted(region.scope[y]), axes, sizes)) for y in senders[j]]
+        plan.append((axes, static[None], _broadcast_shape([j], axes, sizes), inbox))
+    return plan
+
+
+def solve_region(region: Region, unary: list[np.ndarray]) -> np.ndarray:
+    """Exact minimisers (C, L) of sum unary[j][c, x_j] + region edge costs, by variable
+    elimination in reverse admission order (``unary[j]`` is (C, k_j))."""
+    L = len(region)
+    C = unary[0].shape[0]
+    if region.plan is None:
+        region.plan = _elimination_plan(region, [u.shape[1] for u in unary])
+    messages: list[np.ndarray] = [None] * L  # type: ignore[list-item]
+    argmins: list[np.ndarray] = [None] * L  # type: ignore[list-item]
+    for j in range(L - 1, -1, -1):
+        axes, static, unary_shape, inbox = region.plan[j]
+        table = static + unary[j].reshape((C,) + unary_shape)
+        for y, shape in inbox:
+            table = table + messages[y].reshape((C,) + shape)
+        argmins[j] = table.argmin(axis=-1)
+        messages[j] = table.min(axis=-1)
+    vals = np.zeros((C, L), dtype=np.int64)
+    rows = np.arange(C)
+    for j in range(L):
+        vals[:, j] = argmins[j][(rows,) + tuple(vals[:, s] for s in region.plan[j][0][:-1])]
+    return vals
+
+
+def region_value(region: Region, unary: list[np.ndarray], vals: np.ndarray) -> np.ndarray:
+    """(C,) objective of the region for each row of ``vals`` (C, L)."""
+    rows = np.arange(vals.shape[0])
+    value = sum(u[np.minimum(rows, u.shape[0] - 1), vals[:, j]] for j, u in enumerate(unary))
+    for j, edges in enumerate(region.edges):
+        for p, m in edges:
+            value = value + m[vals[:, p], vals[:, j]]
+    return value
+
+
+def solve_region_within(region: Region, unary: list[np.ndarray], memv: list[np.ndarray],
+                        room: float | None) -> tuple[np.ndarray, float, float] | None:
+    """The region's cheapest plan whose node memory fits ``room``: (choices, cost, memory).
+
+    Exact when the unconstrained optimum fits; otherwise the cheapest fitting minimiser
+    of cost + lambda * memory over a geometric grid of lambda, refined once around the
+    smallest price that fits. None when no price makes it fit.
+    """
+    vals = solve_region(region, unary)
+    mem = float(sum(m[v] for m, v in zip(memv, vals[0])))
+    if room is None or mem <= room:
+        return vals[0], float(region_value(region, unary, vals)[0]), mem
+    spread_m = sum(float(np.ptp(m)) for m in memv)
+    if spread_m <= 0:
+        return None
+    lam0 = (sum(float(np.ptp(u)) for u in unary) + 1e-300) / spread_m
+    grid = lam0 * np.geomspace(1e-3, 1e3, REGION_LAMBDAS)
+    best = None
+    for _ in range(2):
+        vals = solve_region(region, [u + grid[:, None] * m[None, :] for u, m in zip(unary, memv)])
+        mems = sum(m[vals[:, j]] for j, m in enumerate(memv))
+        costs = region_value(region, unary, vals)
+        fits = np.flatnonzero(mems <= room)
+        if len(fits) == 0:
+            return best
+        c = int(fits[np.argmin(costs[fits])])
+        if best is None or costs[c] < best[1]:
+            best = (vals[c], float(costs[c]), float(mems[c]))
+        first = int(fits.min())
+        lo = grid[first - 1] if first > 0 else grid[first] / 10
+        grid = np.linspace(lo, grid[first], REGION_LAMBDAS)
+    return best

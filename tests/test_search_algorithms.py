@@ -161,7 +161,7 @@ def layered_two_basins(instances: int = 4) -> tuple[SearchProblem, np.ndarray]:
 
 def test_block_move_finds_the_joint_optimum():
     p, start = layered_two_basins()
-    plain = dict(restarts=0, polish=0, forest_roots=0, pair_moves=False, lagrangian=False)
+    plain = dict(restarts=0, polish=0, forest_roots=0, pair_moves=False, lagrangian=False, region_roots=0)
     without = coordinate_descent(p, {"layer0_differs": start}, block_moves=False, **plain)
     with_blocks = coordinate_descent(p, {"layer0_differs": start}, block_moves=True, **plain)
     optimum = 4 * 1.2                                             # every instance BB, no mismatch
