@@ -30,8 +30,25 @@ Everything else:
 - max_pool / avg_pool: prod(kernel) per output element;
   adaptive_avg_pool: 1 per input element;
 - dropout: 1 per element in training, 0 (and no bytes) in eval or with p=0;
-- element-wise ops and anything not listed: 1 per output element;
-- embedding, views, copies, factories (zeros, arange, ...), cat/stack: 0.
+- scans (cumsum, cumprod, diff) and histc: 1 per input element; sort / topk / argsort:
+  numel(input)·ceil(log2(n)) comparisons, n the size of the sorted dim;
+- recurrent layers ``gru.input`` / ``lstm.input`` with G gates (3 / 4), hidden size H,
+  per layer, direction, time step and batch row: 2·G·H·(I + H) (the two matmuls, I the
+  layer's input size: the input's last dim, then H·directions), + 2·G·H with biases,
+  + E·H element-wise (E = 11 for GRU: 2 gate sums, 2 sigmoids, r·h, + i_n, tanh,
+  1 - z, two products and a sum; E = 13 for LSTM: 4 gate sums, 3 sigmoids, tanh,
+  f·c + i·g, tanh(c), o·tanh(c));
+- element-wise ops (torch's ``pointwise`` tag; bitwise, floor_divide, remainder): 1 per output element;
+- embedding, views, copies, factories (zeros, arange, ...), cat/stack, index/scatter: 0.
+
+Anything else -- an aten op not listed, or a custom op ``torch.ops.<ns>.<name>`` --
+is counted, in order: by a formula registered with ``register_flops("ns::name", fn)``
+(``fn(inputs, outputs, args, kwargs) -> int`` over TensorMetas; bundled:
+``transformers::grouped_mm_fallback``, 2·S·K·N for S token rows each multiplied by
+one expert's K×N matrix); by running the custom op's fake (meta) implementation under
+``FlopCounterMode`` on meta tensors of the same shapes, which counts its matmuls and
+convolutions when it has them; else as an *estimate* of 1 per output element, which
+``flop_source`` reports as ``"estimate"`` and ``autoddl.ops.coverage_report`` lists.
 
 Bytes: every input is read once and every output written once
 (``bytes_read = Σ nbytes(inputs)``, ``bytes_written = Σ nbytes(outputs)``);
@@ -42,9 +59,16 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Sequence
+from functools import lru_cache
+from typing import Any, Callable, Sequence
+
+import torch
 
 from autoddl.graph import TensorMeta, TensorRef
+
+# fn(input metas, output metas, args with TensorRefs, kwargs) -> forward FLOPs
+FlopFormula = Callable[[Sequence[TensorMeta], Sequence[TensorMeta], tuple, dict], int]
+_REGISTERED: dict[str, FlopFormula] = {}
 
 # Ops that return a view or alias of their input: no FLOPs, no bytes.
 VIEW_OPS = frozenset({
@@ -88,14 +112,29 @@ SDPA_OPS = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash
 _CONV_OPS = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "_convolution"})
 _CONV_T_OPS = frozenset({"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
 
+_SCAN_OPS = frozenset({"cumsum", "cumprod", "diff", "logcumsumexp", "histc", "bincount"})
+_SORT_OPS = frozenset({"sort", "topk", "argsort", "msort", "kthvalue"})
+_SORT_DIM_ARG = {"sort": 1, "argsort": 1, "topk": 2, "kthvalue": 2}   # position of the dim argument
+_UNTAGGED_ELEMENTWISE = frozenset({"__and__", "__or__", "__xor__", "__invert__", "__lshift__", "__rshift__",
+                                   "floor_divide", "remainder", "fmod"})  # element-wise, no pointwise tag
+_INDEX_OPS = frozenset({"index_put", "index_put_", "scatter", "scatter_", "masked_scatter", "index_copy",
+                        "_unsafe_index", "_unsafe_index_put", "masked_select", "take"})
+# recurrent op -> (gates, element-wise FLOPs per hidden unit and step)
+_RNN = {"gru": (3, 11), "lstm": (4, 13)}
 
-def op_flops(op: str, inputs: Sequence[TensorMeta], outputs: Sequence[TensorMeta], args: tuple) -> int:
-    """Forward FLOPs of aten op ``op`` (short name, e.g. ``"addmm"``); formulas in the module docstring.
 
-    ``inputs`` are the metas of the op's tensor arguments in order, ``args`` its fx
-    args with tensors replaced by :class:`TensorRef` (``None`` where an optional
-    tensor such as a bias is absent).
+def op_flops(op: str, inputs: Sequence[TensorMeta], outputs: Sequence[TensorMeta], args: tuple,
+             kwargs: dict | None = None) -> int:
+    """Forward FLOPs of op ``op`` (aten short name, e.g. ``"addmm"``, or a custom op's
+    ``"ns.name.overload"``); formulas in the module docstring.
+
+    ``inputs`` are the metas of the op's tensor arguments in order, ``args`` (and
+    ``kwargs``) its fx arguments with tensors replaced by :class:`TensorRef` (``None``
+    where an optional tensor such as a bias is absent).
     """
+    registered = _REGISTERED.get(_op_key(op))
+    if registered is not None:
+        return int(registered(inputs, outputs, args, kwargs or {}))
     out_numel = sum(o.numel for o in outputs)
     if op in VIEW_OPS or op in COPY_OPS or op in _CAST_OPS or op in _FACTORY_OPS or op == "embedding":
         return 0
@@ -153,7 +192,158 @@ def op_flops(op: str, inputs: Sequence[TensorMeta], outputs: Sequence[TensorMeta
         return inputs[0].numel
     if op == "dropout":  # dropout(x, p, train)
         return out_numel if _dropout_active(args) else 0
+    return _other_flops(op, inputs, outputs, args, kwargs or {})
+
+
+def _other_flops(op: str, inputs: Sequence[TensorMeta], outputs: Sequence[TensorMeta], args: tuple,
+                 kwargs: dict) -> int:
+    """Scans, sorts, recurrent layers, bitwise and index ops, custom ops; else 1 per output element."""
+    out_numel = sum(o.numel for o in outputs)
+    if op in _INDEX_OPS:
+        return 0
+    if op in _SCAN_OPS:
+        return inputs[0].numel
+    if op in _SORT_OPS:
+        pos = _SORT_DIM_ARG.get(op, 99)
+        dim = args[pos] if len(args) > pos else kwargs.get("dim", 0 if op == "msort" else -1)
+        size = inputs[0].shape[dim] if inputs[0].ndim and isinstance(dim, int) else 1
+        return inputs[0].numel * max(1, math.ceil(math.log2(max(size, 1))))
+    if op in _RNN:
+        return _rnn_flops(op, inputs, args)
+    if is_custom_op(op):
+        key = (op, tuple((m.shape, m.dtype) for m in inputs), repr(args), repr(kwargs))
+        if key not in _FAKE_CACHE:
+            _FAKE_CACHE[key] = _fake_impl_flops(op, inputs, args, kwargs)
+        counted = _FAKE_CACHE[key]
+        if counted is not None:
+            return counted
     return out_numel  # element-wise default: one FLOP per output element
+
+
+def _rnn_flops(op: str, inputs: Sequence[TensorMeta], args: tuple) -> int:
+    """gru/lstm.input(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+    batch_first): the formula in the module docstring, summed over layers and directions."""
+    gates, elementwise = _RNN[op]
+    x, h0 = inputs[0], inputs[1]                              # x (T, B, I) or (B, T, I); h0 (L·D, B, H)
+    has_biases, layers, bidirectional, batch_first = bool(args[3]), int(args[4]), bool(args[7]), bool(args[8])
+    directions = 2 if bidirectional else 1
+    hidden = h0.shape[-1]
+    steps_rows = x.numel // x.shape[-1]                       # T·B
+    total = 0
+    for layer in range(layers):
+        size_in = x.shape[-1] if layer == 0 else hidden * directions
+        per_row = 2 * gates * hidden * (size_in + hidden) + (2 * gates * hidden if has_biases else 0) \
+            + elementwise * hidden
+        total += directions * steps_rows * per_row
+    return total
+
+
+_KNOWN_OPS = (VIEW_OPS | COPY_OPS | _CAST_OPS | _FACTORY_OPS | _CONV_OPS | _CONV_T_OPS | _SCAN_OPS | _SORT_OPS
+              | _UNTAGGED_ELEMENTWISE | _INDEX_OPS | {
+                  "embedding", "mm", "addmm", "linear", "bmm", "baddbmm", "matmul", "einsum", "softmax", "_softmax",
+                  "log_softmax", "_log_softmax", "_safe_softmax", "cross_entropy_loss", "nll_loss", "nll_loss_nd",
+                  "nll_loss_forward", "nll_loss2d_forward", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+                  "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices", "max_pool3d_with_indices",
+                  "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+                  "adaptive_avg_pool3d", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_max_pool2d",
+                  "dropout"})
+
+
+def register_flops(op: str, fn: FlopFormula) -> None:
+    """Count the forward FLOPs of ``op`` (``"ns::name"``, e.g. ``"mylib::fused_mlp"``) with ``fn``.
+
+    ``fn(inputs, outputs, args, kwargs) -> int`` gets the op's tensor inputs and outputs
+    as :class:`TensorMeta` (``.shape``, ``.dtype``, ``.numel``), its fx args with tensors
+    replaced by :class:`TensorRef`, and its kwargs. A registered formula wins over the
+    bundled ones, so an aten op (``"aten::gelu"``) may be re-priced too. Register before
+    tracing: FLOPs are computed when the graph is built.
+    """
+    if not callable(fn):
+        raise TypeError(f"register_flops({op!r}, fn): fn must be callable "
+                        "fn(inputs, outputs, args, kwargs) -> int, got {type(fn).__name__}")
+    _REGISTERED[_op_key(op)] = fn
+
+
+def flop_source(op: str) -> str:
+    """How ``op``'s FLOPs are counted: ``"registered"``, ``"formula"`` (this module's, or the op's
+    fake implementation's matmuls for a custom op), or ``"estimate"`` (1 per output element)."""
+    if _op_key(op) in _REGISTERED:
+        return "registered"
+    if is_custom_op(op):
+        return "formula" if _FAKE_COUNTED.get(_op_key(op)) else "estimate"
+    if op in _KNOWN_OPS or op in REDUCTIONS or op in NORMS or op in SDPA_OPS or op in _RNN:
+        return "formula"
+    overload = _aten_overload(op)
+    return "formula" if overload is not None and torch.Tag.pointwise in overload.tags else "estimate"
+
+
+def is_custom_op(op: str) -> bool:
+    """A ``<ns>.<name>[.<overload>]`` target of a namespace other than aten (e.g. transformers)."""
+    parts = op.split(".")
+    return len(parts) >= 2 and parts[0] not in ("aten", "prims") and hasattr(torch.ops, parts[0]) \
+        and not parts[0].startswith("_")
+
+
+def _op_key(op: str) -> str:
+    """``"ns::name[.overload]"``, ``"ns.name.overload"`` or an aten short name -> ``"ns.name"``."""
+    parts = op.replace("::", ".").split(".")
+    return f"aten.{parts[0]}" if len(parts) == 1 else f"{parts[0]}.{parts[1]}"
+
+
+@lru_cache(maxsize=None)
+def _aten_overload(op: str):
+    packet = getattr(torch.ops.aten, op, None)
+    if packet is None:
+        return None
+    names = packet.overloads()
+    return getattr(packet, names[0]) if names else None
+
+
+_FAKE_COUNTED: dict[str, bool] = {}   # "ns.name" -> its fake implementation counted some FLOPs
+_FAKE_CACHE: dict[tuple, int | None] = {}
+
+
+def _fake_impl_flops(op: str, inputs: Sequence[TensorMeta], args: tuple, kwargs: dict) -> int | None:
+    """FLOPs of custom op ``op`` counted by FlopCounterMode while its fake implementation runs on
+    meta tensors of these shapes; None when it has none, fails, or does no counted work."""
+    from torch._library.simple_registry import singleton
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ns, name = _op_key(op).split(".")
+    kernel = singleton.find(f"{ns}::{name}").fake_impl.kernel
+    if kernel is None:
+        return None
+    tensors = iter(torch.empty(m.shape, dtype=getattr(torch, m.dtype, torch.float32), device="meta")
+                   for m in inputs)
+    real_args = _fill_refs(args, tensors)
+    real_kwargs = {k: _fill_refs(v, tensors) for k, v in kwargs.items()}
+    try:
+        with FlopCounterMode(display=False) as counter:
+            kernel.func(*real_args, **real_kwargs)
+    except Exception:  # a fake impl may need a FakeTensorMode context or concrete values
+        return None
+    total = int(counter.get_total_flops())
+    _FAKE_COUNTED[f"{ns}.{name}"] = total > 0
+    return total if total > 0 else None
+
+
+def _fill_refs(value: Any, tensors) -> Any:
+    if isinstance(value, TensorRef):
+        return next(tensors)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fill_refs(v, tensors) for v in value)
+    return value
+
+
+def _grouped_mm_flops(inputs: Sequence[TensorMeta], outputs: Sequence[TensorMeta], args: tuple,
+                      kwargs: dict) -> int:
+    """transformers::grouped_mm_fallback(input (S, K), weight (E, K, N), offs (E,)): every one of
+    the S token rows is multiplied by exactly one expert's K×N matrix."""
+    (s, k), n = inputs[0].shape, inputs[1].shape[-1]
+    return 2 * s * k * n
+
+
+register_flops("transformers::grouped_mm_fallback", _grouped_mm_flops)
 
 
 def op_bytes(op: str, inputs: Sequence[TensorMeta], outputs: Sequence[TensorMeta],

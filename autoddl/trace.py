@@ -21,6 +21,7 @@ import re
 import sys
 import sysconfig
 import traceback
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -169,8 +170,19 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[..., torch.Te
     if printed.getvalue():
         sys.stderr.write(printed.getvalue())  # export succeeded: pass its warnings on
     inline_higher_order_ops(exported, name)
-    return graph_from_exported(exported, name=name, strip_prefix="" if plain else "model.",
-                               loss_wrapped=loss_fn is not None)
+    graph = graph_from_exported(exported, name=name, strip_prefix="" if plain else "model.",
+                                loss_wrapped=loss_fn is not None)
+    warn_uncovered(graph)
+    return graph
+
+
+def warn_uncovered(graph: OpGraph) -> None:
+    """One UncoveredOpWarning listing the ops without an SBP rule or FLOP formula, if any."""
+    from autoddl.ops import UncoveredOpWarning, coverage_report
+
+    report = coverage_report(graph)
+    if report:
+        warnings.warn(f"{graph.model_name}: " + "; ".join(report.lines()), UncoveredOpWarning, stacklevel=3)
 
 
 # Higher-order ops torch.export wraps a region of ops in, by name: the position of the region's
@@ -457,7 +469,7 @@ def _op_node(fx_node: torch.fx.Node, param_placeholder: dict[str, str], fqn, mod
     return OpNode(
         name=fx_node.name, kind=NodeKind.OP, target=target, inputs=refs, input_metas=input_metas,
         outputs=outputs, args=args, kwargs=kwargs,
-        flops=op_flops(short, input_metas, outputs, args), bytes_read=read, bytes_written=written,
+        flops=op_flops(short, input_metas, outputs, args, kwargs), bytes_read=read, bytes_written=written,
         params=tuple(param_placeholder[r.node] for r in refs if r.node in param_placeholder),
         module_path=module_path, module_type=module_type,
     )

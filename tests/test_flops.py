@@ -208,3 +208,111 @@ def test_dtype_cast_copies_only_when_dtype_changes():
 def test_unknown_op_falls_back_to_elementwise():
     metas = [TensorMeta((5, 2), "float32")]
     assert op_flops("some_new_op", metas, metas, ()) == 10
+
+
+# -- recurrent layers, sorts, custom ops, registered formulas, the coverage report -----------------------
+
+@pytest.mark.parametrize("cell, gates, elementwise", [(nn.GRU, 3, 11), (nn.LSTM, 4, 13)])
+@pytest.mark.parametrize("layers, bidirectional", [(1, False), (2, True)])
+def test_recurrent_layer_against_hand_count(cell, gates, elementwise, layers, bidirectional):
+    seq, batch, size_in, hidden = 7, 3, 10, 6
+    rnn = cell(size_in, hidden, num_layers=layers, bidirectional=bidirectional, batch_first=True)
+    target = "aten.gru.input" if cell is nn.GRU else "aten.lstm.input"
+    node = only(rnn, (r(batch, seq, size_in),), target)
+    dirs = 2 if bidirectional else 1
+    expected = 0
+    for layer in range(layers):
+        i = size_in if layer == 0 else hidden * dirs
+        matmuls = 2 * (gates * hidden * i) + 2 * (gates * hidden * hidden)   # W_ih x and W_hh h per step
+        biases = 2 * gates * hidden                                           # b_ih and b_hh
+        expected += dirs * seq * batch * (matmuls + biases + elementwise * hidden)
+    assert node.flops == expected
+
+
+def test_big_gru_is_not_free():
+    """The issue's case: a GRU was priced at 0.008 GFLOPs instead of ~100."""
+    with torch.device("meta"):
+        gru = nn.GRU(1024, 1024, num_layers=2, batch_first=True)
+    node = only(gru, (torch.empty(32, 512, 1024, device="meta"),), "aten.gru.input")
+    per_layer = 32 * 512 * (2 * 3 * 1024 * (1024 + 1024) + 2 * 3 * 1024 + 11 * 1024)
+    assert node.flops == 2 * per_layer and node.flops > 400e9
+
+
+def test_topk_and_sort_count_comparisons():
+    node = only(Fn(lambda x: torch.topk(x, 2, dim=-1).values), (r(4, 16),), "aten.topk.default")
+    assert node.flops == 4 * 16 * 4                                  # log2(16) = 4 per element
+    node = only(Fn(lambda x: torch.sort(x, dim=0).values), (r(8, 3),), "aten.sort.default")
+    assert node.flops == 8 * 3 * 3
+
+
+@torch.library.custom_op("autoddl_test::proj", mutates_args=())
+def _proj(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w
+
+
+@_proj.register_fake
+def _proj_fake(x, w):
+    return x @ w                       # the fake implementation has the matmul structure
+
+
+@torch.library.custom_op("autoddl_test::opaque", mutates_args=())
+def _opaque(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x @ w).relu()
+
+
+@_opaque.register_fake
+def _opaque_fake(x, w):
+    return x.new_empty(x.shape[0], w.shape[1])      # shapes only: nothing to count
+
+
+def test_custom_op_flops_from_its_fake_implementation():
+    from autoddl.flops import flop_source
+
+    node = only(Fn(torch.ops.autoddl_test.proj), (r(6, 5), r(5, 7)), "autoddl_test.proj.default")
+    assert node.flops == 2 * 6 * 5 * 7
+    assert flop_source(node.op_name) == "formula"
+
+
+def test_custom_op_without_structure_is_reported_then_registered():
+    from autoddl.flops import _REGISTERED, flop_source
+    from autoddl.ops import UncoveredOpWarning, coverage_report
+
+    module, inputs = Fn(lambda x, w: torch.ops.autoddl_test.opaque(x, w) * 2), (r(6, 5), r(5, 7))
+    with pytest.warns(UncoveredOpWarning, match=r"without a FLOP formula.*autoddl_test\.opaque\.default x1"):
+        graph = autoddl.trace(module, inputs)
+    (node,) = [n for n in graph.ops() if n.target == "autoddl_test.opaque.default"]
+    assert node.flops == 6 * 7 and flop_source(node.op_name) == "estimate"   # 1 per output element
+    report = coverage_report(graph)
+    assert report.no_flops == {"autoddl_test.opaque.default": 1}
+    assert report.no_rule == {"autoddl_test.opaque.default": 1}              # and replicated: no SBP rule
+    try:
+        autoddl.register_flops("autoddl_test::opaque", lambda ins, outs, args, kw:
+                               2 * ins[0].shape[0] * ins[0].shape[1] * ins[1].shape[1] + outs[0].numel)
+        (node,) = [n for n in autoddl.trace(module, inputs).ops() if n.target == "autoddl_test.opaque.default"]
+        assert node.flops == 2 * 6 * 5 * 7 + 6 * 7
+        assert coverage_report(autoddl.trace(module, inputs)).no_flops == {}
+    finally:
+        _REGISTERED.pop("autoddl_test.opaque", None)
+
+
+def test_register_flops_rejects_a_non_callable():
+    with pytest.raises(TypeError, match=r"register_flops\('x::y', fn\): fn must be callable"):
+        autoddl.register_flops("x::y", 3)
+
+
+def test_grouped_mm_fallback_counts_one_expert_matmul_per_token():
+    transformers_moe = pytest.importorskip("transformers.integrations.moe")
+    assert transformers_moe is not None
+    tokens, k, n, experts = 12, 8, 5, 4
+    offs = torch.tensor([3, 6, 9, 12])
+    node = only(Fn(torch.ops.transformers.grouped_mm_fallback), (r(tokens, k), r(experts, k, n), offs),
+                "transformers.grouped_mm_fallback.default")
+    assert node.flops == 2 * tokens * k * n
+
+
+def test_coverage_report_of_a_covered_model_is_empty():
+    from autoddl.ops import coverage_report
+
+    graph = autoddl.trace(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.LayerNorm(8)), (r(2, 4),))
+    report = coverage_report(graph)
+    assert not report and report.lines() == []

@@ -19,10 +19,13 @@ Local kernels (few, all listed here):
 from __future__ import annotations
 
 import itertools
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
+from autoddl.flops import flop_source
 from autoddl.graph import NodeKind, OpGraph, OpNode
 from autoddl.ops.registry import RULES, Sig1D, all_b
 from autoddl.sbp import B, P, NdSbp, Signature, S
@@ -35,6 +38,7 @@ from autoddl.ops import (  # noqa: E402,F401  (imported for their registrations)
 __all__ = [
     "Sig1D", "rule_1d", "candidate_signatures", "has_rule", "unsupported_ops", "placeholder_candidates",
     "aten_op", "local_args", "local_kernel", "local_callable", "localize_devices", "RULES",
+    "CoverageReport", "UncoveredOpWarning", "coverage_report",
 ]
 
 
@@ -97,6 +101,58 @@ def has_rule(node: OpNode) -> bool:
 def unsupported_ops(graph: OpGraph) -> list[str]:
     """Names of the op nodes that have no rule and therefore only get the all-B signature."""
     return [n.name for n in graph.ops() if not has_rule(n)]
+
+
+class UncoveredOpWarning(UserWarning):
+    """A traced graph has ops without an SBP rule or a FLOP formula (see coverage_report)."""
+
+
+@dataclass(frozen=True)
+class CoverageReport:
+    """The ops of a graph that autoddl only approximates, by target, with their counts.
+
+    ``no_rule``: ops without an SBP rule; they get only the all-B signature (every
+    device computes the whole op, so they are never sharded). ``no_flops``: ops whose
+    FLOPs are an estimate of 1 per output element (no formula in autoddl.flops, no
+    ``register_flops`` entry, no matmul in a custom op's fake implementation).
+    """
+
+    model_name: str = ""
+    no_rule: dict[str, int] = field(default_factory=dict)
+    no_flops: dict[str, int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.no_rule or self.no_flops)
+
+    def lines(self) -> list[str]:
+        """One line per kind of gap, ``target xN`` most frequent first, with what to do."""
+        out = []
+        if self.no_rule:
+            out.append(f"{sum(self.no_rule.values())} ops without an SBP rule (planned replicated, all-B): "
+                       + _counts(self.no_rule))
+        if self.no_flops:
+            out.append(f"{sum(self.no_flops.values())} ops without a FLOP formula (counted 1 FLOP per output "
+                       f"element): {_counts(self.no_flops)}; give them one with "
+                       "autoddl.register_flops('ns::op', fn)")
+        return out
+
+
+def _counts(by_target: dict[str, int]) -> str:
+    return ", ".join(f"{t} x{n}" for t, n in sorted(by_target.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def coverage_report(graph: OpGraph) -> CoverageReport:
+    """Which op targets of ``graph`` have no SBP rule and which have no FLOP formula, counted."""
+    no_rule: Counter[str] = Counter()
+    no_flops: Counter[str] = Counter()
+    for node in graph.ops():
+        if node.target == "getitem":
+            continue
+        if not has_rule(node):
+            no_rule[node.target] += 1
+        if flop_source(node.op_name) == "estimate":
+            no_flops[node.target] += 1
+    return CoverageReport(graph.model_name, dict(no_rule), dict(no_flops))
 
 
 def candidate_signatures(node: OpNode, mesh_shape: Sequence[int]) -> list[Signature]:
