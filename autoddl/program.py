@@ -51,8 +51,14 @@ def comm_stream(axis: int) -> str:
 # -- layouts of a plan ----------------------------------------------------------------------------
 
 def signature_of(plan: Plan, node: OpNode) -> Signature:
-    """The plan's signature for an op / input / buffer node, checked against the node."""
+    """The plan's signature for an op / input / buffer node, checked against the node. A
+    ``getitem`` the plan does not name reads its output of a multi-output op as that op holds it."""
     sig = plan.signatures.get(node.name)
+    if sig is None and node.target == "getitem" and node.inputs:
+        ref = node.inputs[0]
+        held = plan.signatures[ref.node].outputs[ref.index] if ref.node in plan.signatures else None
+        if held is not None:
+            return Signature((held,), (held,))
     what = {NodeKind.OP: "op", NodeKind.INPUT: "input", NodeKind.BUFFER: "buffer"}.get(node.kind, node.kind.value)
     if sig is None:
         raise ValueError(f"plan {plan.name!r}: signatures has no entry for {what} {node.name!r} "
@@ -275,7 +281,8 @@ class _Lowering:
             backward = gradient_moves(meta.nbytes, grad, src, self.mesh) if grad is not None else ()
             self.prog.edges[key] = EdgeBox(key, meta, src, label, boxing_moves(meta.nbytes, src, dst, self.mesh),
                                            backward)
-            self.emit_moves(self.prog.edges[key].forward, "forward", label, consumer)
+            charge = ref.node if consumer == "output" else consumer     # per-op times add up
+            self.emit_moves(self.prog.edges[key].forward, "forward", label, charge)
             self.first_consumer[key] = consumer
         return key
 
@@ -346,7 +353,7 @@ class _Lowering:
             firsts.setdefault(consumer, []).append(source)
         loss = self.prog.edges[self.prog.loss] if self.prog.loss is not None else None
         if loss is not None and loss.key.grad is not None:
-            self.emit_moves(loss.backward, "backward", loss.label, "output")
+            self.emit_moves(loss.backward, "backward", loss.label, loss.key.node)
         remaining = {b.index: len(b.uses) for b in self.prog.buckets}
         self.bucket_tasks: list[int] = []
         for node in reversed(ops):

@@ -86,3 +86,24 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
         stream_free[task.stream] = finish
         timed.append(TimedTask(task, start, finish))
     return Timeline(timed)
+
+
+def chrome_trace(timeline: Timeline, ranks: int = 1) -> dict:
+    """The timeline as Chrome-trace / Perfetto JSON: one process per rank, one thread (track) per
+    stream, one complete event per task (times in µs). Every rank runs the same program, so the
+    ranks' tracks are the same; they are there to sit beside a measured trace of each rank."""
+    streams = sorted({t.task.stream for t in timeline.tasks}, key=lambda s: (s != COMPUTE, s))
+    tid = {s: i for i, s in enumerate(streams)}
+    events: list[dict] = []
+    for rank in range(ranks):
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank} (predicted)"}})
+        events += [{"ph": "M", "name": "thread_name", "pid": rank, "tid": tid[s], "args": {"name": s}}
+                   for s in streams]
+        for t in timeline.tasks:
+            task = t.task
+            name = (f"{task.collective.value} {task.tensor}" if task.is_collective
+                    else f"{task.phase} {task.op}")
+            events.append({"ph": "X", "name": name, "cat": task.phase, "pid": rank, "tid": tid[task.stream],
+                           "ts": t.start_s * 1e6, "dur": t.duration_s * 1e6,
+                           "args": {"bytes": task.nbytes, "axis": task.axis, "local_flops": task.local_flops}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}

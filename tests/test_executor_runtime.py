@@ -160,35 +160,39 @@ def traced_for(name: str):
     return traced(MLP, f_mse) if name == "dp_mse" else traced()
 
 
-OPTIMIZER = {"dp_fallback": "sgd", "reshape_tp_fallback": "adamw", "dp_mse_fallback": "sgd", "dp": "sgd", "tp": "adamw", "zero3": "adamw", "dp_tp": "sgd", "dp_gather": "sgd",
+OPTIMIZER = {"dp": "sgd", "tp": "adamw", "zero3": "adamw", "dp_tp": "sgd", "dp_gather": "sgd",
              "tp_sp": "adamw", "mixed": "adamw", "dp_no_rule": "sgd", "reshape_dp": "adamw",
              "reshape_tp": "sgd", "dp_mse": "adamw"}
 
 
+def _no_gradient_rule(input_nd, op_outputs):
+    """A gradient 'rule' that calls every gradient what its input is: P -> B, else unchanged."""
+    from autoddl.sbp import B, NdSbp
+
+    return NdSbp(tuple(B if s.is_partial() else s for s in input_nd))
+
+
 def _check_plans(names: list[str]):
     """On every rank: run_check (2 steps) and an audited step for each plan."""
-    from executor import interpreter
+    from autoddl import program
     from executor.runtime import DistributedModel, audit_step, build_optimizer, init_mesh, run_check
 
     mesh, out = None, {}
     for name in names:
-        base = name.removesuffix("_no_rule").removesuffix("_fallback")
+        base = name.removesuffix("_no_rule")
         model, inputs, graph = traced_for(base)
         loss_fn = f_mse if base == "dp_mse" else mse
         plan = make_plan(graph, base)
         mesh = mesh or init_mesh(plan)
-        rule, ops_local_args = interpreter.grad_placements_for, interpreter.ops_local_args
-        if name.endswith("_no_rule"):  # to_local's default grad placements (P -> B, else unchanged)
-            interpreter.grad_placements_for = lambda nd, outs: tuple(
-                Replicate() if p.is_partial() else p for p in nd.to_placements())
-        if name.endswith("_fallback"):  # the executor's own local args and mean scaling
-            interpreter.ops_local_args = None
+        rule = program.grad_ndsbp
+        if name.endswith("_no_rule"):
+            program.grad_ndsbp = _no_gradient_rule
         try:
             errors = run_check(model, inputs, loss_fn, graph, plan, mesh, optimizer=OPTIMIZER[name], steps=2)
             dmodel = DistributedModel(model, graph, plan, mesh)
             records = audit_step(dmodel, inputs, build_optimizer(OPTIMIZER[name], dmodel.parameters()))
         finally:
-            interpreter.grad_placements_for, interpreter.ops_local_args = rule, ops_local_args
+            program.grad_ndsbp = rule
         out[name] = (errors, records)
     return out
 
@@ -196,9 +200,9 @@ def _check_plans(names: list[str]):
 @pytest.fixture(scope="module")
 def two_rank_results():
     names = ["dp", "tp", "zero3", "dp_gather", "tp_sp", "mixed", "dp_no_rule", "reshape_dp", "reshape_tp",
-             "dp_mse", "dp_fallback", "reshape_tp_fallback", "dp_mse_fallback"]
+             "dp_mse"]
     for name in names:
-        traced_for(name.removesuffix("_fallback"))
+        traced_for(name)
     return run_ranks(_check_plans, 2, names,
                      timeout_s=60)
 
@@ -228,8 +232,7 @@ B_LOCAL = 4  # batch 8 split over 2
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["dp", "tp", "zero3", "dp_gather", "tp_sp", "mixed", "reshape_dp",
-                                  "reshape_tp", "dp_mse", "dp_fallback", "reshape_tp_fallback",
-                                  "dp_mse_fallback"])
+                                  "reshape_tp", "dp_mse"])
 def test_two_rank_plan_matches_single_process(two_rank_results, name):
     _assert_matches(two_rank_results, name)
 
@@ -237,17 +240,17 @@ def test_two_rank_plan_matches_single_process(two_rank_results, name):
 @pytest.mark.distributed
 def test_dp_tp_2x2_matches_single_process(four_rank_results):
     _assert_matches(four_rank_results, "dp_tp")
-    # tp axis: fc2's P output (local batch 4 x 8) all-reduced; dp axis: the scalar loss and
-    # the four parameter gradients (local tp shards) all-reduced
-    expected = sorted([("forward", "all_reduce", 1, B_LOCAL * 8 * F32), ("forward", "all_reduce", 0, F32)]
-                      + [("grad_sync", "all_reduce", 0, n * F32) for n in (8 * 8, 8, 8 * 8, 8)])
+    # tp axis: fc2's P output (local batch 4 x 8) all-reduced; dp axis: the scalar loss, and the
+    # four parameter gradients (local tp shards) all-reduced in one bucket
+    expected = sorted([("forward", "all_reduce", 1, B_LOCAL * 8 * F32), ("forward", "all_reduce", 0, F32),
+                       ("grad_sync", "all_reduce", 0, sum((8 * 8, 8, 8 * 8, 8)) * F32)])
     for res in four_rank_results:
         assert _comms(res["dp_tp"][1]) == expected
 
 
 @pytest.mark.distributed
-def test_without_grad_placements_rule_dp_grads_are_wrong(two_rank_results):
-    """to_local's default labels a data-parallel weight's share as Replicate: no all-reduce."""
+def test_without_the_gradient_rule_dp_grads_are_wrong(two_rank_results):
+    """Calling a data-parallel weight's share of the gradient B (as its input is) syncs nothing."""
     errors, records = two_rank_results[0]["dp_no_rule"]
     assert errors["grad/fc1.weight"] > 1e-2 and errors["grad/fc2.weight"] > 1e-2
     assert not [r for r in records if r.phase == "grad_sync"]
@@ -258,15 +261,16 @@ PARAM_NUMEL = {"fc1.weight": 16 * 8, "fc1.bias": 16, "fc2.weight": 8 * 16, "fc2.
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name,expected", [
-    ("dp", [("forward", "all_reduce", 0, F32)]
-     + [("grad_sync", "all_reduce", 0, n * F32) for n in PARAM_NUMEL.values()]),
+    # the four gradients (1,160 bytes) fill one bucket below DDP's 1 MB first bucket
+    ("dp", [("forward", "all_reduce", 0, F32), ("grad_sync", "all_reduce", 0, sum(PARAM_NUMEL.values()) * F32)]),
+    # gloo carries the bucket's reduce-scatter out as an all-reduce of the whole buffer
     ("zero3", [("forward", "all_reduce", 0, F32)]
      + [("forward", "all_gather", 0, n * F32) for n in PARAM_NUMEL.values()]
-     + [("grad_sync", "all_reduce", 0, n * F32) for n in PARAM_NUMEL.values()]),
+     + [("grad_sync", "all_reduce", 0, sum(PARAM_NUMEL.values()) * F32)]),
     ("tp", [("forward", "all_reduce", 0, 8 * 8 * F32)]),
     ("dp_gather", [("forward", "all_reduce", 0, F32), ("forward", "all_gather", 0, 8 * 16 * F32),
                    ("backward", "all_gather", 0, 8 * 16 * F32)]
-     + [("grad_sync", "all_reduce", 0, n * F32) for n in PARAM_NUMEL.values()]),
+     + [("grad_sync", "all_reduce", 0, sum(PARAM_NUMEL.values()) * F32)]),
     ("tp_sp", [("forward", "all_reduce", 0, 8 * 8 * F32), ("forward", "all_reduce", 0, F32),
                ("backward", "all_gather", 0, 8 * 8 * F32)]),
 ])
@@ -277,30 +281,25 @@ def test_audit_records_planned_collectives(two_rank_results, name, expected):
 
 # -- single-process tests -----------------------------------------------------------------------
 
-def test_grad_placements_rule():
-    from torch.distributed.tensor import Partial as DPartial, Shard
-
+def test_gradient_rule():
+    from autoddl.boxing import grad_ndsbp
     from autoddl.sbp import NdSbp
-    from executor.interpreter import grad_placements_for
 
     nd = NdSbp.parse
     # DP weight: input B, output S(0) -> each rank holds a share: P
-    assert grad_placements_for(nd("[B]"), [nd("[S(0)]")]) == (DPartial(),)
+    assert grad_ndsbp(nd("[B]"), [nd("[S(0)]")]) == nd("[P]")
     # same computation everywhere: B
-    assert grad_placements_for(nd("[B]"), [nd("[B]")]) == (Replicate(),)
+    assert grad_ndsbp(nd("[B]"), [nd("[B]")]) == nd("[B]")
     # Megatron row-parallel bias used as P: its gradient is the (B) output gradient
-    assert grad_placements_for(nd("[P]"), [nd("[P]")]) == (Replicate(),)
+    assert grad_ndsbp(nd("[P]"), [nd("[P]")]) == nd("[B]")
     # split input: split gradient; per axis on a 2-D mesh
-    assert grad_placements_for(nd("[S(0), B]"), [nd("[S(0), S(1)]")]) == (Shard(0), DPartial())
-    assert grad_placements_for(nd("[B, B]"), [nd("[B, B]"), nd("[B, S(0)]")]) == (Replicate(), DPartial())
+    assert grad_ndsbp(nd("[S(0), B]"), [nd("[S(0), S(1)]")]) == nd("[S(0), P]")
+    assert grad_ndsbp(nd("[B, B]"), [nd("[B, B]"), nd("[B, S(0)]")]) == nd("[B, P]")
 
 
-@pytest.mark.parametrize("which", ["fallback", "ops"])
-def test_local_args_rewrite_shapes(which):
+def test_local_args_rewrite_shapes():
+    from autoddl.ops import local_args
     from autoddl.sbp import Signature
-    from executor import interpreter
-
-    local_args = interpreter.fallback_local_args if which == "fallback" else interpreter.ops_local_args
 
     _, _, graph = traced(ReshapeMLP)
     shape, sigs, _ = PLANS["reshape_tp"]
@@ -314,8 +313,7 @@ def test_local_args_rewrite_shapes(which):
 
 def test_validate_plan_names_every_problem():
     from autoddl.sbp import NdSbp, Signature
-    from executor.interpreter import PlanExecutionError
-    from executor.runtime import validate_plan
+    from executor.runtime import PlanExecutionError, validate_plan
 
     _, _, graph = traced()
     plan = make_plan(graph, "dp")
@@ -410,5 +408,5 @@ def test_worker_main_checks_and_audits(tmp_path):
     result = json.loads(out.read_text())
     assert result["check"]["ok"], result["check"]
     assert max(result["check"]["max_rel_error"].values()) <= 1e-4
-    assert result["collectives_summary"]["grad_sync/all_reduce/axis0"] == {
-        "count": 4, "bytes": sum(PARAM_NUMEL.values()) * F32}
+    assert result["collectives_summary"]["grad_sync/all_reduce/axis0"] == {   # one bucket
+        "count": 1, "bytes": sum(PARAM_NUMEL.values()) * F32}

@@ -141,11 +141,13 @@ def add_explain(subparsers) -> None:
                               help="why each op got its signature, and which collectives the plan inserts")
     p.add_argument("plan_json", metavar="PLAN_JSON")
     p.add_argument("--op", metavar="NAME", help="explain only this op")
+    p.add_argument("--trace", metavar="JSON", help="write the simulated step as a Chrome-trace / Perfetto JSON "
+                   "(one track per stream per rank; open it in ui.perfetto.dev or chrome://tracing)")
     p.set_defaults(func=run_explain)
 
 
 def run_explain(args: argparse.Namespace) -> int:
-    from costmodel.edges import plan_transitions
+    from autoddl.program import lower
     from search.formulate import formulate
 
     plan = Plan.load(args.plan_json)
@@ -161,10 +163,11 @@ def run_explain(args: argparse.Namespace) -> int:
     if args.op and args.op not in form.index:
         raise ValueError(f"--op {args.op}: no such op in {mf.name}; see `autoddl trace {plan.model}`")
     assignment = _assignment_of(plan, form)
+    program = lower(graph, plan)
     by_op: dict[str, list[str]] = {}
-    for t in plan_transitions(graph, plan):
-        by_op.setdefault(t.op, []).append(f"{t.phase} {t.kind.value} on axis {t.axis} ({t.bytes / 1e6:.3f} MB, "
-                                          f"{t.tensor})")
+    for t in program.collectives():
+        by_op.setdefault(t.op, []).append(f"{t.phase} {t.collective.value} on axis {t.axis} "
+                                          f"({t.nbytes / 1e6:.3f} MB, {t.tensor})")
     rows = []
     for i, node in enumerate(form.nodes):
         if node.kind is not NodeKind.OP or (args.op and node.name != args.op):
@@ -179,7 +182,21 @@ def run_explain(args: argparse.Namespace) -> int:
                      "; ".join(by_op.get(node.name, [])) or "-"))
     print(f"{plan} ({plan.devices} devices, cluster {cluster.name})")
     print(table(("op", "signature", "runner-up", "runner-up costs", "collectives inserted"), rows))
+    if args.trace:
+        _write_trace(args.trace, graph, plan, program, cluster)
     return 0
+
+
+def _write_trace(path: str, graph, plan: Plan, program, cluster: Cluster) -> None:
+    import json
+
+    from autoddl.atomic import write_text_atomic
+    from costmodel.simulate import chrome_trace, simulate
+
+    timeline = simulate(program, graph, plan, cluster)
+    write_text_atomic(path, json.dumps(chrome_trace(timeline, ranks=min(plan.devices, 8))))
+    print(f"wrote {path}: the simulated step, {timeline.step_time_s * 1e3:.3f} ms "
+          f"({timeline.exposed_comm_s * 1e3:.3f} ms communication not overlapped)")
 
 
 def _assignment_of(plan: Plan, form) -> np.ndarray:

@@ -114,7 +114,7 @@ def print_summary(plan: Plan, result: dict[str, Any], cost: dict[str, Any], pred
 
 
 def run_run(args: argparse.Namespace) -> int:
-    from executor.interpreter import PlanExecutionError  # imported here: DTensor costs every command ~1 s
+    from executor.runtime import PlanExecutionError  # imported here: torch.distributed costs every command ~1 s
 
     if PlanExecutionError not in EXPECTED_ERRORS:
         EXPECTED_ERRORS.append(PlanExecutionError)
