@@ -105,15 +105,18 @@ def predicted_collectives(plan: Plan, graph, cluster: Cluster | None):
 # -- launching -----------------------------------------------------------------------------------
 
 def worker_args(plan: Plan, plan_path: str, model_py: str, result_json: str | Path, *, steps: int, warmup: int,
-                optimizer: str, backend: str, pg_timeout_s: float, check: bool = False, ddp: bool = False,
-                ddp_only: bool = False) -> list[str]:
+                optimizer: str, backend: str, pg_timeout_s: float, check: bool = False,
+                references: Sequence[str] = (), reference_only: bool = False, compile: bool = False,
+                profile: str = "") -> list[str]:
     """The ``executor.worker`` command line of one run (model sizes passed as ``--set KEY=<json>``)."""
     out = ["--plan", str(Path(plan_path).resolve()), "--model", str(Path(model_py).resolve()),
            "--steps", str(steps), "--warmup", str(warmup), "--optimizer", optimizer,
            "--device", "cuda" if backend == "nccl" else "cpu", "--out", str(result_json),
            "--pg-timeout-s", str(pg_timeout_s), "--no-check-exit"]
     out += [a for k, v in plan.model_args.items() for a in ("--set", f"{k}={json.dumps(v)}")]
-    return out + ["--check"] * check + ["--ddp"] * ddp + ["--ddp-only"] * ddp_only
+    out += [a for kind in references for a in ("--reference", kind)]
+    out += ["--check"] * check + ["--reference-only"] * reference_only + ["--compile"] * compile
+    return out + (["--profile", profile] if profile else [])
 
 
 def launch_run(spec: LaunchSpec, plan: Plan, plan_path: str, model_py: str,
@@ -166,7 +169,8 @@ def compare_collectives(predicted, measured) -> list[tuple[tuple[str, str, int],
 
 def csv_rows(plan: Plan, result: dict[str, Any], cost: dict[str, Any], cluster_name: str,
              model_name: str) -> list[dict[str, Any]]:
-    """The runs-CSV rows of one run: the plan's (with its prediction), and ``ddp``'s with ``--ddp``."""
+    """The runs-CSV rows of one run: the plan's (with its prediction), then one per ``--reference``
+    (``plan`` column ``ddp``, ``fsdp2`` or ``dtensor_tp``)."""
     preset = " ".join(str(v) if k == "preset" else f"{k}={v}" for k, v in plan.model_args.items())
     common = dict(model=model_name, preset=preset, cluster=cluster_name, nproc=result["world_size"],
                   backend=result["backend"], commit=git_commit())
@@ -177,10 +181,10 @@ def csv_rows(plan: Plan, result: dict[str, Any], cost: dict[str, Any], cluster_n
                             stats=StepStats.of(result["step_time_s"]),
                             peak_memory_mb=max(result["peak_memory_mb"]),
                             check_max_rel_err=max(errors.values()) if errors else None, **common))
-    if "ddp" in result:
-        rows.append(run_row(plan="ddp", mesh=str(result["world_size"]), predicted=None,
-                            stats=StepStats.of(result["ddp"]["step_time_s"]),
-                            peak_memory_mb=max(result["ddp"]["peak_memory_mb"]), **common))
+    for kind, timing in result.get("references", {}).items():
+        rows.append(run_row(plan=kind, mesh=str(result["world_size"]), predicted=None,
+                            stats=StepStats.of(timing["step_time_s"]),
+                            peak_memory_mb=max(timing["peak_memory_mb"]), **common))
     return rows
 
 

@@ -75,18 +75,20 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         # q, k, v projections at once, laid out head by head as Megatron-LM does
         # ([q_h, k_h, v_h] for each head h), so splitting the output features keeps heads whole
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        hs = C // self.n_head
-        qkv = self.c_attn(x).view(B, T, self.n_head, 3 * hs)            # (B, T, nh, 3 hs)
+        B, T, _ = x.shape
+        hs = self.head_dim
+        # heads counted from the projection's width, so a tensor-parallel rank reshapes its own heads
+        qkv = self.c_attn(x).view(B, T, -1, 3 * hs)                     # (B, T, nh, 3 hs)
         q, k, v = qkv.transpose(1, 2).split(hs, dim=3)                  # 3 x (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)    # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)               # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)              # (B, T, C)
         return self.c_proj(y)                                          # (B, T, C)
 
 

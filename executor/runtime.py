@@ -198,7 +198,7 @@ class DistributedModel(nn.Module):
             self.grad_sync.finish()
         self._set_phase("optimizer")
 
-def _torch_optimizer(name: str, params, lr: float, **kw) -> torch.optim.Optimizer:
+def torch_optimizer(name: str, params, lr: float, **kw) -> torch.optim.Optimizer:
     name = name.lower()
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, **kw)
@@ -220,7 +220,7 @@ class LocalShardOptimizer:
         self.params = [p for p in params if p.requires_grad]
         with torch.no_grad():
             self.locals = [_local_of(p) for p in self.params]
-        self.inner = _torch_optimizer(name, self.locals, lr, foreach=True)
+        self.inner = torch_optimizer(name, self.locals, lr, foreach=True)
 
     @property
     def param_groups(self):
@@ -269,7 +269,7 @@ def build_optimizer(name: str, params, lr: float = 1e-2):
     params = list(params)
     if any(isinstance(p, DTensor) for p in params):
         return LocalShardOptimizer(name, params, lr)
-    return _torch_optimizer(name, params, lr)
+    return torch_optimizer(name, params, lr)
 
 
 def train_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> float:

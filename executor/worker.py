@@ -53,7 +53,9 @@ from autoddl.plan import Plan
 from autoddl.trace import trace
 from executor.audit import summarize
 from executor.measure import PeakMemory, time_steps
-from executor.runtime import DistributedModel, audit_step, build_optimizer, init_mesh, run_check, train_step
+from executor.references import REFERENCES, build_reference
+from executor.runtime import (DistributedModel, audit_step, build_optimizer, init_mesh, run_check, torch_optimizer,
+                              train_step)
 
 CHECK_RTOL = 1e-4  # fp32
 FAIL_RANK_ENV = "AUTODDL_TEST_FAIL_RANK"
@@ -83,8 +85,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-optimizer", default="sgd", help="optimizer of the check (default sgd)")
     p.add_argument("--no-check-exit", action="store_true",
                    help="exit 0 when the check fails (the result JSON says so); default: exit 1")
-    p.add_argument("--ddp", action="store_true", help="also time PyTorch DistributedDataParallel")
-    p.add_argument("--ddp-only", action="store_true", help="time only DistributedDataParallel")
+    p.add_argument("--reference", action="append", default=[], choices=REFERENCES,
+                   help="also time PyTorch's own implementation (repeatable): ddp, fsdp2, dtensor_tp")
+    p.add_argument("--reference-only", action="store_true", help="time only the references")
+    p.add_argument("--ddp", action="store_true", help="shorthand for --reference ddp")
+    p.add_argument("--ddp-only", action="store_true", help="shorthand for --reference ddp --reference-only")
+    p.add_argument("--compile", action="store_true", help="run the local program through torch.compile")
+    p.add_argument("--profile", default="", metavar="DIR",
+                   help="write a torch.profiler Chrome trace of one measured step per rank: DIR/rank<R>.json")
     p.add_argument("--out", default="", help="JSON result path (written by rank 0)")
     p.add_argument("--error-dir", default="", help="where a failing rank writes rank<R>.json")
     p.add_argument("--optimizer", default="", help="sgd | adamw for the timed steps (default: the plan's)")
@@ -97,10 +105,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="model size override passed to build_model / example_inputs")
     args = p.parse_args(argv)
+    args.reference = list(dict.fromkeys(args.reference + ["ddp"] * (args.ddp or args.ddp_only)))
+    args.reference_only = args.reference_only or args.ddp_only
+    if args.reference_only and not args.reference:
+        p.error("--reference-only needs at least one --reference KIND")
     if bool(args.plan) == bool(args.plans):
         p.error("give exactly one of --plan PLAN_JSON or --plans PLAN_JSON ... (with --out-dir)")
-    if args.plans and (not args.out_dir or args.check or args.ddp or args.ddp_only):
-        p.error("--plans needs --out-dir and times plans only (no --check, --ddp, --ddp-only)")
+    if args.plans and (not args.out_dir or args.check or args.reference):
+        p.error("--plans needs --out-dir and times plans only (no --check, --reference, --ddp)")
     return args
 
 
@@ -143,6 +155,8 @@ def time_plan(mf: ModelFile, graph, plan: Plan, mesh, args: argparse.Namespace, 
     memory = PeakMemory(args.device)
     memory.start()
     dmodel = DistributedModel(mf.model, graph, plan, mesh)
+    if args.compile:
+        dmodel.run_program = torch.compile(dmodel.local_program)
     opt = build_optimizer(optimizer, dmodel.parameters(), args.lr)
     losses: list[float] = []
     _test_fail_hook(rank)
@@ -151,42 +165,52 @@ def time_plan(mf: ModelFile, graph, plan: Plan, mesh, args: argparse.Namespace, 
                        progress=_progress(rank, plan.name, args.quiet))
     out = _gather_timing(times, memory.peak_mb())
     out["losses"] = losses
+    if args.profile:
+        out["profile"] = _profile_step(lambda: train_step(dmodel, mf.example_inputs, opt), args.profile, rank)
     records = audit_step(dmodel, mf.example_inputs, opt)
     out["collectives"] = [r.to_dict() for r in records]
     out["collectives_summary"] = summarize(records)
     return out
 
 
-def time_ddp(mf: ModelFile, args: argparse.Namespace, optimizer: str, rank: int) -> dict[str, Any]:
-    """The same steps with DistributedDataParallel, each rank on its dim-0 shard of the batch."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def _profile_step(step: Callable[[], Any], out_dir: str, rank: int) -> str:
+    """One more step under torch.profiler; its Chrome trace goes to ``out_dir/rank<R>.json``."""
+    from torch.profiler import ProfilerActivity, profile
 
-    world = dist.get_world_size()
-    cuda = args.device == "cuda" and torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    for t in mf.example_inputs:
-        if t.shape[0] % world:
-            raise ValueError(f"--ddp: input of shape {tuple(t.shape)} does not split into {world} equal "
-                             f"batch shards along dim 0; use a batch size divisible by {world}")
-    shard = tuple(t.chunk(world, dim=0)[rank].to(device) for t in mf.example_inputs)
-    memory = PeakMemory(args.device)
-    memory.start()
-    model = copy.deepcopy(mf.model).to(device)
-    ddp = DDP(model, device_ids=[device.index] if cuda else None)
-    opt = build_optimizer(optimizer, ddp.parameters(), args.lr)
-    losses: list[float] = []
+    path = Path(out_dir) / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        step()
+    prof.export_chrome_trace(str(path))
+    return str(path)
 
+
+def _step_fn(module, mf: ModelFile, values, opt, losses: list[float]) -> Callable[[], None]:
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        loss = mf.loss_fn(ddp(*shard), *shard)
+        loss = mf.step_loss(module, values)
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
 
-    times = time_steps(step, args.steps, args.warmup, barrier=dist.barrier, sync=_sync_fn(args.device),
-                       progress=_progress(rank, "ddp", args.quiet))
+    return step
+
+
+def time_reference(kind: str, mf: ModelFile, args: argparse.Namespace, optimizer: str, rank: int) -> dict[str, Any]:
+    """The same steps with PyTorch's own implementation ``kind`` (executor/references.py), with the
+    torch optimizer a user would pass it."""
+    cuda = args.device == "cuda" and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    memory = PeakMemory(args.device)
+    memory.start()
+    module, values = build_reference(kind, mf.model, tuple(mf.example_inputs), device)
+    opt = torch_optimizer(optimizer, module.parameters(), args.lr)
+    losses: list[float] = []
+    times = time_steps(_step_fn(module, mf, values, opt, losses), args.steps, args.warmup, barrier=dist.barrier,
+                       sync=_sync_fn(args.device), progress=_progress(rank, kind, args.quiet))
     out = _gather_timing(times, memory.peak_mb())
-    out["losses"] = losses  # rank 0's shard loss
+    out["losses"] = losses  # rank 0's loss (its batch shard for ddp / fsdp2)
     return out
 
 
@@ -203,17 +227,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "optimizer": optimizer, "steps": args.steps, "warmup": args.warmup, "backend": dist.get_backend(),
         "omp_num_threads": torch.get_num_threads(),
     }
-    if args.check and not args.ddp_only:
+    if args.check and not args.reference_only:
         errors = run_check(mf.model, mf.example_inputs, mf.loss_fn, graph, plan, mesh,
                            optimizer=args.check_optimizer, lr=args.lr, steps=args.check_steps)
         result["check"] = {"rtol": CHECK_RTOL, "ok": all(v <= CHECK_RTOL for v in errors.values()),
                            "optimizer": args.check_optimizer, "steps": args.check_steps, "max_rel_error": errors}
         gc.collect()
-    if not args.ddp_only:
+    if not args.reference_only:
         result.update(time_plan(mf, graph, plan, mesh, args, optimizer, rank))
         gc.collect()
-    if args.ddp or args.ddp_only:
-        result["ddp"] = time_ddp(mf, args, optimizer, rank)
+    result["references"] = {}
+    for kind in args.reference:
+        result["references"][kind] = time_reference(kind, mf, args, optimizer, rank)
+        gc.collect()
     return result
 
 

@@ -6,7 +6,7 @@ ranks run through torchrun. This module prints: the predicted breakdown next to
 the measured median / p10 / p90, the peak memory of every rank, with ``--check``
 the largest relative errors against a single-process run (exit 1 above 1e-4),
 and the collectives one step ran next to the ones the plan predicts, grouped by
-(phase, kind, axis). A row per run (and one with plan "ddp" for ``--ddp``) is
+(phase, kind, axis). A row per run (and one per ``--reference``, plan ``ddp``/``fsdp2``/``dtensor_tp``) is
 appended to ``--out``.
 """
 
@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from autoddl import runs
 from autoddl.cli import EXPECTED_ERRORS, common_options, register, table
 from autoddl.plan import Plan
 from executor.launch import LaunchSpec
+from executor.references import REFERENCE_NAMES, REFERENCES
 from executor.measure import StepStats, append_row
 
 
@@ -40,8 +42,17 @@ def add_run(subparsers) -> None:
                    help="first train a step (SGD) next to a single-process run; exit 1 if any relative error "
                         "of the loss, a gradient or an updated parameter is above 1e-4")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), help="optimizer of the timed steps (default: the plan's)")
-    p.add_argument("--ddp", action="store_true", help="also time PyTorch DistributedDataParallel (a plan=ddp row)")
-    p.add_argument("--ddp-only", action="store_true", help="time only DistributedDataParallel")
+    p.add_argument("--reference", action="append", default=[], choices=REFERENCES, metavar="KIND",
+                   help="also time PyTorch's own implementation, a row with plan=KIND (repeatable): "
+                        "ddp (DistributedDataParallel), fsdp2 (fully_shard per block), dtensor_tp "
+                        "(parallelize_module, Colwise/Rowwise pairs)")
+    p.add_argument("--reference-only", action="store_true", help="time only the references")
+    p.add_argument("--ddp", action="store_true", help="shorthand for --reference ddp")
+    p.add_argument("--ddp-only", action="store_true", help="shorthand for --reference ddp --reference-only")
+    p.add_argument("--compile", action="store_true", help="also run the local program through torch.compile")
+    p.add_argument("--profile", metavar="DIR", default="",
+                   help="write a torch.profiler Chrome trace of one measured step per rank to DIR/rank<R>.json "
+                        "(open beside `autoddl explain PLAN --trace predicted.json`)")
     p.add_argument("--out", default="results/runs.csv", metavar="CSV", help="runs table to append to "
                    "(default results/runs.csv; '' for none)")
     p.add_argument("--cluster", metavar="YAML", help="cluster for the prediction (default: the plan's)")
@@ -92,11 +103,11 @@ def print_summary(plan: Plan, result: dict[str, Any], cost: dict[str, Any], pred
         print("peak memory per rank (MB above the start of the timed steps): "
               + ", ".join(f"rank {r}: {v:.1f}" for r, v in enumerate(result["peak_memory_mb"]))
               + (f"; predicted {mem / 1e6:.1f} per device" if mem else ""))
-    if "ddp" in result:
-        ddp = StepStats.of(result["ddp"]["step_time_s"])
-        line = f"DistributedDataParallel: median {_ms(ddp.median_s)} ms (p10 {_ms(ddp.p10_s)}, p90 {_ms(ddp.p90_s)})"
+    for kind, timing in result.get("references", {}).items():
+        ref = StepStats.of(timing["step_time_s"])
+        line = f"{REFERENCE_NAMES[kind]}: median {_ms(ref.median_s)} ms (p10 {_ms(ref.p10_s)}, p90 {_ms(ref.p90_s)})"
         if "step_time_s" in result:
-            line += f"; plan {plan.name!r} / ddp = {StepStats.of(result['step_time_s']).median_s / ddp.median_s:.2f}x"
+            line += f"; plan {plan.name!r} / {kind} = {StepStats.of(result['step_time_s']).median_s / ref.median_s:.2f}x"
         print(line)
     if "check" in result:
         worst = runs.check_worst(result["check"]["max_rel_error"])
@@ -119,8 +130,12 @@ def run_run(args: argparse.Namespace) -> int:
     if PlanExecutionError not in EXPECTED_ERRORS:
         EXPECTED_ERRORS.append(PlanExecutionError)
     plan = Plan.load(args.plan_json)
-    if args.ddp_only and args.check:
-        raise ValueError("--check checks the plan, which --ddp-only does not run; drop one of them")
+    references = list(dict.fromkeys(args.reference + ["ddp"] * (args.ddp or args.ddp_only)))
+    reference_only = args.reference_only or args.ddp_only
+    if reference_only and args.check:
+        raise ValueError("--check checks the plan, which --reference-only / --ddp-only does not run; drop one")
+    if reference_only and not references:
+        raise ValueError("--reference-only needs at least one --reference KIND (ddp, fsdp2, dtensor_tp)")
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"--steps {args.steps} / --warmup {args.warmup}: need steps >= 1 and warmup >= 0")
     model_py = args.model or plan.model
@@ -140,7 +155,8 @@ def run_run(args: argparse.Namespace) -> int:
           f"with torchrun, backend {args.backend}", flush=True)
     res, result = runs.launch_run(spec, plan, args.plan_json, model_py, steps=args.steps, warmup=args.warmup,
                                   optimizer=optimizer, backend=args.backend, pg_timeout_s=args.pg_timeout_s,
-                                  check=args.check, ddp=args.ddp, ddp_only=args.ddp_only)
+                                  check=args.check, references=references, reference_only=reference_only,
+                                  compile=args.compile, profile=str(Path(args.profile).resolve()) if args.profile else "")
     if not res.ok:
         print(f"autoddl run: the run failed after {res.duration_s:.1f} s:\n{res.describe()}", file=sys.stderr)
         root = res.failures[0] if res.failures and res.failures[0].traceback else None

@@ -1,0 +1,110 @@
+"""PyTorch's own implementations of the schemes autoddl plans, timed beside a plan on the same ranks.
+
+- ``ddp``: DistributedDataParallel; each rank trains on its dim-0 shard of the batch.
+- ``fsdp2``: ``fully_shard`` on every block (each child of an ``nn.ModuleList``), then on the
+  root, as torchtitan applies FSDP2; each rank on its batch shard.
+- ``dtensor_tp``: ``parallelize_module`` with ColwiseParallel / RowwiseParallel pairs (the
+  Megatron pattern: the first linear(s) of an attention or MLP block column-wise, the output
+  projection row-wise); every rank runs the whole batch. Head counts of the attention modules
+  (``n_head``, ``n_kv_head``, ...) are divided by the degree, as torchtitan does, so that the
+  attention reshapes its local heads.
+
+Each builder returns the module to step and this rank's flat step values (in
+``ModelFile.example_inputs`` order); the worker times them with the plan's optimizer.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads the names below at start-up
+    import torch
+    from torch import nn
+
+REFERENCES = ("ddp", "fsdp2", "dtensor_tp")
+REFERENCE_NAMES = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP2 (fully_shard)",
+                   "dtensor_tp": "DTensor tensor parallel (parallelize_module)"}
+
+# names of output projections (row-wise) in GPT-2/nanoGPT, Llama/Mistral/Qwen, BERT-style MLPs and this
+# project's examples; every other linear of a block that has one of these is column-wise
+ROW_WISE = ("c_proj", "wo", "w2", "o_proj", "down_proj", "out_proj", "fc2", "dense_4h_to_h")
+HEAD_COUNTS = ("n_head", "n_heads", "n_kv_head", "n_kv_heads", "num_heads", "num_key_value_heads")
+
+
+def batch_shard(values: Sequence[torch.Tensor], world: int, rank: int, kind: str) -> tuple[torch.Tensor, ...]:
+    """This rank's dim-0 shard of every batch tensor (the data-parallel references)."""
+    for t in values:
+        if t.shape[0] % world:
+            raise ValueError(f"--reference {kind}: an input of shape {tuple(t.shape)} does not split into "
+                             f"{world} equal batch shards along dim 0; use a batch size divisible by {world}")
+    return tuple(t.chunk(world, dim=0)[rank] for t in values)
+
+
+def build_reference(kind: str, model: nn.Module, values: Sequence[torch.Tensor],
+                    device: torch.device) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """(module to train, this rank's step values) for reference ``kind`` (module docstring)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = copy.deepcopy(model).to(device)
+    values = tuple(t.to(device) for t in values)
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [device.index] if device.type == "cuda" else None
+        return DDP(model, device_ids=ids), batch_shard(values, world, rank, kind)
+    if kind == "fsdp2":
+        return _fully_sharded(model, device, world), batch_shard(values, world, rank, kind)
+    if kind == "dtensor_tp":
+        return _tensor_parallel(model, device, world), values
+    raise ValueError(f"unknown reference {kind!r}; choose one of {', '.join(REFERENCES)}")
+
+
+def _fully_sharded(model: nn.Module, device: torch.device, world: int) -> nn.Module:
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+    for blocks in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def tp_pairs(model: nn.Module) -> dict[str, str]:
+    """``{linear fqn: "colwise" | "rowwise"}`` for every block holding a row-wise output projection."""
+    from torch import nn
+
+    plan: dict[str, str] = {}
+    for name, module in model.named_modules():
+        linears = {n: m for n, m in module.named_children() if isinstance(m, nn.Linear)}
+        if not any(n in ROW_WISE for n in linears) or len(linears) < 2:
+            continue
+        for child in linears:
+            plan[f"{name}.{child}" if name else child] = "rowwise" if child in ROW_WISE else "colwise"
+    return plan
+
+
+def _tensor_parallel(model: nn.Module, device: torch.device, world: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    pairs = tp_pairs(model)
+    if not pairs:
+        raise ValueError(f"--reference dtensor_tp: {type(model).__name__} has no block with a column -> row "
+                         f"parallel linear pair (an output projection named one of {', '.join(ROW_WISE)})")
+    for name, module in model.named_modules():
+        if any(p.startswith(f"{name}.") for p in pairs):
+            for attr in HEAD_COUNTS:
+                value = getattr(module, attr, None)
+                if isinstance(value, int):
+                    if value % world:
+                        raise ValueError(f"--reference dtensor_tp: {name}.{attr}={value} heads do not split "
+                                         f"over {world} ranks")
+                    setattr(module, attr, value // world)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+    style = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    return parallelize_module(model, mesh, {fqn: style[s]() for fqn, s in pairs.items()})
