@@ -289,7 +289,7 @@ def forest_dp(parent: list[int], mxp: list, unary: list[np.ndarray]) -> np.ndarr
 # junction tree of bounded width, solved exactly by variable elimination. On a forest
 # every table is one edge matrix, so this generalises the forest DP to cycles.
 
-REGION_BUDGET = 1 << 16     # entries of the largest elimination table a region move builds
+REGION_BUDGET = 1 << 14     # entries of the largest elimination table a region move builds
 REGION_SIZE = 32            # nodes per region move
 REGION_LAMBDAS = 12         # memory prices tried at once when the region's plan does not fit
 
