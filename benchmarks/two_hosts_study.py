@@ -1,0 +1,263 @@
+"""Two-host study: every baseline and the found plan on a 2x2 mesh across two namespaced hosts, at two link rates.
+
+For each link rate (``--rates``, Mbit/s; default 1000 and 10000):
+
+1. the cluster: ``configs/two-hosts.yaml`` when it was calibrated at that rate, else
+   ``autoddl calibrate --across-hosts`` on the testbed at that rate, written to ``--work``;
+2. per model (gpt and llama at sizes where communication matters, ``MODELS``): the planner on the
+   2x2 mesh in-process (``autoddl.api.search_model``): every applicable baseline and the found plan,
+   and each 2-D plan whose axes play different roles once more with its axes swapped (``tp_dp`` is
+   ``dp_tp`` with Megatron across the hosts and data parallel inside them; ``found_swapped`` the
+   found plan so), priced by the cost model on the same cluster;
+3. every plan runs on the testbed at that rate: ``python benchmarks/two_hosts.py --rate-mbit R --
+   autoddl run PLAN --steps S --warmup W`` (host 0 holds mesh axis 1, the inner one; axis 0 crosses
+   the link), and its runs-table row gets the study's columns.
+
+``results/two_hosts.csv`` gets one row per run (the runs-table columns of ``executor.measure`` plus
+``STUDY_COLUMNS``); then, per (model, rate): MAPE of predicted vs measured step time, the Spearman
+rank correlation over the schemes, and whether the found plan was measured fastest (or tied within
+p10..p90; ``benchmarks/fidelity.py``'s rules).
+
+    python benchmarks/two_hosts_study.py                          # the whole study (~15 min on 2 cores)
+    python benchmarks/two_hosts_study.py --rates 1000 --models gpt --steps 3
+    python benchmarks/two_hosts_study.py --analyze-only           # the tables from the CSV
+
+Needs root and iproute2 (benchmarks/two_hosts.py); exits 3 with its reason otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+TESTBED = ROOT / "benchmarks" / "two_hosts.py"
+DEFAULT_CSV = ROOT / "results" / "two_hosts.csv"
+DEFAULT_CLUSTER = ROOT / "configs" / "two-hosts.yaml"
+MODELS: dict[str, dict[str, Any]] = {        # build_model / example_inputs keywords: weights big enough that
+    "gpt": {"preset": "tiny", "n_embd": 256, "batch_size": 8},               # gradient sync across the link
+    "llama": {"preset": "tiny", "dim": 256, "ffn_dim": 768, "batch_size": 8},  # costs as much as compute
+}
+MESH = (2, 2)                                 # axis 0 across the hosts, axis 1 inside a host
+SWAPPED = {"dp_tp": "tp_dp", "found": "found_swapped"}
+STUDY_COLUMNS = ("study", "rate_mbit", "delay_ms", "scheme", "axes", "cluster_file", "steps", "warmup",
+                 "load_avg_1m", "error")
+
+
+# -- clusters ------------------------------------------------------------------------------------------
+def calibrated_rate(path: Path) -> float | None:
+    """The link rate a two-hosts YAML was calibrated at (from its header), or None."""
+    if not path.exists():
+        return None
+    for line in path.read_text().splitlines()[:3]:
+        if "--rate-mbit" in line:
+            try:
+                return float(line.split("--rate-mbit", 1)[1].split()[0])
+            except ValueError:
+                return None
+    return None
+
+
+def cluster_for_rate(rate: float, work: Path, quick: bool) -> Path:
+    """configs/two-hosts.yaml if calibrated at ``rate``, else a fresh calibration on the testbed at ``rate``."""
+    if calibrated_rate(DEFAULT_CLUSTER) == rate:
+        return DEFAULT_CLUSTER
+    out = work / f"two-hosts-{rate:g}mbit.yaml"
+    if calibrated_rate(out) == rate:
+        return out
+    print(f"calibrating the testbed at {rate:g} Mbit/s -> {out}", flush=True)
+    cmd = [sys.executable, str(TESTBED), "--rate-mbit", f"{rate:g}", "--timeout-s", "590", "--",
+           "-m", "autoddl", "calibrate", "--across-hosts", "--out", str(out)] + (["--quick"] if quick else [])
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if res.returncode != 0 or not out.exists():
+        raise RuntimeError(f"calibration at {rate:g} Mbit/s failed (exit {res.returncode}):\n"
+                           + "\n".join((res.stdout + res.stderr).splitlines()[-20:]))
+    return out
+
+
+# -- plans -----------------------------------------------------------------------------------------------
+def swap_axes(plan: Any, name: str) -> Any:
+    """``plan`` with its two mesh axes exchanged (every NdSbp reversed), cost to be priced again."""
+    from autoddl.plan import Mesh
+    from autoddl.sbp import NdSbp, Signature
+
+    def t(nd: NdSbp) -> NdSbp:
+        return NdSbp(tuple(reversed(nd.sbps)))
+
+    sigs = {k: Signature(tuple(t(x) for x in s.inputs), tuple(t(x) for x in s.outputs))
+            for k, s in plan.signatures.items()}
+    return dataclasses.replace(plan, name=name, mesh=Mesh(plan.mesh.shape[::-1], plan.mesh.axis_names),
+                               signatures=sigs, param_storage={k: t(v) for k, v in plan.param_storage.items()},
+                               cost={}, op_costs=[], notes=[f"{plan.name} with its mesh axes swapped"])
+
+
+def plan_model(model: str, kwargs: dict[str, Any], cluster_path: Path, plan_dir: Path) -> list[dict[str, Any]]:
+    """Every applicable baseline, the found plan and the swapped variants, saved; one dict per plan."""
+    from autoddl.api import search_model
+    from autoddl.cluster import Cluster
+    from autoddl.loader import trace_model_file
+    from costmodel.breakdown import plan_cost
+
+    model_py = ROOT / "examples" / f"{model}.py"
+    _, graph = trace_model_file(model_py, **kwargs)
+    cluster = Cluster.from_yaml(cluster_path)
+    outcome = search_model(graph, cluster, devices=4, mesh=MESH)
+    plans = []
+    for s in outcome.schemes:
+        if s.plan is None or not s.breakdown.fits_memory:
+            print(f"  {model}: {s.name} not run: {s.reason or 'does not fit memory'}", flush=True)
+            continue
+        plans.append(s.plan)
+        swapped = swap_axes(s.plan, SWAPPED.get(s.name, ""))
+        if s.name in SWAPPED and (swapped.signatures, swapped.param_storage) != (s.plan.signatures,
+                                                                               s.plan.param_storage):
+            plans.append(dataclasses.replace(swapped, cost=plan_cost(graph, swapped, cluster).to_dict()))
+    out = []
+    for plan in plans:
+        plan.model, plan.model_args, plan.cluster_file = str(model_py), dict(kwargs), str(cluster_path)
+        path = plan_dir / f"{model}-{plan.name}.json"
+        plan.save(path)
+        out.append({"model": model, "scheme": plan.name, "path": path, "plan": plan})
+    return out
+
+
+# -- runs ------------------------------------------------------------------------------------------------
+def run_plan(it: dict[str, Any], rate: float, steps: int, warmup: int, timeout_s: float,
+             run_dir: Path) -> dict[str, Any]:
+    """One plan on the testbed at ``rate`` via ``autoddl run``; its runs-table row, or {"error": ...}."""
+    from executor.measure import read_rows
+
+    runs_csv = run_dir / f"{it['model']}-{it['scheme']}-{rate:g}mbit.csv"
+    runs_csv.unlink(missing_ok=True)
+    cmd = [sys.executable, str(TESTBED), "--rate-mbit", f"{rate:g}", "--timeout-s", f"{timeout_s + 30:g}", "--",
+           "autoddl", "run", str(it["path"]), "--steps", str(steps), "--warmup", str(warmup),
+           "--out", str(runs_csv), "--timeout-s", f"{timeout_s:g}"]
+    t0 = time.monotonic()
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    log = (res.stdout + res.stderr).splitlines()
+    rows = read_rows(runs_csv)[1] if runs_csv.exists() else []
+    if res.returncode != 0 or not rows:
+        tail = " | ".join(line for line in log[-6:] if line.strip())
+        return {"error": f"exit {res.returncode} after {time.monotonic() - t0:.0f} s: {tail}"[:600]}
+    return dict(rows[-1])
+
+
+def study_row(it: dict[str, Any], row: dict[str, Any], study: str, rate: float, delay_ms: float,
+              steps: int, warmup: int) -> dict[str, Any]:
+    plan = it["plan"]
+    out = {"model": it["model"], "plan": plan.name, "mesh": str(plan.mesh), "nproc": 4,
+           "predicted_step_s": f"{plan.cost.get('step_time_s', float('nan')):.6g}", **row}
+    out.update({"study": study, "rate_mbit": f"{rate:g}", "delay_ms": f"{delay_ms:g}", "scheme": it["scheme"],
+                "axes": "swapped" if it["scheme"] in SWAPPED.values() else "as planned",
+                "cluster_file": os.path.relpath(plan.cluster_file, ROOT), "steps": steps, "warmup": warmup,
+                "load_avg_1m": f"{os.getloadavg()[0]:.2f}", "error": row.get("error", "")})
+    return out
+
+
+def delay_applied(rate: float) -> float:
+    """The delay the testbed really adds (0 where the kernel has no netem), from its own describe line."""
+    res = subprocess.run([sys.executable, str(TESTBED), "--rate-mbit", f"{rate:g}", "--", "true"],
+                         cwd=ROOT, capture_output=True, text=True)
+    first = res.stdout.splitlines()[0] if res.stdout else ""
+    if "netem delay" in first:
+        return float(first.split("netem delay", 1)[1].split()[0])
+    return 0.0
+
+
+# -- analysis --------------------------------------------------------------------------------------------
+def analyze(csv_path: Path, study: str | None = None) -> list[str]:
+    """Per (model, rate) of the latest study: MAPE, Spearman and the found plan's verdict; printable lines."""
+    from benchmarks.fidelity import found_verdict, mape, spearman
+    from executor.measure import read_rows
+
+    _, rows = read_rows(csv_path)
+    if not rows:
+        raise SystemExit(f"{csv_path}: no rows; run the study first (python benchmarks/two_hosts_study.py)")
+    study = study or max(r["study"] for r in rows)
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["study"] == study and r.get("measured_median_s"):
+            groups.setdefault((r["model"], r["rate_mbit"]), []).append(
+                {"scheme": r["scheme"], "predicted": float(r["predicted_step_s"]),
+                 "median": float(r["measured_median_s"]), "p10": float(r["measured_p10_s"]),
+                 "p90": float(r["measured_p90_s"])})
+    lines = [f"study {study} ({csv_path.relative_to(ROOT) if csv_path.is_relative_to(ROOT) else csv_path})"]
+    for (model, rate), g in sorted(groups.items()):
+        pred, meas = [r["predicted"] for r in g], [r["median"] for r in g]
+        verdict, best = found_verdict([r for r in g if r["scheme"] != "found_swapped"]) \
+            if any(r["scheme"] == "found" for r in g) else ("no found plan", "")
+        lines.append(f"{model} at {rate} Mbit/s: MAPE {mape(pred, meas):.1%}, Spearman {spearman(pred, meas):.2f} "
+                     f"over {len(g)} plans; found plan {verdict}" + (f" (best baseline {best})" if best else ""))
+        for r in sorted(g, key=lambda r: r["median"]):
+            lines.append(f"    {r['scheme']:14s} predicted {r['predicted'] * 1e3:8.1f} ms   measured "
+                         f"{r['median'] * 1e3:8.1f} ms (p10 {r['p10'] * 1e3:.1f}, p90 {r['p90'] * 1e3:.1f})")
+    return lines
+
+
+# -- the command -----------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python benchmarks/two_hosts_study.py", description=__doc__.split("\n")[0])
+    p.add_argument("--rates", type=float, nargs="+", default=[1000.0, 10000.0], metavar="MBIT",
+                   help="link rates between the hosts, Mbit/s (default 1000 10000)")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--steps", type=int, default=5, help="measured steps per plan (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps per plan (default 2)")
+    p.add_argument("--timeout-s", type=float, default=240.0, help="per plan run (default 240)")
+    p.add_argument("--csv", type=Path, default=DEFAULT_CSV, help=f"rows appended here (default {DEFAULT_CSV.name})")
+    p.add_argument("--work", type=Path, default=Path("/tmp/autoddl-two-hosts-study"),
+                   help="plans, per-run CSVs and calibrations at other rates (default /tmp/autoddl-two-hosts-study)")
+    p.add_argument("--quick-calibration", action="store_true", help="calibrate other rates with --quick")
+    p.add_argument("--analyze-only", action="store_true", help="only print the tables of the latest study")
+    return p.parse_args(argv)
+
+
+def run_study(args: argparse.Namespace, study: str) -> int:
+    from executor.measure import RUN_COLUMNS, append_row
+
+    failures = 0
+    for rate in args.rates:
+        cluster = cluster_for_rate(rate, args.work, args.quick_calibration)
+        delay = delay_applied(rate)
+        print(f"== {rate:g} Mbit/s, added delay {delay:g} ms, cluster {os.path.relpath(cluster, ROOT)}", flush=True)
+        for model in args.models:
+            plan_dir = args.work / f"{rate:g}mbit"
+            plan_dir.mkdir(parents=True, exist_ok=True)
+            for it in plan_model(model, MODELS[model], cluster, plan_dir):
+                row = run_plan(it, rate, args.steps, args.warmup, args.timeout_s, plan_dir)
+                out = study_row(it, row, study, rate, delay, args.steps, args.warmup)
+                append_row(args.csv, out, columns=RUN_COLUMNS + STUDY_COLUMNS)
+                failures += bool(out["error"])
+                measured = f"{float(out['measured_median_s']) * 1e3:.1f} ms" if out.get("measured_median_s") else \
+                    f"FAILED: {out['error']}"
+                print(f"  {model:6s} {it['scheme']:14s} predicted {float(out['predicted_step_s']) * 1e3:8.1f} ms, "
+                      f"measured {measured}", flush=True)
+    return failures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.analyze_only:
+        probe = subprocess.run([sys.executable, str(TESTBED), "--check-only"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            print((probe.stderr or probe.stdout).strip(), file=sys.stderr)
+            return probe.returncode
+        args.work.mkdir(parents=True, exist_ok=True)
+        study = time.strftime("two-hosts-%Y%m%d-%H%M%S")
+        failures = run_study(args, study)
+        if failures:
+            print(f"{failures} plan run(s) failed; their rows say why (error column)", file=sys.stderr)
+    print("\n".join(analyze(args.csv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
