@@ -736,7 +736,7 @@ def measure_across_hosts(settings: Settings, per_node: int) -> HostTimings | Non
     if rank != 0:
         return None
     return _combine_hosts(settings, per_node, every, time.perf_counter() - start,
-                          machine=f"{platform.node()}, {os.cpu_count()} cores, torch {b.torch.__version__}")
+                          machine=f"{os.cpu_count()} cores shared by the hosts, torch {b.torch.__version__}")
 
 
 def _combine_hosts(settings: Settings, per_node: int, ranks: list[dict], wall_s: float, machine: str) -> HostTimings:
@@ -816,7 +816,7 @@ def two_hosts_cluster(ht: HostTimings, fits: dict[str, dict[str, Any]], base: An
               or abs(v.latency_us - intra.latency_us) / max(intra.latency_us, 5.0) > 0.2]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     at_once = max(1, cores // ht.settings.threads // ht.nodes)
-    cluster = dataclasses.replace(base, name=f"two-hosts" if ht.nodes == 2 else f"{ht.nodes}-hosts",
+    cluster = dataclasses.replace(base, name="two-hosts" if ht.nodes == 2 else f"{ht.nodes}-hosts",
                                   nodes=ht.nodes, devices_per_node=ht.per_node, intra_node=intra, inter_node=inter,
                                   collectives=CollectiveFits(**per_kind) if differ else CollectiveFits(),
                                   cores_per_node=at_once, source="")
@@ -838,7 +838,7 @@ def _two_hosts_text(ht: HostTimings, fits: dict[str, dict[str, Any]], intra: Any
     if os.path.isabs(src) and Path(src).resolve().is_relative_to(Path(__file__).resolve().parents[1]):
         src = str(Path(src).resolve().relative_to(Path(__file__).resolve().parents[1]))
     comments = {
-        "nodes": f"hosts: network namespaces joined by a veth pair (benchmarks/two_hosts.py)",
+        "nodes": "hosts: network namespaces joined by a veth pair (benchmarks/two_hosts.py)",
         "devices_per_node": f"ranks per host ({s.threads} thread{'s' * (s.threads > 1)} each)",
         "device": f"from {src} (measured on this machine, 2 ranks); not re-measured here",
         "links.intra_node": (f"fitted: median over the {len(fits['intra_host'])} kinds, {ht.per_node} ranks of each "
