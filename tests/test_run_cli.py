@@ -195,9 +195,9 @@ def test_run_measures_checks_and_appends_rows(setup, tmp_path, capsys):
         assert 0 < p10 <= med <= p90 < 10
         assert float(r["peak_memory_mb"]) >= 0
     assert float(dp["predicted_step_s"]) > 0 and ddp["predicted_step_s"] == ""
-    # the dp plan's gradient all-reduces: one per parameter, 4 bytes per element
+    # the dp plan's gradient all-reduce: one bucket of every parameter, 4 bytes per element
     grad_line = next(line for line in text.splitlines() if line.startswith("grad_sync  all_reduce"))
-    assert grad_line.split()[5:7] == ["4", f"{(16 * 8 + 16 + 8 * 16 + 8) * 4 / 1e6:.4f}"]
+    assert grad_line.split()[5:7] == ["1", f"{(16 * 8 + 16 + 8 * 16 + 8) * 4 / 1e6:.4f}"]
     assert time.monotonic() - t0 < 60
 
 
