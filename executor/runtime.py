@@ -19,6 +19,7 @@ their local tensors. ``run_check`` compares all of it with a single-process run.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import datetime
 import os
@@ -388,5 +389,14 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     from autoddl.trace import trace
 
     graph = trace(model, example_inputs, loss_fn, name=type(model).__name__)
+    if not dist.is_initialized():       # ours to start, so ours to shut down when the script ends
+        atexit.register(_destroy_process_group)
     mesh = init_mesh(plan, device, timeout_s=timeout_s)
     return ParallelModule(model, graph, plan, mesh)
+
+
+def _destroy_process_group() -> None:
+    """At exit: a process group left alive makes gloo's threads abort the process ("terminate called
+    without an active exception") while the interpreter tears down."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
