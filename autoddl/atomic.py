@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 import tempfile
 from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -15,7 +18,18 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_csv_atomic(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> None:
+    """``rows`` as a CSV with header ``columns`` (missing values empty), written atomically."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(columns), restval="")
+    writer.writeheader()
+    writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
+    write_text_atomic(path, buf.getvalue())

@@ -12,7 +12,7 @@ into a ``Cluster``:
   ``compute_curve``: efficiency by matmul size;
 - ``device.memory_bandwidth_gbps``: the best of copy / add over large arrays
   (achieved, so ``efficiency.memory`` is 1);
-- ``op_overhead_us``: a tiny op's dispatch + one DTensor from_local / to_local;
+- ``op_overhead_us``: a tiny op's dispatch and autograd recording;
 - ``links.intra_node``: per collective kind, ``costmodel.collectives.fit_collective``
   fits latency and bandwidth so that the cost model's formula reproduces the timings;
   the link gets the median over kinds (``efficiency.network`` is 1), and when a kind
@@ -183,8 +183,7 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
                                + " (compute_curve is used instead when present)"),
         "efficiency.memory": "1: memory_bandwidth_gbps is already the achieved bandwidth",
         "efficiency.network": "1: the link and collectives numbers are achieved (fitted) values",
-        "op_overhead_us": (f"measured: add of 1-element tensors needing grad {meas.tiny_op_us:.1f} us + "
-                           f"DTensor from_local/to_local {meas.dtensor_round_us:.1f} us, per rank"),
+        "op_overhead_us": f"measured: add of 1-element tensors needing grad {meas.tiny_op_us:.1f} us, per rank",
         "compute_curve": "measured: matmul efficiency (of peak_tflops) by GFLOPs per matmul",
     }
     comments["links.inter_node"] = ("not measured (one node): same as intra_node, for resized()"
@@ -232,7 +231,6 @@ def write_raw(meas: Measurements, path: str | os.PathLike) -> None:
             w.writerow(["memory_gbps", k, 1, meas.settings.memory_bytes, v])
         w.writerow(["overhead_us", "tiny add", 1, 0, meas.dispatch_us])
         w.writerow(["overhead_us", "tiny add with grad", 1, 0, meas.tiny_op_us])
-        w.writerow(["overhead_us", "dtensor round", 1, 0, meas.dtensor_round_us])
 
 
 def calibrate(base: Cluster, settings: Settings, devices_per_node: int | None = None,

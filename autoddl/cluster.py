@@ -129,18 +129,18 @@ class CollectiveFits:
 class ExecutorOverheads:
     """Fixed costs of autoddl's executor beyond the roofline, ``op_overhead_us`` and alpha-beta.
 
-    The executor runs every op (views included) as to_local -> aten op -> from_local in a
-    Python interpreter, boxes every parameter use into a detached leaf whose gradient it
-    reduces to the storage NdSbp, and runs each collective through DTensor's redistribute.
-    ``autoddl calibrate`` measures these by timing the executor on chains of tiny ops.
+    The executor runs every op (views included) as one call of a compiled local program,
+    makes every parameter use a leaf whose gradient it syncs to the storage layout, and
+    issues each collective as a functional collective it waits for. ``autoddl calibrate``
+    measures these by timing the executor on chains of tiny ops.
     """
 
     op_forward_us: float = 0.0      # per op the executor runs (views included), forward
     op_backward_us: float = 0.0     # per op that has a backward (views included)
-    input_forward_us: float = 0.0   # per tensor input of an op, forward (box + to_local)
+    input_forward_us: float = 0.0   # per tensor input of an op, forward
     input_backward_us: float = 0.0  # per tensor input of an op, backward (its gradient's wrapping)
     param_us: float = 0.0           # per parameter use: leaf, grad sync to storage, optimizer share
-    collective_us: float = 0.0      # per collective, beyond its latency (DTensor redistribute)
+    collective_us: float = 0.0      # per collective, beyond its latency (the call and its wait)
     step_us: float = 0.0            # per training step: input placement, loss read-out, zero_grad
 
     def __bool__(self) -> bool:

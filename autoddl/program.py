@@ -199,6 +199,7 @@ class StepProgram:
     param_uses: list[ParamUse] = field(default_factory=list)
     buckets: list[Bucket] = field(default_factory=list)
     loss: BoxKey | None = None
+    loss_async: bool = False         # the loss's all-reduce is waited for at the step's end only
 
     def collectives(self) -> list[Task]:
         """The collective tasks in issue order (what the audit compares with)."""
@@ -227,6 +228,7 @@ class _Lowering:
         self.last: int | None = None                       # the task issued last on the host thread
         self.first_consumer: dict[InputSource, str] = {}   # forward order: gradient complete after it
         self._uses: dict[tuple[str, NdSbp, NdSbp | None], int] = {}
+        self.async_tasks: list[int] = []                   # launched without the host waiting
 
     def run(self) -> StepProgram:
         ops = self.graph.ops()
@@ -248,11 +250,13 @@ class _Lowering:
             self.last = task.id
         return task
 
-    def emit_moves(self, moves: Sequence[Move], phase: str, tensor: str, op: str) -> None:
+    def emit_moves(self, moves: Sequence[Move], phase: str, tensor: str, op: str, host: bool = True) -> None:
         for m in moves:
             if m.kind is not None:
-                self.emit(phase=phase, stream=comm_stream(m.axis), op=op, collective=m.kind, axis=m.axis,
-                          nbytes=m.nbytes, tensor=tensor)
+                task = self.emit(host=host, phase=phase, stream=comm_stream(m.axis), op=op, collective=m.kind,
+                                 axis=m.axis, nbytes=m.nbytes, tensor=tensor)
+                if not host:
+                    self.async_tasks.append(task.id)
 
     # -- forward ----------------------------------------------------------------------------------
     def forward_op(self, node: OpNode) -> None:
@@ -273,7 +277,8 @@ class _Lowering:
             return self.param_use(producer, meta, dst, grad, node.name)
         return self.edge(ref, meta, dst, grad, node.name)
 
-    def edge(self, ref: TensorRef, meta: TensorMeta, dst: NdSbp, grad: NdSbp | None, consumer: str) -> BoxKey:
+    def edge(self, ref: TensorRef, meta: TensorMeta, dst: NdSbp, grad: NdSbp | None, consumer: str,
+             host: bool = True) -> BoxKey:
         key = BoxKey(ref.node, ref.index, dst, grad)
         if key not in self.prog.edges:
             src = layout_of(self.graph, self.plan, ref)
@@ -282,7 +287,7 @@ class _Lowering:
             self.prog.edges[key] = EdgeBox(key, meta, src, label, boxing_moves(meta.nbytes, src, dst, self.mesh),
                                            backward)
             charge = ref.node if consumer == "output" else consumer     # per-op times add up
-            self.emit_moves(self.prog.edges[key].forward, "forward", label, charge)
+            self.emit_moves(self.prog.edges[key].forward, "forward", label, charge, host)
             self.first_consumer[key] = consumer
         return key
 
@@ -301,7 +306,9 @@ class _Lowering:
 
     def loss_output(self) -> None:
         """Every rank reads the loss (the output node's last input: torch.export lists buffer
-        mutations first), so it is boxed to B; its gradient is the seed 1, already B."""
+        mutations first), so it is boxed to B; its gradient is the seed 1, already B. Backward does
+        not need the boxed value, so a loss that is one all-reduce away from B (a P loss) is
+        reduced asynchronously: only the step's end waits for it (``StepProgram.loss_async``)."""
         out = self.graph.nodes_of(NodeKind.OUTPUT)
         if not out or not out[0].inputs:
             raise ValueError(f"the graph of {self.graph.model_name or 'the model'} has no output; trace it with "
@@ -313,7 +320,9 @@ class _Lowering:
                              "its loss function")
         broadcast = NdSbp.broadcast(len(self.mesh))
         grad = needed_grad_ndsbp(broadcast) if ref.node in self.rg else None
-        self.prog.loss = self.edge(ref, meta, broadcast, grad, "output")
+        moves = boxing_moves(meta.nbytes, layout_of(self.graph, self.plan, ref), broadcast, self.mesh)
+        self.prog.loss_async = [m.kind for m in moves] == [CollectiveKind.ALL_REDUCE]
+        self.prog.loss = self.edge(ref, meta, broadcast, grad, "output", host=not self.prog.loss_async)
 
     # -- gradient sync buckets ----------------------------------------------------------------------
     def pack_buckets(self, ops: list[OpNode]) -> None:
@@ -386,7 +395,7 @@ class _Lowering:
             self.bucket_tasks.append(task.id)
 
     def optimizer(self) -> None:
-        syncs = tuple(t.id for t in self.prog.tasks if t.phase == "grad_sync")
+        syncs = tuple(t.id for t in self.prog.tasks if t.phase == "grad_sync") + tuple(self.async_tasks)
         deps = tuple(sorted(set(syncs + ((self.last,) if self.last is not None else ()))))
         self.emit(deps=deps, phase="optimizer", stream=COMPUTE, op="optimizer")
 

@@ -9,15 +9,15 @@ on all ranks at once, so each rank sees the contention it sees in training:
 - memory bandwidth: ``copy_`` and ``add(out=)`` over arrays far beyond the caches;
 - per-op overhead: ``add`` of 1-element tensors (without grad: the dispatch a
   benchmarked matmul pays too; with grad: plus the autograd recording a training
-  step pays), and one ``DTensor.from_local`` / ``to_local`` round, which the
-  executor pays around every op;
-- the executor's own fixed costs (``executor``): autoddl's executor (PlanInterpreter,
-  DistributedModel, train_step with AdamW) runs chains of tiny ops under an all-B plan
+  step pays);
+- the executor's own fixed costs (``executor``): autoddl's executor (the compiled local
+  program of DistributedModel, train_step with AdamW) runs chains of tiny ops under an all-B plan
   on a mesh of every rank (no collectives), three kinds of chain (one input per op, two
   inputs, two inputs one of which a parameter) at two lengths, forward alone and whole
   steps; least squares over the chains give the per-op, per-input and per-parameter
-  costs (:func:`fit_executor_overheads`); and one DTensor ``redistribute`` (P -> B, S -> B)
-  of a 4 KB tensor against the bare gloo collective gives the per-collective cost;
+  costs (:func:`fit_executor_overheads`); and one boxing move of the executor (P -> B, S -> B:
+  a functional collective and its wait) of a 4 KB tensor against the bare collective gives the
+  per-collective cost;
 - each collective kind on every mesh-axis size that divides ``nproc`` (subgroups of
   consecutive ranks, all running at once, as the axes of a 2-D mesh do), over message
   sizes ``M`` defined as in ``costmodel.collectives``, carried out the way the
@@ -27,7 +27,7 @@ on all ranks at once, so each rank sees the contention it sees in training:
 Small messages run back to back in batches after a barrier, so a rank's exit skew
 from the barrier does not count; a point's time is the median over repetitions of
 the slowest rank. This module returns raw timings and the compute summaries; the
-collective fits (which need ``costmodel``) live in ``autoddl.calibrate_cli``.
+collective fits (which need ``costmodel``) live in ``autoddl.calibration``.
 """
 
 from __future__ import annotations
@@ -139,14 +139,14 @@ class ChainTiming:
     ops: int                          # ops the executor runs (getitem excluded), as costmodel counts them
     inputs: int                       # tensor inputs over those ops
     params: int                       # parameter uses over those ops
-    forward_s: float                  # median forward (interpreter + loss to B), max over ranks
+    forward_s: float                  # median forward (local program + loss to B), max over ranks
     step_s: float                     # median train_step (forward, backward, grad sync, AdamW)
 
 
 @dataclass(frozen=True)
 class ExecutorTimings:
     chains: tuple[ChainTiming, ...]
-    redistribute_us: dict[str, float]  # "all_reduce" (P -> B) / "all_gather" (S -> B): DTensor redistribute
+    move_us: dict[str, float]          # "all_reduce" (P -> B) / "all_gather" (S -> B): the executor's move
     raw_us: dict[str, float]           # the bare gloo / nccl collective on the same tensor
 
 
@@ -162,7 +162,7 @@ def fit_executor_overheads(timings: ExecutorTimings) -> ExecutorFit:
 
     forward: ``t = op_f * ops + in_f * inputs + c_f``; step: ``t = op * ops + in * inputs +
     param * params + c``; backward terms are the step's minus the forward's (at least 0).
-    Per collective: the median over kinds of (DTensor redistribute - bare collective), at least 0.
+    Per collective: the median over kinds of (the executor's move - bare collective), at least 0.
     """
     from scipy.optimize import nnls
 
@@ -180,7 +180,7 @@ def fit_executor_overheads(timings: ExecutorTimings) -> ExecutorFit:
     f, _ = nnls(fwd_x * (1.0 / fwd_t)[:, None], np.ones(len(ch)))
     a, _ = nnls(step_x * w[:, None], np.ones(len(ch)))
     pred = step_x @ a
-    diffs = [timings.redistribute_us[k] - timings.raw_us[k] for k in timings.redistribute_us if k in timings.raw_us]
+    diffs = [timings.move_us[k] - timings.raw_us[k] for k in timings.move_us if k in timings.raw_us]
     overheads = ExecutorOverheads(
         op_forward_us=float(f[0]) * 1e6, op_backward_us=max(0.0, float(a[0] - f[0])) * 1e6,
         input_forward_us=float(f[1]) * 1e6, input_backward_us=max(0.0, float(a[1] - f[1])) * 1e6,
@@ -195,7 +195,6 @@ class Measurements:
     memory_gbps: dict[str, float]     # {"copy": GB/s, "add": GB/s} per rank, bytes read + written
     dispatch_us: float                # add of 1-element tensors, no grad (what a timed matmul pays too)
     tiny_op_us: float                 # add of 1-element tensors needing grad (dispatch + autograd)
-    dtensor_round_us: float           # DTensor.from_local + to_local
     collectives: tuple[CollectiveTiming, ...]
     seconds: dict[str, float] = field(default_factory=dict)    # wall time per benchmark section
     machine: str = ""
@@ -203,8 +202,8 @@ class Measurements:
 
     @property
     def op_overhead_us(self) -> float:
-        """Per-op cost the executor pays besides the kernel: the dispatch + the DTensor round."""
-        return self.tiny_op_us + self.dtensor_round_us
+        """Per-op cost besides the kernel: the dispatch and autograd recording of a tiny op."""
+        return self.tiny_op_us
 
 
 @dataclass(frozen=True)
@@ -283,14 +282,13 @@ def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measuremen
     if "chains" in ranks[0]:
         chains = tuple(ChainTiming(*c[:4], max(r["chains"][i][4] for r in ranks),
                                    max(r["chains"][i][5] for r in ranks)) for i, c in enumerate(ranks[0]["chains"]))
-        executor = ExecutorTimings(chains, {k: max(r["redistribute_us"][k] for r in ranks)
-                                            for k in ranks[0]["redistribute_us"]},
+        executor = ExecutorTimings(chains, {k: max(r["move_us"][k] for r in ranks)
+                                            for k in ranks[0]["move_us"]},
                                    {k: max(r["raw_us"][k] for r in ranks) for k in ranks[0]["raw_us"]})
     return Measurements(
         settings=settings, matmuls=matmuls,
         memory_gbps={k: mean(r["memory_gbps"][k] for r in ranks) for k in ranks[0]["memory_gbps"]},
         dispatch_us=mean(r["dispatch_us"] for r in ranks), tiny_op_us=mean(r["tiny_op_us"] for r in ranks),
-        dtensor_round_us=mean(r["dtensor_round_us"] for r in ranks),
         collectives=tuple(colls), seconds=seconds, machine=ranks[0]["machine"], executor=executor)
 
 
@@ -349,34 +347,25 @@ class _Bench:
 
     def overhead(self) -> dict[str, float]:
         torch = self.torch
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor, Replicate
-
         a = torch.ones(1, device=self.device, requires_grad=True)
         b = torch.ones(1, device=self.device, requires_grad=True)
         a0, b0 = a.detach(), b.detach()
         calls = 300 if self.s.quick else 2000
         dispatch = statistics.median(self.time_calls(lambda: torch.add(a0, b0), calls) for _ in range(5))
         tiny = statistics.median(self.time_calls(lambda: torch.add(a, b), calls) for _ in range(5))
-        mesh = init_device_mesh(self.device.type, (self.s.nproc,))
-        x = torch.ones(1, device=self.device, requires_grad=True)
-        placements = [Replicate()]
-
-        def round_trip() -> Any:
-            return DTensor.from_local(x, mesh, placements, run_check=False).to_local()
-
-        dt_round = statistics.median(self.time_calls(round_trip, calls // 4) for _ in range(5))
         self.say(f"per-op overhead: add of 1-element tensors {dispatch * 1e6:.1f} us ({tiny * 1e6:.1f} us with "
-                 f"grad), DTensor from_local + to_local {dt_round * 1e6:.1f} us (rank 0)")
-        return {"dispatch_us": dispatch * 1e6, "tiny_op_us": tiny * 1e6, "dtensor_round_us": dt_round * 1e6}
+                 "grad) (rank 0)")
+        return {"dispatch_us": dispatch * 1e6, "tiny_op_us": tiny * 1e6}
 
     def executor(self) -> dict[str, Any]:
-        """Chains of tiny ops through autoddl's executor, and DTensor redistribute against bare collectives."""
+        """Chains of tiny ops through autoddl's executor, and its boxing moves against bare collectives."""
         torch, dist = self.torch, self.dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+        from autoddl.boxing import boxing_moves
+        from autoddl.sbp import NdSbp
         from autoddl.trace import trace
+        from executor.moves import Boxer
         from executor.runtime import DistributedModel, build_optimizer, train_step
 
         mesh = init_device_mesh(self.device.type, (self.s.nproc,))
@@ -396,16 +385,17 @@ class _Bench:
                                fwd, step))
                 self.say(f"executor chain {kind} x {n}: {len(ops)} ops, forward {fwd * 1e3:.2f} ms, "
                          f"step {step * 1e3:.2f} ms (rank 0)")
-        t = torch.ones(1024, device=self.device, requires_grad=True)             # 4 KB
+        t = torch.ones(1024, device=self.device)                                 # 4 KB
         gathered = torch.empty(1024 * self.s.nproc, device=self.device)
-        partial = DTensor.from_local(t, mesh, [Partial()], run_check=False)
-        shard = DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+        boxer = Boxer((self.s.nproc,), (self.rank,), [dist.group.WORLD], self.s.backend)
         calls = 10 if self.s.quick else 40
-        cases = {"all_reduce": (lambda: partial.redistribute(mesh, [Replicate()]),
-                                lambda: dist.all_reduce(t.detach())),
-                 "all_gather": (lambda: shard.redistribute(mesh, [Replicate()]),
-                                lambda: dist.all_gather_into_tensor(gathered, t.detach()))}
-        redistribute_us, raw_us = {}, {}
+        moves = {kind: (boxing_moves(4096, NdSbp.parse(src), NdSbp.parse("[B]"), (self.s.nproc,)),)
+                 for kind, src in (("all_reduce", "[P]"), ("all_gather", "[S(0)]"))}
+        cases = {"all_reduce": (lambda: boxer.run(moves["all_reduce"][0], t, (1024,)),
+                                lambda: dist.all_reduce(t)),
+                 "all_gather": (lambda: boxer.run(moves["all_gather"][0], t, (1024 * self.s.nproc,)),
+                                lambda: dist.all_gather_into_tensor(gathered, t))}
+        move_us, raw_us = {}, {}
         for kind, (dtensor_fn, raw_fn) in cases.items():
             dtensor_fn(), raw_fn()
             reps_dt, reps_raw = [], []
@@ -414,11 +404,11 @@ class _Bench:
                 reps_dt.append(self.time_calls(dtensor_fn, calls))
                 self.dist.barrier()
                 reps_raw.append(self.time_calls(raw_fn, calls))
-            redistribute_us[kind] = statistics.median(reps_dt) * 1e6
+            move_us[kind] = statistics.median(reps_dt) * 1e6
             raw_us[kind] = statistics.median(reps_raw) * 1e6
-            self.say(f"executor {kind} of 4 KB: DTensor redistribute {redistribute_us[kind]:.0f} us, bare "
+            self.say(f"executor {kind} of 4 KB: the executor's move {move_us[kind]:.0f} us, bare "
                      f"{self.s.backend} {raw_us[kind]:.0f} us (rank 0)")
-        return {"chains": chains, "redistribute_us": redistribute_us, "raw_us": raw_us}
+        return {"chains": chains, "move_us": move_us, "raw_us": raw_us}
 
     def _median_step(self, fn: Callable[[], Any]) -> float:
         """Median seconds of ``fn`` over ``executor_reps`` runs, each started after a barrier."""
@@ -607,8 +597,8 @@ def broadcast_plan(graph: Any, mesh_shape: tuple[int, ...]) -> Any:
 
 
 def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measurements) -> tuple[Any, dict[str, str]]:
-    """``cluster`` with ``executor`` set from ``meas.executor`` and ``op_overhead_us`` cut to a tiny op's
-    dispatch + autograd (the DTensor round it also held is now in ``executor``), and for gloo on CPU
+    """``cluster`` with ``executor`` set from ``meas.executor`` and ``op_overhead_us`` a tiny op's
+    dispatch + autograd, and for gloo on CPU
     ``cores_per_node`` = this machine's cores / threads per rank; comments to match.
     Unchanged when the executor was not timed."""
     import dataclasses
@@ -620,15 +610,16 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
     ex = dataclasses.replace(ex, step_us=_round3(fit.step_fixed_us))
     s = meas.settings
     chains = ", ".join(f"{c.kind} {c.ops} ops {c.step_s * 1e3:.1f} ms" for c in meas.executor.chains)
-    diffs = ", ".join(f"{k} {meas.executor.redistribute_us[k]:.0f} us vs {meas.executor.raw_us[k]:.0f} us"
-                      for k in meas.executor.redistribute_us)
+    diffs = ", ".join(f"{k} {meas.executor.move_us[k]:.0f} us vs {meas.executor.raw_us[k]:.0f} us"
+                      for k in meas.executor.move_us)
     out = dict(comments)
     out["op_overhead_us"] = (f"measured: add of 1-element tensors needing grad {meas.tiny_op_us:.1f} us, per rank "
                              "(the executor's own per-op cost is in executor)")
     out["executor"] = (f"measured: autoddl's executor on chains of tiny ops, all-B plan on {s.nproc} ranks, "
                        f"AdamW, median of {s.executor_reps} steps ({chains}); non-negative least squares, max "
                        f"rel residual {fit.max_rel_residual:.0%}; step_us is the fit's per-step intercept")
-    out["executor.collective_us"] = f"DTensor redistribute - bare collective, 4 KB: {diffs}; median over kinds"
+    out["executor.collective_us"] = (f"the executor's boxing move (functional collective + wait) - bare collective, "
+                                     f"4 KB: {diffs}; median over kinds")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     at_once = max(1, cores // s.threads)
     if s.backend == "gloo" and cluster.device.kind == "cpu":

@@ -25,7 +25,7 @@ from autoddl.plan import Plan
 from autoddl.program import BoxKey, InputSource, StepProgram, signature_of
 from autoddl.sbp import NdSbp
 from executor.gradsync import GradSync
-from executor.moves import Boxer, BoxFunction, place_local
+from executor.moves import Boxer, BoxFunction, place_local, wait
 
 
 class LocalStep:
@@ -36,37 +36,50 @@ class LocalStep:
         self.program, self.boxer, self.local_params, self.grad_sync = program, boxer, local_params, grad_sync
         self.edges = list(program.edges.values())
         self.edge_index = {e.key: i for i, e in enumerate(self.edges)}
+        self.standing = {u.index: self._leaf(u.index, local_params[u.fqn]) for u in program.param_uses
+                         if not u.forward}
 
-    def param_use(self, index: int) -> torch.Tensor:
-        """A fresh leaf holding parameter use ``index`` in its use layout, its gradient hooked."""
-        use = self.program.param_uses[index]
-        local = self.local_params[use.fqn]
-        with torch.no_grad():
-            value = self.boxer.run(use.forward, local, use.meta.shape, use.fqn) if use.forward else local
+    def _leaf(self, index: int, value: torch.Tensor) -> torch.Tensor:
+        """``value`` as a leaf of the autograd graph whose gradient goes to the sync when accumulated."""
         leaf = value.detach()
-        if use.grad is not None:
+        if self.program.param_uses[index].grad is not None:
             leaf.requires_grad_(True)
             leaf.register_post_accumulate_grad_hook(lambda t, i=index: self.grad_sync.on_grad_ready(i, t))
         return leaf
+
+    def param_use(self, index: int) -> torch.Tensor:
+        """Parameter use ``index`` in its use layout, as a leaf whose gradient is hooked: a standing
+        leaf sharing the parameter's storage when the use needs no move (made once), else a fresh
+        leaf of the moved value (e.g. a ZeRO-3 all-gather) each step."""
+        leaf = self.standing.get(index)
+        if leaf is not None:
+            return leaf
+        use = self.program.param_uses[index]
+        with torch.no_grad():
+            value = self.boxer.run(use.forward, self.local_params[use.fqn], use.meta.shape, use.fqn)
+        return self._leaf(index, value)
 
     def box(self, x: torch.Tensor, edge: int) -> torch.Tensor:
         e = self.edges[edge]
         return BoxFunction.apply(x, self.boxer, e.forward, e.backward, e.meta.shape, e.label)
 
+    def report_loss(self, share: torch.Tensor) -> torch.Tensor:
+        """The program's asynchronous loss all-reduce (``StepProgram.loss_async``): launched now,
+        waited for by :meth:`loss_value`. Backward needs only the local share (the all-reduce's
+        gradient is the identity), which is returned."""
+        edge = self.program.edges[self.program.loss]
+        self.pending_loss = self.boxer.launch(edge.forward[0], share.detach(), edge.label)
+        return share
+
+    def loss_value(self, loss: torch.Tensor) -> float:
+        """The loss every rank reports: the awaited all-reduce when it was launched, else ``loss``."""
+        if self.program.loss_async:
+            return float(wait(self.pending_loss))
+        return float(loss.detach())
+
     def place(self, full: torch.Tensor, nd: NdSbp) -> torch.Tensor:
         """This rank's piece, in layout ``nd``, of a tensor every rank holds whole (no communication)."""
         return place_local(self.boxer, full, nd)
-
-
-def localize_devices(value: Any, device: torch.device) -> Any:
-    """Every ``torch.device('meta')`` in (nested) arguments replaced by ``device`` (the trace ran on meta)."""
-    if isinstance(value, torch.device):
-        return device if value.type == "meta" else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(localize_devices(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: localize_devices(v, device) for k, v in value.items()}
-    return value
 
 
 class ProgramCompiler:
@@ -87,7 +100,11 @@ class ProgramCompiler:
             elif node.kind is NodeKind.OP:
                 self.env[node.name] = self.op(node)
         loss = self.step.program.loss
-        self.fx.output(self.source_node(TensorRef(loss.node, loss.index), loss))
+        if self.step.program.loss_async:     # the local share goes out; its all-reduce is in flight
+            value = self.fx.call_function(self.step.report_loss, (self.output_node(TensorRef(loss.node, loss.index)),))
+        else:
+            value = self.source_node(TensorRef(loss.node, loss.index), loss)
+        self.fx.output(value)
         module = torch.fx.GraphModule(torch.nn.Module(), self.fx, class_name="LocalProgram")
         module.graph.lint()
         return module
@@ -98,8 +115,8 @@ class ProgramCompiler:
         tensors = [self.source_node(ref, src) for ref, src in zip(node.inputs, sources)]
         args, kwargs = ops.local_args(node, sig, self.mesh)
         position = [0]
-        args = localize_devices(_substitute(args, tensors, position), self.device)
-        kwargs = localize_devices(_substitute(kwargs, tensors, position), self.device)
+        args, kwargs = ops.localize_devices(_substitute(args, tensors, position),
+                                            _substitute(kwargs, tensors, position), self.device)
         out = self.fx.call_function(self.kernel(node, sig), tuple(args), kwargs)
         if not node.inputs and any(not nd.is_broadcast for nd in sig.outputs):
             if len(node.outputs) != 1:

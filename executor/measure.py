@@ -24,11 +24,12 @@ import os
 import resource
 import statistics
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
+
+from autoddl.atomic import write_csv_atomic
 
 RUN_COLUMNS = (
     "time", "git_commit", "model", "preset", "cluster", "plan", "mesh", "nproc", "backend",
@@ -190,20 +191,8 @@ def append_row(path: str | os.PathLike, row: Mapping[str, Any], columns: Sequenc
     header, rows = read_rows(path)
     cols = list(columns) + [c for c in header if c not in columns]
     cols += [c for c in row if c not in cols]
-    rows.append({k: "" if v is None else v for k, v in row.items()})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=cols, restval="")
-            writer.writeheader()
-            writer.writerows(rows)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    rows.append(dict(row))
+    write_csv_atomic(path, rows, cols)
 
 
 def run_row(*, model: str, preset: str, cluster: str, plan: str, mesh: str, nproc: int, backend: str,

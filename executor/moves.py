@@ -49,6 +49,14 @@ class Boxer:
             x = self._collective(move, x, label) if move.kind is not None else self._local(move, x, shape)
         return x
 
+    def launch(self, move: Move, x: torch.Tensor, label: str = "") -> torch.Tensor:
+        """An all-reduce move issued without waiting: the result is waited for with :func:`wait`."""
+        if move.kind is not CollectiveKind.ALL_REDUCE:
+            raise ValueError(f"only an all-reduce move is launched asynchronously, got {move}")
+        if self.on_collective is not None:
+            self.on_collective(carried_out_as(move.kind, self.backend), move.axis, move.nbytes, label)
+        return funcol.all_reduce(x, "sum", self.groups[move.axis])
+
     # -- collectives --------------------------------------------------------------------------------
     def _collective(self, move: Move, x: torch.Tensor, label: str) -> torch.Tensor:
         kind = carried_out_as(move.kind, self.backend)

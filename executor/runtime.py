@@ -182,12 +182,19 @@ class DistributedModel(nn.Module):
         return values
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """Run the compiled program; the gradient sync finishes at the end of the loss's backward."""
+        """Run the compiled program; the gradient sync finishes at the end of the loss's backward.
+
+        Returns the tensor to call ``backward()`` on. With ``program.loss_async`` it is this rank's
+        share of the loss, its all-reduce still in flight: :meth:`loss_value` reads the loss."""
         self._set_phase("forward")
         loss = self.run_program(*self._local_inputs(inputs))
         if loss.requires_grad:
             loss.register_hook(self._queue_finish)
         return loss
+
+    def loss_value(self, loss: torch.Tensor) -> float:
+        """The step's loss, the same on every rank."""
+        return self.step.loss_value(loss)
 
     def _queue_finish(self, grad: torch.Tensor) -> torch.Tensor:
         self._set_phase("backward")
@@ -279,7 +286,7 @@ def train_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor], optimiz
     loss = dmodel(*inputs)
     loss.backward()
     optimizer.step()
-    return float(loss.detach())
+    return dmodel.loss_value(loss)
 
 
 def audit_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor],
@@ -303,6 +310,14 @@ def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
 
 
+def reference_loss(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callable) -> torch.Tensor:
+    """One eager step's loss on one process: a model file's inputs know their forward / loss split
+    (``StepInputs.step_loss``: keyword inputs, targets); a plain tuple is ``loss_fn(model(*x), *x)``."""
+    if hasattr(inputs, "step_loss"):
+        return inputs.step_loss(model, loss_fn)
+    return loss_fn(model(*inputs), *inputs)
+
+
 def run_check(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callable, graph: OpGraph,
               plan: Plan, mesh: DeviceMesh, *, optimizer: str = "sgd", lr: float = 1e-2,
               steps: int = 1) -> dict[str, float]:
@@ -319,7 +334,7 @@ def run_check(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callabl
     for _ in range(steps):
         d_loss = train_step(dmodel, inputs, d_opt)
         r_opt.zero_grad(set_to_none=True)
-        r_loss = loss_fn(ref(*inputs), *inputs)
+        r_loss = reference_loss(ref, inputs, loss_fn)
         r_loss.backward()
         r_grads = {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
         r_opt.step()
@@ -341,6 +356,18 @@ def run_check(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callabl
 
 # -- parallelize: a plan inside the user's own training loop ----------------------------------------
 
+class _Reported(torch.autograd.Function):
+    """The reduced loss as the value, this rank's share as what the gradient flows into."""
+
+    @staticmethod
+    def forward(ctx, share: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
+        return reduced.reshape(share.shape).clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 class ParallelModule(DistributedModel):
     """A DistributedModel for a plain training loop: ``loss = m(*inputs); loss.backward(); opt.step()``.
 
@@ -350,6 +377,13 @@ class ParallelModule(DistributedModel):
     parameter's ``.grad``, so any torch optimizer over ``parameters()`` works and gradients
     accumulate over several backward passes as usual until its ``zero_grad``.
     """
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The loss, the same on every rank, as a tensor to call ``backward()`` on."""
+        share = super().forward(*inputs)
+        if not self.program.loss_async:
+            return share
+        return _Reported.apply(share, torch.tensor(self.loss_value(share), dtype=share.dtype))
 
     def _finish_backward(self) -> None:
         super()._finish_backward()

@@ -212,7 +212,7 @@ def synthetic_measurements(kind_params: dict[str, tuple[float, float]]) -> Measu
                   for k, (a, b) in kind_params.items() for m in settings.message_bytes)
     mts = tuple(MatmulTiming(m, n, k, 2 * m * n * k / 40e9) for m, n, k in settings.matmul_shapes)
     return Measurements(settings=settings, matmuls=mts, memory_gbps={"copy": 9.0, "add": 7.5}, dispatch_us=0.0,
-                        tiny_op_us=4.0, dtensor_round_us=56.0, collectives=colls, seconds={"total": 1.0}, machine="test")
+                        tiny_op_us=4.0, collectives=colls, seconds={"total": 1.0}, machine="test")
 
 
 def test_calibrate_cluster_from_synthetic_measurements(tmp_path):
@@ -222,7 +222,7 @@ def test_calibrate_cluster_from_synthetic_measurements(tmp_path):
     assert (c.name, c.backend, c.devices_per_node, c.device.name) == ("local-cpu", Backend.GLOO, 4, "cpu-core-avx2")
     assert c.intra_node == LinkSpec(1.2, 50.0) == c.inter_node and not c.collectives
     assert c.device.peak_tflops == 0.04 and c.efficiency.compute == 1.0 and c.device.memory_bandwidth_gbps == 9.0
-    assert c.op_overhead_us == 60.0 and all(e == 1.0 for _, e in c.compute_curve)
+    assert c.op_overhead_us == 4.0 and all(e == 1.0 for _, e in c.compute_curve)
     out = tmp_path / "cal.yaml"
     cal.write(out)
     assert Cluster.from_yaml(out) == c

@@ -1,0 +1,139 @@
+"""autoddl's compiled executor against PyTorch's own schemes, side by side: writes results/executor.csv.
+
+On 2 gloo ranks, for each case below, every plan runs in one launch together with the
+PyTorch implementation of the same scheme (same model, batch, optimizer and ranks):
+dp vs DistributedDataParallel, zero3 vs FSDP2, tp vs DTensor tensor parallel, and the
+found plan beside all three. Medians over ``--steps`` steps after ``--warmup``; p10-p90.
+
+    python benchmarks/executor_bench.py                     # every case (about 10 min on 2 cores)
+    python benchmarks/executor_bench.py --only gpt-tiny --steps 10
+
+Cases: (a) gpt tiny at batch 16; (b) a compute-bound GPT (4 layers, 256 wide, 8 x 128
+tokens); (c) VGG tiny at batch 64 (>= 100 ms a step here). Plans are made with
+``autoddl plan --cluster configs/local-cpu.yaml --devices 2`` and kept in results/plans/.
+The CSV is rewritten atomically after every run, so an interrupted benchmark keeps
+what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from autoddl.atomic import write_csv_atomic  # noqa: E402
+from executor.measure import read_rows  # noqa: E402
+
+CASES = {
+    "gpt-tiny": ("examples/gpt.py", ["preset=\"tiny\"", "batch_size=16"]),
+    "gpt-4x256": ("examples/gpt.py", ["preset=\"tiny\"", "n_layer=4", "n_embd=256", "n_head=4", "block_size=128",
+                                      "seq_len=128", "batch_size=8"]),
+    "vgg-tiny": ("examples/vgg.py", ["preset=\"tiny\"", "batch_size=64"]),
+}
+COUNTERPART = {"dp": "ddp", "zero3": "fsdp2", "tp": "dtensor_tp"}
+COLUMNS = ["case", "model", "sets", "plan", "reference", "plan_median_ms", "plan_p10_ms", "plan_p90_ms",
+           "reference_median_ms", "reference_p10_ms", "reference_p90_ms", "ratio", "target_ratio", "met",
+           "predicted_ms", "steps", "warmup", "note"]
+TARGET = 1.10
+
+
+def sh(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "autoddl", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=env)
+
+
+def make_plan(case: str, scheme: str) -> Path | None:
+    """``results/plans/executor-<case>-<scheme>.json``, or None when the scheme does not apply."""
+    model, sets = CASES[case]
+    out = Path("results/plans") / f"executor-{case}-{scheme}.json"
+    args = ["plan", model, "--cluster", "configs/local-cpu.yaml", "--devices", "2", "--scheme", scheme,
+            "--out", str(out)]
+    for s in sets:
+        args += ["--set", s]
+    proc = sh(*args)
+    if proc.returncode != 0 or not (ROOT / out).exists():
+        print(f"  {case}/{scheme}: not applicable ({(proc.stderr or proc.stdout).strip().splitlines()[-1:]})")
+        return None
+    return out
+
+
+def run(plan: Path, references: list[str], steps: int, warmup: int) -> list[dict[str, str]]:
+    """One launch: the plan and its references; the runs-CSV rows (plan first)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        csv_path = Path(tmp) / "runs.csv"
+        args = ["run", str(plan), "--nproc", "2", "--steps", str(steps), "--warmup", str(warmup),
+                "--out", str(csv_path)]
+        for r in references:
+            args += ["--reference", r]
+        proc = sh(*args)
+        if proc.returncode != 0:
+            raise RuntimeError(f"autoddl {' '.join(args)} failed:\n{proc.stderr[-2000:]}")
+        return read_rows(csv_path)[1]
+
+
+def _ms(row: dict[str, str], key: str) -> float:
+    return float(row[key]) * 1e3
+
+
+def rows_of(case: str, scheme: str, runs: list[dict[str, str]], steps: int, warmup: int) -> list[dict]:
+    plan, refs = runs[0], runs[1:]
+    if not refs:
+        return []
+    best = min(refs, key=lambda r: float(r["measured_median_s"]))
+    versus = [best] if scheme == "found" else refs
+    out = []
+    for ref in versus:
+        ratio = float(plan["measured_median_s"]) / float(ref["measured_median_s"])
+        out.append({
+            "case": case, "model": CASES[case][0], "sets": " ".join(CASES[case][1]), "plan": scheme,
+            "reference": ref["plan"], "plan_median_ms": f"{_ms(plan, 'measured_median_s'):.2f}",
+            "plan_p10_ms": f"{_ms(plan, 'measured_p10_s'):.2f}", "plan_p90_ms": f"{_ms(plan, 'measured_p90_s'):.2f}",
+            "reference_median_ms": f"{_ms(ref, 'measured_median_s'):.2f}",
+            "reference_p10_ms": f"{_ms(ref, 'measured_p10_s'):.2f}",
+            "reference_p90_ms": f"{_ms(ref, 'measured_p90_s'):.2f}", "ratio": f"{ratio:.3f}",
+            "target_ratio": TARGET, "met": ratio <= TARGET,
+            "predicted_ms": f"{_ms(plan, 'predicted_step_s'):.2f}" if plan.get("predicted_step_s") else "",
+            "steps": steps, "warmup": warmup,
+            "note": "fastest of " + ", ".join(r["plan"] for r in refs) if scheme == "found" else "",
+        })
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", nargs="*", default=list(CASES), choices=list(CASES))
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "results" / "executor.csv"))
+    args = p.parse_args(argv)
+    rows: list[dict] = []
+    t0 = time.monotonic()
+    for case in args.only:
+        plans = {s: make_plan(case, s) for s in ("dp", "zero3", "tp", "found")}
+        applicable = [COUNTERPART[s] for s in COUNTERPART if plans[s] is not None]
+        for scheme, plan in plans.items():
+            if plan is None:
+                continue
+            refs = applicable if scheme == "found" else [COUNTERPART[scheme]]
+            print(f"[{time.monotonic() - t0:5.0f} s] {case}: {scheme} beside {', '.join(refs)}", flush=True)
+            new = rows_of(case, scheme, run(plan, refs, args.steps, args.warmup), args.steps, args.warmup)
+            for r in new:
+                print(f"    {r['plan']} {r['plan_median_ms']} ms vs {r['reference']} {r['reference_median_ms']} ms: "
+                      f"{r['ratio']}x", flush=True)
+            rows += new
+            write_csv_atomic(args.out, rows, COLUMNS)
+    print(f"wrote {args.out} ({len(rows)} rows, {time.monotonic() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
