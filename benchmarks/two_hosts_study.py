@@ -158,9 +158,15 @@ def study_row(it: dict[str, Any], row: dict[str, Any], study: str, rate: float, 
            "predicted_step_s": f"{plan.cost.get('step_time_s', float('nan')):.6g}", **row}
     out.update({"study": study, "rate_mbit": f"{rate:g}", "delay_ms": f"{delay_ms:g}", "scheme": it["scheme"],
                 "axes": "swapped" if it["scheme"] in SWAPPED.values() else "as planned",
-                "cluster_file": os.path.relpath(plan.cluster_file, ROOT), "steps": steps, "warmup": warmup,
+                "cluster_file": _shown(Path(plan.cluster_file)), "steps": steps, "warmup": warmup,
                 "load_avg_1m": f"{os.getloadavg()[0]:.2f}", "error": row.get("error", "")})
     return out
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when inside it, else absolute."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def delay_applied(rate: float) -> float:
@@ -227,7 +233,7 @@ def run_study(args: argparse.Namespace, study: str) -> int:
     for rate in args.rates:
         cluster = cluster_for_rate(rate, args.work, args.quick_calibration)
         delay = delay_applied(rate)
-        print(f"== {rate:g} Mbit/s, added delay {delay:g} ms, cluster {os.path.relpath(cluster, ROOT)}", flush=True)
+        print(f"== {rate:g} Mbit/s, added delay {delay:g} ms, cluster {_shown(cluster)}", flush=True)
         for model in args.models:
             plan_dir = args.work / f"{rate:g}mbit"
             plan_dir.mkdir(parents=True, exist_ok=True)
