@@ -458,7 +458,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(bed.describe(), flush=True)
         if args.measure_paths:
             print_paths(measure_paths(bed), bed)
-        code = run_on_hosts(bed, command, args.nproc_per_host, args.timeout_s) if command else 0
+        code = 0
+        if command:
+            h0 = bed.hosts[0]
+            before = link_bytes(h0.ns, h0.dev)
+            code = run_on_hosts(bed, command, args.nproc_per_host, args.timeout_s)
+            sent, received = (a - b for a, b in zip(link_bytes(h0.ns, h0.dev), before))
+            print(f"two_hosts: the link carried {sent / 1e6:.2f} MB host0 -> host1 and {received / 1e6:.2f} MB "
+                  "host1 -> host0 during the command", flush=True)
     sys.stdout.flush()
     print(f"two_hosts: torn down (exit {code})", file=sys.stderr)
     return code

@@ -11,7 +11,8 @@ For each link rate (``--rates``, Mbit/s; default 1000 and 10000):
    found plan so), priced by the cost model on the same cluster;
 3. every plan runs on the testbed at that rate: ``python benchmarks/two_hosts.py --rate-mbit R --
    autoddl run PLAN --steps S --warmup W`` (host 0 holds mesh axis 1, the inner one; axis 0 crosses
-   the link), and its runs-table row gets the study's columns.
+   the link), and its runs-table row gets the study's columns (``link_mb``: MB the veth carried,
+   both directions, over the whole launch: start-up, warm-up, measured and audit steps).
 
 ``results/two_hosts.csv`` gets one row per run (the runs-table columns of ``executor.measure`` plus
 ``STUDY_COLUMNS``); then, per (model, rate): MAPE of predicted vs measured step time, the Spearman
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import time
@@ -49,7 +51,7 @@ MODELS: dict[str, dict[str, Any]] = {        # build_model / example_inputs keyw
 }
 MESH = (2, 2)                                 # axis 0 across the hosts, axis 1 inside a host
 SWAPPED = {"dp_tp": "tp_dp", "found": "found_swapped"}
-STUDY_COLUMNS = ("study", "rate_mbit", "delay_ms", "scheme", "axes", "cluster_file", "steps", "warmup",
+STUDY_COLUMNS = ("study", "rate_mbit", "delay_ms", "scheme", "axes", "link_mb", "cluster_file", "steps", "warmup",
                  "load_avg_1m", "error")
 
 
@@ -148,7 +150,9 @@ def run_plan(it: dict[str, Any], rate: float, steps: int, warmup: int, timeout_s
     if res.returncode != 0 or not rows:
         tail = " | ".join(line for line in log[-6:] if line.strip())
         return {"error": f"exit {res.returncode} after {time.monotonic() - t0:.0f} s: {tail}"[:600]}
-    return dict(rows[-1])
+    carried = next((line for line in log if "two_hosts: the link carried" in line), "")
+    link_mb = sum(map(float, re.findall(r"([0-9.]+) MB", carried))) if carried else float("nan")   # both ways
+    return dict(rows[-1], link_mb=f"{link_mb:.2f}")
 
 
 def study_row(it: dict[str, Any], row: dict[str, Any], study: str, rate: float, delay_ms: float,
