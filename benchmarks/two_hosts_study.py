@@ -199,7 +199,7 @@ def analyze(csv_path: Path, study: str | None = None) -> list[str]:
             groups.setdefault((r["model"], r["rate_mbit"]), []).append(
                 {"scheme": r["scheme"], "predicted": float(r["predicted_step_s"]),
                  "median": float(r["measured_median_s"]), "p10": float(r["measured_p10_s"]),
-                 "p90": float(r["measured_p90_s"])})
+                 "p90": float(r["measured_p90_s"]), "link_mb": r.get("link_mb") or "?"})
     lines = [f"study {study} ({csv_path.relative_to(ROOT) if csv_path.is_relative_to(ROOT) else csv_path})"]
     for (model, rate), g in sorted(groups.items()):
         pred, meas = [r["predicted"] for r in g], [r["median"] for r in g]
@@ -209,7 +209,8 @@ def analyze(csv_path: Path, study: str | None = None) -> list[str]:
                      f"over {len(g)} plans; found plan {verdict}" + (f" (best baseline {best})" if best else ""))
         for r in sorted(g, key=lambda r: r["median"]):
             lines.append(f"    {r['scheme']:14s} predicted {r['predicted'] * 1e3:8.1f} ms   measured "
-                         f"{r['median'] * 1e3:8.1f} ms (p10 {r['p10'] * 1e3:.1f}, p90 {r['p90'] * 1e3:.1f})")
+                         f"{r['median'] * 1e3:8.1f} ms (p10 {r['p10'] * 1e3:.1f}, p90 {r['p90'] * 1e3:.1f}), "
+                         f"link {r['link_mb']} MB")
     return lines
 
 
