@@ -16,7 +16,13 @@ What it builds (root and iproute2 needed; every name carries a per-run suffix):
   (``GLOO_SOCKET_IFNAME`` = its veth end, gloo uses one interface per process), and a packet to an
   address of one's own namespace is routed through ``lo`` by the kernel's local table, never out
   of the veth. So the veth's qdiscs shape exactly the traffic between hosts and the traffic inside a
-  host runs at loopback speed; ``--measure-paths`` shows it with the veth's byte counters.
+  host runs at loopback speed; ``--measure-paths`` shows it with the veth's byte counters. Measured
+  here (2 cores, 2026-11-23, ``--measure-paths``, 64 MB over TCP): inside a host 16.9-18.4 Gbit/s,
+  0.0 MB on the veth, 64.1 MB on lo; between hosts 953-958 Mbit/s at ``--rate-mbit 1000``, all 64.1 MB
+  on the veth; at 10000 the link outruns what 2 busy cores push through it (6.6 Gbit/s). A gloo
+  all-reduce of 8 MB: 10-19 ms inside a host, 67-75 ms between hosts at 1 Gbit/s (64 ms from the rate).
+- delay: this machine's kernel has no netem (CONFIG_NET_SCH_NETEM unset; only tbf, htb and fifo
+  qdiscs), so ``--delay-ms`` is applied only where netem exists; the describe line says which.
 
 How the command after ``--`` runs, on both hosts at once (cwd: the repository; env: GLOO_SOCKET_IFNAME,
 OMP_NUM_THREADS=1 unless set, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE):
