@@ -55,8 +55,8 @@ def plan(model: nn.Module, example_inputs: Sequence[torch.Tensor], cluster: Clus
          loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: str = "adamw") -> Plan:
     """Trace ``model`` on the meta device and return the cheapest plan found for ``cluster``."""
     graph = trace(model, example_inputs, loss_fn, name=type(model).__name__)
-    return search_model(graph, cluster, devices=devices, mesh=mesh, memory_gb=memory_gb,
-                        optimizer=optimizer).found
+    found = search_model(graph, cluster, devices=devices, mesh=mesh, memory_gb=memory_gb, optimizer=optimizer).found
+    return found.set_provenance(cluster_file=cluster if isinstance(cluster, (str, os.PathLike)) else "")
 
 
 def compare(model: nn.Module, example_inputs: Sequence[torch.Tensor], cluster: Cluster | str | None = None, *,
@@ -80,6 +80,7 @@ def schemes_frame(outcome) -> pd.DataFrame:
                 "step_ms": bd.step_time_s * 1e3, "compute_ms": bd.compute_s * 1e3,
                 "boxing_fwd_ms": bd.boxing_forward_s * 1e3, "boxing_bwd_ms": bd.boxing_backward_s * 1e3,
                 "grad_sync_ms": bd.grad_sync_s * 1e3, "optimizer_ms": bd.optimizer_s * 1e3,
+                "exposed_comm_ms": bd.exposed_comm_s * 1e3,
                 "step_overhead_ms": bd.step_overhead_s * 1e3,
                 "memory_gb": bd.memory_bytes_per_device / 1e9, "fits_memory": bd.fits_memory,
             })

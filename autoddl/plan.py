@@ -58,6 +58,35 @@ class Mesh:
         return "x".join(map(str, self.shape))
 
 
+def axis_roles(signatures: dict[str, Signature], param_storage: dict[str, NdSbp], ndim: int) -> tuple[str, ...]:
+    """Role-named mesh axes, as torchtitan's ParallelDims names them, read off the decisions: an axis
+    that splits an input's batch (dim 0) is ``dp``, or ``fsdp`` when parameters are stored split on it
+    too; otherwise ``tp`` when parameters are split on it, ``sp`` when an input is split on another
+    dim, else ``rep`` (everything replicated). Repeated roles get the axis index (``tp``, ``tp1``)."""
+    placeholders = [sig.outputs[0] for sig in signatures.values() if not sig.inputs and len(sig.outputs) == 1]
+    names: list[str] = []
+    for axis in range(ndim):
+        batch = any(nd[axis].is_split(0) for nd in placeholders)
+        params_split = any(nd[axis].is_split() for nd in param_storage.values())
+        other_split = any(nd[axis].is_split() and not nd[axis].is_split(0) for nd in placeholders)
+        role = (("fsdp" if params_split else "dp") if batch else
+                "tp" if params_split else "sp" if other_split else "rep")
+        names.append(role if role not in names else f"{role}{axis}")
+    return tuple(names)
+
+
+def relative_path(path: str | os.PathLike) -> str:
+    """``path`` relative to the working directory when it lies below it (what a committed plan
+    names), else absolute; "" stays ""."""
+    if not path:
+        return ""
+    absolute = Path(path).resolve()
+    try:
+        return str(absolute.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(absolute)
+
+
 @dataclass
 class Plan:
     name: str                                   # "found", "dp", "tp", "dp_tp", "zero3", "sp", ...
@@ -79,6 +108,15 @@ class Plan:
     @property
     def devices(self) -> int:
         return self.mesh.size
+
+    def set_provenance(self, *, model_file: str | os.PathLike = "", model_args: dict[str, Any] | None = None,
+                       cluster_file: str | os.PathLike = "") -> "Plan":
+        """Record where the plan came from, the same way from the CLI and the API: files relative
+        to the working directory (no absolute paths in a committed plan), the model's arguments."""
+        self.model = relative_path(model_file) or self.model
+        self.model_args = dict(model_args or {})
+        self.cluster_file = relative_path(cluster_file)
+        return self
 
     # -- JSON -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -47,6 +47,9 @@ if str(ROOT) not in sys.path:
 
 MODELS: dict[str, dict[str, Any]] = {       # model -> build_model / example_inputs keywords
     "gpt": {"preset": "tiny", "batch_size": 16},
+    # compute-bound: one process needs > 100 ms a step here (benchmarks/executor_bench.py case (b))
+    "gpt-4x256": {"preset": "tiny", "n_layer": 4, "n_embd": 256, "n_head": 4, "block_size": 128, "seq_len": 128,
+                  "batch_size": 8},
     "llama": {"preset": "tiny", "batch_size": 16},
     "mlp": {"preset": "tiny", "width": 512, "batch_size": 64},
     "vgg": {"preset": "tiny", "batch_size": 32},
@@ -119,6 +122,11 @@ def found_verdict(rows: Iterable[dict[str, Any]]) -> tuple[str, str]:
 
 
 # -- planning and running ---------------------------------------------------------------------
+def model_file(model: str) -> Path:
+    """``examples/<file>.py`` of a study model: its name up to the first ``-`` (``gpt-4x256`` -> gpt)."""
+    return ROOT / "examples" / f"{model.split('-')[0]}.py"
+
+
 def plan_all(model: str, kwargs: dict[str, Any], configs: Sequence[str], cluster_path: Path,
              plan_dir: Path) -> list[dict[str, Any]]:
     """Every applicable baseline and the found plan per config, saved to ``plan_dir``; one dict each."""
@@ -126,7 +134,7 @@ def plan_all(model: str, kwargs: dict[str, Any], configs: Sequence[str], cluster
     from autoddl.cluster import Cluster
     from autoddl.loader import trace_model_file
 
-    model_py = ROOT / "examples" / f"{model}.py"
+    model_py = model_file(model)
     mf, graph = trace_model_file(model_py, **kwargs)
     cluster = Cluster.from_yaml(cluster_path)
     out = []
@@ -139,7 +147,7 @@ def plan_all(model: str, kwargs: dict[str, Any], configs: Sequence[str], cluster
                 print(f"  {model} {config}: {s.name} not run: {s.reason or 'does not fit memory'}", flush=True)
         for name, s in plans.items():
             plan = s.plan
-            plan.model, plan.model_args, plan.cluster_file = str(model_py), dict(kwargs), str(cluster_path)
+            plan.set_provenance(model_file=model_py, model_args=kwargs, cluster_file=cluster_path)
             path = plan_dir / f"{model}-{config}-{name}.json"
             plan.save(path)
             same = [b for b, o in plans.items() if b != name and name == "found"
@@ -155,7 +163,7 @@ def run_plans(model: str, kwargs: dict[str, Any], nproc: int, items: list[dict[s
     from executor.launch import LaunchSpec, launch
 
     worker_args = ["--plans", *[str(it["path"]) for it in items], "--out-dir", str(out_dir),
-                   "--model", str(ROOT / "examples" / f"{model}.py"), "--steps", str(steps),
+                   "--model", str(model_file(model)), "--steps", str(steps),
                    "--warmup", str(warmup), "--quiet"]
     worker_args += [a for k, v in kwargs.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     res = launch(LaunchSpec(nproc, omp_num_threads=1, timeout_s=timeout_s), worker_args)

@@ -54,7 +54,7 @@ pd.set_option("display.precision", 2)
 AXIS_ROLES = r"""
 from autoddl.graph import NodeKind
 from autoddl.sbp import Broadcast, Partial, Split
-from costmodel.edges import used_parameters
+from autoddl.program import used_parameters
 
 
 def axis_roles(graph, plan, cluster):
@@ -160,7 +160,7 @@ def nb01():
         from autoddl.charts import SEGMENTS
         from autoddl.cluster import Cluster
         from autoddl.loader import trace_model_file
-        from costmodel.edges import plan_transitions
+        from autoddl.program import lower
         """),
         _md(r"""
         ## Trace
@@ -287,7 +287,7 @@ def nb01():
 
         For a block in the middle of the model: each op's SBP signature under the best baseline and under
         the found plan (`inputs -> outputs`, one entry per mesh axis, `S(d)` split on dim d, `B` broadcast,
-        `P` partial sum), and the collectives each plan inserts at that op (`costmodel.edges.plan_transitions`:
+        `P` partial sum), and the collectives each plan inserts at that op (`autoddl.program.lower(graph, plan).collectives()`:
         forward boxing, backward boxing, gradient sync). Shown for GPT-2 XL on `h100-4x8`, where the best
         baseline (`dp_tp`) and the found plan use the same 4 × 8 mesh, so signatures compare axis by axis.
         """),
@@ -306,8 +306,8 @@ def nb01():
 
         def collectives_by_op(graph, plan):
             out = defaultdict(list)
-            for t in plan_transitions(graph, plan):
-                out[t.op].append(f"{t.phase[:4]} {t.kind.value} ax{t.axis} {t.bytes / 1e6:.1f}MB")
+            for t in lower(graph, plan).collectives():
+                out[t.op].append(f"{t.phase[:4]} {t.collective.value} ax{t.axis} {t.nbytes / 1e6:.1f}MB")
             return out
 
         def block_table(model, cname):

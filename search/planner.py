@@ -21,7 +21,7 @@ import numpy as np
 
 from autoddl.cluster import Cluster
 from autoddl.graph import NodeKind, OpGraph
-from autoddl.plan import Mesh, Plan
+from autoddl.plan import Mesh, Plan, axis_roles
 from costmodel.breakdown import CostBreakdown, plan_cost
 from search.baselines import BaselineSpec, baseline_specs, build_baseline
 from search.coordinate_descent import coordinate_descent
@@ -65,10 +65,6 @@ class SearchOutcome:
     def best_baseline(self) -> Scheme | None:
         fitting = [s for s in self.schemes if s.name != "found" and s.plan is not None and s.breakdown.fits_memory]
         return min(fitting, key=lambda s: s.step_time_s, default=None)
-
-
-def mesh_axis_names(ndim: int) -> tuple[str, ...]:
-    return ("dp",) if ndim == 1 else tuple(f"axis{i}" for i in range(ndim))
 
 
 def resolve_cluster(cluster: Cluster, devices: int | None) -> Cluster:
@@ -120,7 +116,8 @@ def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tupl
     def make_plan(name: str, form: Formulation, assignment: np.ndarray) -> tuple[Plan, CostBreakdown]:
         sigs = form.signatures(assignment)
         storage = {n.target: sigs.pop(n.name).outputs[0] for n in form.nodes if n.kind is NodeKind.PARAMETER}
-        plan = Plan(name=name, mesh=Mesh(form.mesh_shape, mesh_axis_names(len(form.mesh_shape))),
+        roles = axis_roles(sigs, storage, len(form.mesh_shape))
+        plan = Plan(name=name, mesh=Mesh(form.mesh_shape, roles),
                     signatures=sigs, param_storage=storage, graph_hash=graph_hash, model=model_name,
                     cluster=cluster.name, optimizer=optimizer)
         bd = plan_cost(graph, plan, cluster)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -42,8 +41,7 @@ def _search(args: argparse.Namespace, progress):
                            optimizer=args.optimizer, progress=progress)
     for scheme in outcome.schemes:
         if scheme.plan is not None:
-            scheme.plan.model, scheme.plan.model_args = mf.path, overrides
-            scheme.plan.cluster_file = str(Path(args.cluster).resolve())
+            scheme.plan.set_provenance(model_file=mf.path, model_args=overrides, cluster_file=args.cluster)
     return mf, graph, cluster, outcome, trace_s
 
 
