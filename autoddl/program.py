@@ -112,6 +112,17 @@ def requires_grad(graph: OpGraph) -> set[str]:
     return out
 
 
+def layer_group(fqn: str) -> str:
+    """The repeated block a parameter belongs to: its fqn up to the first numeric part
+    (``transformer.h.3.attn.c_attn.weight`` -> ``transformer.h.3``), else ``root`` (as FSDP2's
+    root module holds what no block does)."""
+    parts = fqn.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return "root"
+
+
 def work_divisor(sig: Signature, mesh_shape: Sequence[int]) -> int:
     """How many devices share an op's work: the product of the mesh sizes of the axes on which
     some input or output is split (a contracted split gives P outputs but still splits the work;
@@ -156,6 +167,19 @@ class ParamUse:
     forward: tuple[Move, ...]        # storage -> dst (ZeRO-3 / FSDP: an all-gather)
     grad_sync: tuple[Move, ...]      # grad -> storage (data parallel: an all-reduce)
     bucket: int = -1                 # index into StepProgram.buckets, -1 when synced on its own
+    gather: int = -1                 # index into StepProgram.gathers, -1 when moved on its own
+
+
+@dataclass(frozen=True)
+class GatherGroup:
+    """The all-gathers of one layer group's sharded parameters (ZeRO-3 / FSDP), done as one
+    collective over their flattened shards, launched one group ahead of use (as FSDP2 prefetches)."""
+
+    index: int
+    group: str                       # "transformer.h.3", or "root" for parameters outside any block
+    axis: int
+    uses: tuple[int, ...]            # ParamUse indices
+    nbytes: int                      # M of the one all-gather: the gathered tensors' bytes added up
 
 
 @dataclass(frozen=True)
@@ -198,6 +222,7 @@ class StepProgram:
     edges: dict[BoxKey, EdgeBox] = field(default_factory=dict)
     param_uses: list[ParamUse] = field(default_factory=list)
     buckets: list[Bucket] = field(default_factory=list)
+    gathers: list[GatherGroup] = field(default_factory=list)
     loss: BoxKey | None = None
     loss_async: bool = False         # the loss's all-reduce is waited for at the step's end only
 
@@ -229,11 +254,18 @@ class _Lowering:
         self.first_consumer: dict[InputSource, str] = {}   # forward order: gradient complete after it
         self._uses: dict[tuple[str, NdSbp, NdSbp | None], int] = {}
         self.async_tasks: list[int] = []                   # launched without the host waiting
+        self.gather_of: dict[tuple[str, NdSbp, NdSbp | None], int] = {}   # use key -> gather group
+        self.gather_specs: list[list] = []                 # [layer group, axis, M bytes] per gather group
+        self.gather_task: dict[int, int] = {}              # gather group -> its task
+        self.wait_for: list[int] = []                      # prefetched gathers the next op waits for
 
     def run(self) -> StepProgram:
         ops = self.graph.ops()
+        self.plan_gathers(ops)
         for node in ops:
             self.forward_op(node)
+        self.prog.gathers = [GatherGroup(i, group, axis, tuple(u.index for u in self.prog.param_uses if u.gather == i),
+                                         nbytes) for i, (group, axis, nbytes) in enumerate(self.gather_specs)]
         self.loss_output()
         self.pack_buckets(ops)
         self.backward(ops)
@@ -264,18 +296,63 @@ class _Lowering:
         sources = tuple(self.source(node, sig, slot, ref) for slot, ref in enumerate(node.inputs))
         self.prog.op_inputs[node.name] = sources
         share = work_divisor(sig, self.mesh)
-        self.emit(phase="forward", stream=COMPUTE, op=node.name, local_flops=node.flops / share,
+        deps = ((self.last,) if self.last is not None else ()) + tuple(self.wait_for)
+        self.wait_for = []
+        self.emit(deps=deps, phase="forward", stream=COMPUTE, op=node.name, local_flops=node.flops / share,
                   local_bytes=(node.bytes_read + node.bytes_written) / share)
+
+    def input_layout(self, node: OpNode, sig: Signature, slot: int) -> tuple[NdSbp, NdSbp | None]:
+        """(the layout op ``node`` reads input ``slot`` in, the gradient layout it hands back or None)."""
+        ref = node.inputs[slot]
+        meta = self.graph.meta_of(ref)
+        flows = ref.node in self.rg and meta.is_floating and node.name in self.rg
+        return sig.inputs[slot], grad_ndsbp(sig.inputs[slot], sig.outputs) if flows else None
 
     def source(self, node: OpNode, sig: Signature, slot: int, ref: TensorRef) -> InputSource:
         producer = self.graph[ref.node]
         meta = producer.outputs[ref.index]
-        dst = sig.inputs[slot]
-        flows = ref.node in self.rg and meta.is_floating and node.name in self.rg
-        grad = grad_ndsbp(dst, sig.outputs) if flows else None
+        dst, grad = self.input_layout(node, sig, slot)
         if producer.kind is NodeKind.PARAMETER:
             return self.param_use(producer, meta, dst, grad, node.name)
         return self.edge(ref, meta, dst, grad, node.name)
+
+    # -- ZeRO-3 / FSDP gathers, per layer group --------------------------------------------------------
+    def plan_gathers(self, ops: list[OpNode]) -> None:
+        """Group the parameter uses whose move is one all-gather by (layer group, mesh axis), in the
+        order forward first needs them: each group becomes one all-gather of its flattened shards."""
+        groups: dict[tuple[str, int], int] = {}
+        for node in ops:
+            sig = signature_of(self.plan, node)
+            for slot, ref in enumerate(node.inputs):
+                producer = self.graph[ref.node]
+                if producer.kind is not NodeKind.PARAMETER:
+                    continue
+                key = (producer.target, *self.input_layout(node, sig, slot))
+                moves = boxing_moves(producer.outputs[0].nbytes, storage_of(self.plan, key[0]), key[1], self.mesh)
+                if key in self.gather_of or [m.kind for m in moves] != [CollectiveKind.ALL_GATHER]:
+                    continue
+                group = (layer_group(key[0]), moves[0].axis)
+                if group not in groups:
+                    groups[group] = len(self.gather_specs)
+                    self.gather_specs.append([group[0], group[1], 0])
+                self.gather_of[key] = groups[group]
+                self.gather_specs[groups[group]][2] += moves[0].nbytes
+
+    def gathered(self, group: int, consumer: str) -> None:
+        """A use of gather ``group`` is needed by ``consumer``: launch the group unless it was
+        prefetched (then the consumer waits for it), and prefetch the next group asynchronously."""
+        if group in self.gather_task:
+            self.wait_for.append(self.gather_task[group])
+        else:
+            self.launch_gather(group, consumer, host=True)
+        if group + 1 < len(self.gather_specs) and group + 1 not in self.gather_task:
+            self.launch_gather(group + 1, consumer, host=False)
+
+    def launch_gather(self, group: int, consumer: str, host: bool) -> None:
+        name, axis, nbytes = self.gather_specs[group]
+        task = self.emit(host=host, phase="forward", stream=comm_stream(axis), op=consumer,
+                         collective=CollectiveKind.ALL_GATHER, axis=axis, nbytes=nbytes, tensor=f"gather {name}")
+        self.gather_task[group] = task.id
 
     def edge(self, ref: TensorRef, meta: TensorMeta, dst: NdSbp, grad: NdSbp | None, consumer: str,
              host: bool = True) -> BoxKey:
@@ -295,13 +372,19 @@ class _Lowering:
         fqn = producer.target
         if (fqn, dst, grad) not in self._uses:
             storage = storage_of(self.plan, fqn)
+            gather = self.gather_of.get((fqn, dst, grad), -1)
             use = ParamUse(len(self.prog.param_uses), fqn, meta, storage, dst, grad,
                            boxing_moves(meta.nbytes, storage, dst, self.mesh),
-                           gradient_moves(meta.nbytes, grad, storage, self.mesh) if grad is not None else ())
+                           gradient_moves(meta.nbytes, grad, storage, self.mesh) if grad is not None else (),
+                           gather=gather)
             self._uses[(fqn, dst, grad)] = use.index
             self.prog.param_uses.append(use)
-            self.emit_moves(use.forward, "forward", fqn, consumer)
+            if gather < 0:
+                self.emit_moves(use.forward, "forward", fqn, consumer)
             self.first_consumer[use.index] = consumer
+        gather = self.prog.param_uses[self._uses[(fqn, dst, grad)]].gather
+        if gather >= 0:
+            self.gathered(gather, consumer)
         return self._uses[(fqn, dst, grad)]
 
     def loss_output(self) -> None:

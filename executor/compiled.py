@@ -13,13 +13,16 @@ through DTensor at run time; autograd runs the backward of the local ops.
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Sequence
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.fx
 
 from autoddl import ops
+from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorRef
 from autoddl.plan import Plan
 from autoddl.program import BoxKey, InputSource, StepProgram, signature_of
@@ -38,6 +41,12 @@ class LocalStep:
         self.edge_index = {e.key: i for i, e in enumerate(self.edges)}
         self.standing = {u.index: self._leaf(u.index, local_params[u.fqn]) for u in program.param_uses
                          if not u.forward}
+        self.slot = {i: n for g in program.gathers for n, i in enumerate(g.uses)}   # use -> place in its group
+        self.start_step()
+
+    def start_step(self) -> None:
+        self.launched: dict[int, torch.Tensor] = {}        # gather group -> its flat all-gather, in flight
+        self.gathered: dict[int, list[torch.Tensor]] = {}  # gather group -> its uses' gathered values
 
     def _leaf(self, index: int, value: torch.Tensor) -> torch.Tensor:
         """``value`` as a leaf of the autograd graph whose gradient goes to the sync when accumulated."""
@@ -56,8 +65,45 @@ class LocalStep:
             return leaf
         use = self.program.param_uses[index]
         with torch.no_grad():
-            value = self.boxer.run(use.forward, self.local_params[use.fqn], use.meta.shape, use.fqn)
+            if use.gather >= 0:
+                value = self._gathered(use.gather)[self.slot[index]]
+            else:
+                value = self.boxer.run(use.forward, self.local_params[use.fqn], use.meta.shape, use.fqn)
         return self._leaf(index, value)
+
+    # -- ZeRO-3 / FSDP: one all-gather per layer group, the next group prefetched ----------------------
+    def _gathered(self, group: int) -> list[torch.Tensor]:
+        """The gathered values of ``group``'s uses; launches it unless prefetched, and prefetches the
+        next group (the order of autoddl.program's ``gathered``, the same on every rank)."""
+        if group not in self.launched:
+            self._launch_gather(group)
+        if group + 1 < len(self.program.gathers) and group + 1 not in self.launched:
+            self._launch_gather(group + 1)
+        if group not in self.gathered:
+            self.gathered[group] = self._unpack(group, wait(self.launched[group]))
+        return self.gathered[group]
+
+    def _launch_gather(self, group: int) -> None:
+        g = self.program.gathers[group]
+        flat = torch.cat([self.local_params[self.program.param_uses[i].fqn].reshape(-1) for i in g.uses])
+        if self.boxer.on_collective is not None:
+            self.boxer.on_collective(CollectiveKind.ALL_GATHER, g.axis, g.nbytes, f"gather {g.group}")
+        self.launched[group] = funcol.all_gather_single(flat, 0, self.boxer.groups[g.axis])
+
+    def _unpack(self, group: int, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each use's whole tensor: rank r's shards sit in row r; a use's pieces, one per rank,
+        are joined along the dim its storage splits."""
+        g = self.program.gathers[group]
+        rows = flat.view(self.boxer.mesh_shape[g.axis], -1)                          # (n, shards)
+        out, start = [], 0
+        for i in g.uses:
+            use = self.program.param_uses[i]
+            shard = use.storage.local_shape(use.meta.shape, self.boxer.mesh_shape)
+            numel = math.prod(shard)
+            pieces = rows[:, start:start + numel].reshape(-1, *shard)                 # (n, *shard)
+            start += numel
+            out.append(torch.cat(pieces.unbind(0), dim=use.forward[0].before[g.axis].dim))
+        return out
 
     def box(self, x: torch.Tensor, edge: int) -> torch.Tensor:
         e = self.edges[edge]

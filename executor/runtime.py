@@ -187,6 +187,7 @@ class DistributedModel(nn.Module):
         Returns the tensor to call ``backward()`` on. With ``program.loss_async`` it is this rank's
         share of the loss, its all-reduce still in flight: :meth:`loss_value` reads the loss."""
         self._set_phase("forward")
+        self.step.start_step()
         loss = self.run_program(*self._local_inputs(inputs))
         if loss.requires_grad:
             loss.register_hook(self._queue_finish)

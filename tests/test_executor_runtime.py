@@ -263,10 +263,10 @@ PARAM_NUMEL = {"fc1.weight": 16 * 8, "fc1.bias": 16, "fc2.weight": 8 * 16, "fc2.
 @pytest.mark.parametrize("name,expected", [
     # the four gradients (1,160 bytes) fill one bucket below DDP's 1 MB first bucket
     ("dp", [("forward", "all_reduce", 0, F32), ("grad_sync", "all_reduce", 0, sum(PARAM_NUMEL.values()) * F32)]),
+    # the parameters (all outside any numbered block: one "root" group) gathered in one all-gather;
     # gloo carries the bucket's reduce-scatter out as an all-reduce of the whole buffer
-    ("zero3", [("forward", "all_reduce", 0, F32)]
-     + [("forward", "all_gather", 0, n * F32) for n in PARAM_NUMEL.values()]
-     + [("grad_sync", "all_reduce", 0, sum(PARAM_NUMEL.values()) * F32)]),
+    ("zero3", [("forward", "all_reduce", 0, F32), ("forward", "all_gather", 0, sum(PARAM_NUMEL.values()) * F32),
+               ("grad_sync", "all_reduce", 0, sum(PARAM_NUMEL.values()) * F32)]),
     ("tp", [("forward", "all_reduce", 0, 8 * 8 * F32)]),
     ("dp_gather", [("forward", "all_reduce", 0, F32), ("forward", "all_gather", 0, 8 * 16 * F32),
                    ("backward", "all_gather", 0, 8 * 16 * F32)]
