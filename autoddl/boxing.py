@@ -167,10 +167,16 @@ def boxing_moves(nbytes: int, src: NdSbp, dst: NdSbp, mesh: Sequence[int]) -> tu
     return tuple(moves)
 
 
-def gradient_moves(nbytes: int, grad: NdSbp, src: NdSbp, mesh: Sequence[int]) -> tuple[Move, ...]:
+def gradient_moves(nbytes: int, grad: NdSbp, src: NdSbp, mesh: Sequence[int],
+                   deferred: frozenset[int] = frozenset()) -> tuple[Move, ...]:
     """The gradient of an edge whose consumers hand back ``grad``, to what the producer of ``src``
-    needs (for a parameter, ``src`` is its storage: this is the gradient sync)."""
-    return boxing_moves(nbytes, grad, needed_grad_ndsbp(src), mesh)
+    needs (for a parameter, ``src`` is its storage: this is the gradient sync). On the mesh axes in
+    ``deferred`` the producer takes the gradient as P (its reduction deferred: see
+    autoddl.program's ``deferred_reductions``)."""
+    need = needed_grad_ndsbp(src)
+    if deferred:
+        need = NdSbp(tuple(Partial() if axis in deferred else s for axis, s in enumerate(need)))
+    return boxing_moves(nbytes, grad, need, mesh)
 
 
 def collectives_of(moves: Sequence[Move]) -> list[tuple[CollectiveKind, int, int]]:

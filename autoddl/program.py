@@ -21,6 +21,15 @@ executor compiles ``op_inputs``/edges/param uses/buckets into a local fx program
 :meth:`StepProgram.collectives`. Semantics written once: the boxing
 decomposition and the gradient rule (autoddl/boxing.py), the layouts (below).
 
+Deferred gradient reductions: an op computed the same way on every rank of a mesh axis (its
+inputs all B there) whose inputs come only from parameters, from tensors without a gradient
+or from other such ops (GPT's position embedding: ``wpe[arange(T)]``) may take a P gradient
+there: its backward is linear in the gradient and its saved inputs are the same everywhere, so
+every rank's share goes through it and reaches the parameters' gradients as P, which the
+bucketed, asynchronous gradient sync reduces, instead of a synchronous all-reduce of the
+activation's gradient in the middle of backward (what DDP does, since it reduces gradients
+only). This happens on an axis only where some consumer hands back P.
+
 Issue order: forward and backward collectives are synchronous (the op waits for
 its input), so each such task depends on the one issued before it; a bucket
 depends on the backward tasks that made its gradients ready and on the previous
@@ -38,7 +47,7 @@ from autoddl.boxing import Move, gradient_moves, grad_ndsbp, boxing_moves, neede
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
 from autoddl.plan import Plan
-from autoddl.sbp import NdSbp, Signature
+from autoddl.sbp import NdSbp, Partial, Signature
 
 COMPUTE = "compute"
 PHASES = ("forward", "backward", "grad_sync", "optimizer")
@@ -234,6 +243,48 @@ class StepProgram:
         return [u for u in self.param_uses if u.fqn == fqn]
 
 
+def consumer_grad(sig: Signature, slot: int, deferred: frozenset[int]) -> NdSbp:
+    """The gradient layout an op hands back for input ``slot``: the gradient rule, with P on the
+    axes where the op's own output gradient arrives deferred (P)."""
+    grad = grad_ndsbp(sig.inputs[slot], sig.outputs)
+    if not deferred:
+        return grad
+    return NdSbp(tuple(Partial() if axis in deferred else s for axis, s in enumerate(grad)))
+
+
+def deferred_reductions(graph: OpGraph, plan: Plan, rg: set[str]) -> dict[str, frozenset[int]]:
+    """Per op, the mesh axes on which it takes its output's gradient as P (module docstring): ops
+    replicated there whose inputs are parameters, gradient-free tensors or such ops, and some
+    consumer of which hands back P there. Forward pass for "replicated from parameters", then a
+    reverse pass for "some consumer hands back P" (a consumer's own deferral counts)."""
+    ndim = plan.mesh.ndim
+    pure: dict[str, frozenset[int]] = {}
+    for node in graph.ops():
+        if node.name not in rg:
+            continue
+        sig = signature_of(plan, node)
+        pure[node.name] = frozenset(
+            a for a in range(ndim)
+            if all(nd[a].is_broadcast() for nd in sig.inputs + sig.outputs)
+            and all(_gradient_source(graph, ref.node, rg, pure, a) for ref in node.inputs))
+    deferred: dict[str, frozenset[int]] = {}
+    for node in reversed(graph.ops()):
+        axes = pure.get(node.name, frozenset())
+        if not axes:
+            continue
+        handed = [consumer_grad(signature_of(plan, c), slot, deferred.get(c.name, frozenset()))
+                  for c, _, slot in graph.uses(node.name) if c.is_op and c.name in rg]
+        deferred[node.name] = frozenset(a for a in axes if any(g[a].is_partial() for g in handed))
+    return {k: v for k, v in deferred.items() if v}
+
+
+def _gradient_source(graph: OpGraph, name: str, rg: set[str], pure: dict[str, frozenset[int]], axis: int) -> bool:
+    """True when a P gradient may reach node ``name`` on ``axis``: a parameter (its sync reduces it),
+    a tensor without a gradient, or an op replicated from parameters on that axis."""
+    node = graph[name]
+    return node.kind is NodeKind.PARAMETER or name not in rg or axis in pure.get(name, frozenset())
+
+
 def lower(graph: OpGraph, plan: Plan) -> StepProgram:
     """The step program of ``plan`` for ``graph`` (module docstring)."""
     return _Lowering(graph, plan).run()
@@ -258,9 +309,11 @@ class _Lowering:
         self.gather_specs: list[list] = []                 # [layer group, axis, M bytes] per gather group
         self.gather_task: dict[int, int] = {}              # gather group -> its task
         self.wait_for: list[int] = []                      # prefetched gathers the next op waits for
+        self.deferred: dict[str, frozenset[int]] = {}      # op -> axes its output gradient arrives P on
 
     def run(self) -> StepProgram:
         ops = self.graph.ops()
+        self.deferred = deferred_reductions(self.graph, self.plan, self.rg)
         self.plan_gathers(ops)
         for node in ops:
             self.forward_op(node)
@@ -306,7 +359,7 @@ class _Lowering:
         ref = node.inputs[slot]
         meta = self.graph.meta_of(ref)
         flows = ref.node in self.rg and meta.is_floating and node.name in self.rg
-        return sig.inputs[slot], grad_ndsbp(sig.inputs[slot], sig.outputs) if flows else None
+        return sig.inputs[slot], consumer_grad(sig, slot, self.deferred.get(node.name, frozenset())) if flows else None
 
     def source(self, node: OpNode, sig: Signature, slot: int, ref: TensorRef) -> InputSource:
         producer = self.graph[ref.node]
@@ -360,7 +413,8 @@ class _Lowering:
         if key not in self.prog.edges:
             src = layout_of(self.graph, self.plan, ref)
             label = f"{ref}->{consumer}"
-            backward = gradient_moves(meta.nbytes, grad, src, self.mesh) if grad is not None else ()
+            backward = (gradient_moves(meta.nbytes, grad, src, self.mesh, self.deferred.get(ref.node, frozenset()))
+                        if grad is not None else ())
             self.prog.edges[key] = EdgeBox(key, meta, src, label, boxing_moves(meta.nbytes, src, dst, self.mesh),
                                            backward)
             charge = ref.node if consumer == "output" else consumer     # per-op times add up

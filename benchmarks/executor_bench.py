@@ -66,6 +66,18 @@ def make_plan(case: str, scheme: str) -> Path | None:
     return out
 
 
+def dtensor_tp_applies(case: str) -> str:
+    """"" when DTensor tensor parallel applies to the case's model, else why not."""
+    from autoddl.loader import load_model_file
+    from executor.references import tp_pairs
+
+    model, sets = CASES[case]
+    from autoddl.loader import parse_overrides
+
+    mf = load_model_file(ROOT / model, device="meta", **parse_overrides(sets))
+    return "" if tp_pairs(mf.model) else f"dtensor_tp: {type(mf.model).__name__} has no named column -> row linear pair"
+
+
 def run(plan: Path, references: list[str], steps: int, warmup: int) -> list[dict[str, str]]:
     """One launch: the plan and its references; the runs-CSV rows (plan first)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     for case in args.only:
         plans = {s: make_plan(case, s) for s in ("dp", "zero3", "tp", "found")}
+        why_not = dtensor_tp_applies(case)
+        if why_not and plans["tp"] is not None:
+            print(f"  {case}/tp: not compared ({why_not})")
+            plans["tp"] = None
         applicable = [COUNTERPART[s] for s in COUNTERPART if plans[s] is not None]
         for scheme, plan in plans.items():
             if plan is None:

@@ -36,8 +36,8 @@ def add_run(subparsers) -> None:
     p.add_argument("--nproc", type=int, metavar="N", help="ranks per node (default: the plan's devices / --nnodes)")
     p.add_argument("--steps", type=int, default=10, metavar="S", help="measured steps (default 10)")
     p.add_argument("--warmup", type=int, default=2, metavar="W", help="warm-up steps before them (default 2)")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
-                   help="gloo: CPU ranks; nccl: one GPU per rank (default gloo)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                   help="gloo: CPU ranks; nccl: one GPU per rank (default: nccl where CUDA is available, else gloo)")
     p.add_argument("--check", action="store_true",
                    help="first train a step (SGD) next to a single-process run; exit 1 if any relative error "
                         "of the loss, a gradient or an updated parameter is above 1e-4")
@@ -146,6 +146,10 @@ def run_run(args: argparse.Namespace) -> int:
                       timeout_s=args.timeout_s)
     mf, graph = runs.check_plan_matches(plan, args.plan_json, model_py)
     optimizer = args.optimizer or plan.optimizer
+    if args.backend is None:
+        import torch
+
+        args.backend = "nccl" if torch.cuda.is_available() else "gloo"
     cluster, note = runs.load_cluster(plan, args.cluster, args.backend)
     cost = runs.predicted_cost(plan, graph, cluster, optimizer, own_cluster=args.cluster is None)
     predicted_colls = runs.predicted_collectives(plan, graph, cluster)
