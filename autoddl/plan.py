@@ -7,6 +7,7 @@ a schema version, and names the traced graph it belongs to by its fingerprint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -58,6 +59,40 @@ class Mesh:
         return "x".join(map(str, self.shape))
 
 
+@dataclass(frozen=True)
+class CostReport:
+    """What the cost model predicted for one training step of a plan: the simulated step time and
+    its parts (seconds; ``comm_s`` adds every collective up, ``exposed_comm_s`` is the part no
+    compute overlapped), memory per device by category (bytes), and the step's collectives
+    (phase -> kind -> count and bytes)."""
+
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    boxing_forward_s: float
+    boxing_backward_s: float
+    grad_sync_s: float
+    optimizer_s: float
+    step_overhead_s: float
+    memory_bytes_per_device: int
+    memory_limit_bytes: int
+    fits_memory: bool
+    exposed_comm_s: float = 0.0
+    memory: dict[str, int] = field(default_factory=dict)
+    collectives: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "plan") -> "CostReport":
+        known = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as exc:
+            raise ValueError(f"{source}: cost is missing a field ({exc}); re-run `autoddl plan`") from None
+
+
 def axis_roles(signatures: dict[str, Signature], param_storage: dict[str, NdSbp], ndim: int) -> tuple[str, ...]:
     """Role-named mesh axes, as torchtitan's ParallelDims names them, read off the decisions: an axis
     that splits an input's batch (dim 0) is ``dp``, or ``fsdp`` when parameters are stored split on it
@@ -100,7 +135,7 @@ class Plan:
     cluster_file: str = ""                      # the cluster YAML the plan was priced with
     optimizer: str = "adamw"
     training: Training = field(default_factory=Training)
-    cost: dict[str, Any] = field(default_factory=dict)      # costmodel breakdown, seconds / bytes
+    cost: CostReport | None = None                          # what the cost model predicted
     op_costs: list[dict[str, Any]] = field(default_factory=list)  # per-op rows (summary table)
     notes: list[str] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
@@ -133,7 +168,7 @@ class Plan:
             "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
             "signatures": {k: str(v) for k, v in self.signatures.items()},
             "param_storage": {k: str(v) for k, v in self.param_storage.items()},
-            "cost": self.cost,
+            "cost": self.cost.to_dict() if self.cost is not None else {},
             "op_costs": self.op_costs,
             "notes": self.notes,
         }
@@ -154,7 +189,7 @@ class Plan:
                 model_args=data.get("model_args", {}), cluster=data.get("cluster", ""),
                 cluster_file=data.get("cluster_file", ""), optimizer=data.get("optimizer", "adamw"),
                 training=Training.from_dict(data.get("training"), source=source),
-                cost=data.get("cost", {}), op_costs=data.get("op_costs", []), notes=data.get("notes", []),
+                cost=CostReport.from_dict(data["cost"], source=source) if data.get("cost") else None, op_costs=data.get("op_costs", []), notes=data.get("notes", []),
             )
         except KeyError as exc:
             raise ValueError(f"{source}: missing field {exc.args[0]!r}; re-run `autoddl plan`") from None
@@ -184,6 +219,5 @@ class Plan:
                             columns=cols)
 
     def __str__(self) -> str:
-        step = self.cost.get("step_time_s")
-        t = f", predicted step {step * 1e3:.3f} ms" if step is not None else ""
+        t = f", predicted step {self.cost.step_time_s * 1e3:.3f} ms" if self.cost is not None else ""
         return f"Plan {self.name!r} on mesh {self.mesh} for {self.model or 'model'}{t}"

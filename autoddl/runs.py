@@ -84,8 +84,8 @@ def load_cluster(plan: Plan, path: str | None, backend: str) -> tuple[Cluster | 
 def predicted_cost(plan: Plan, graph, cluster: Cluster | None, optimizer: str, own_cluster: bool) -> dict[str, Any]:
     """The planner's cost stored in the plan when it applies (same optimizer, the plan's own cluster),
     else the cost model's for this run's optimizer, cluster and backend, else {}."""
-    if plan.cost.get("step_time_s") is not None and optimizer == plan.optimizer and own_cluster:
-        return dict(plan.cost)
+    if plan.cost is not None and optimizer == plan.optimizer and own_cluster:
+        return plan.cost.to_dict()
     if cluster is None:
         return {}
     from costmodel.breakdown import plan_cost

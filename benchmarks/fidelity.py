@@ -189,10 +189,10 @@ def study_row(it: dict[str, Any], result: dict[str, Any], study: str, steps: int
              "load_avg_1m": f"{load:.2f}", "error": result.get("error", "")}
     if "step_time_s" not in result:
         return {"model": it["model"], "plan": plan.name, "mesh": str(plan.mesh), "nproc": it["nproc"],
-                "predicted_step_s": f"{plan.cost['step_time_s']:.6g}", **extra}
+                "predicted_step_s": f"{plan.cost.step_time_s:.6g}", **extra}
     row = run_row(model=it["model"], preset=" ".join(f"{k}={v}" for k, v in plan.model_args.items()),
                   cluster=plan.cluster, plan=plan.name, mesh=str(plan.mesh), nproc=it["nproc"],
-                  backend=result.get("backend", "gloo"), predicted=plan.cost,
+                  backend=result.get("backend", "gloo"), predicted=plan.cost.to_dict(),
                   stats=StepStats.of(result["step_time_s"]), peak_memory_mb=max(result["peak_memory_mb"]),
                   commit=git_commit(ROOT))
     row.update(extra)
@@ -369,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if "step_time_s" in res:
                         med = statistics.median(res["step_time_s"])
                         print(f"  {model} {it['config']:>3} {it['scheme']:<6} predicted "
-                              f"{it['plan'].cost['step_time_s'] * 1e3:8.2f} ms, measured median {med * 1e3:8.2f} ms",
+                              f"{it['plan'].cost.step_time_s * 1e3:8.2f} ms, measured median {med * 1e3:8.2f} ms",
                               flush=True)
                     else:
                         print(f"  {model} {it['config']:>3} {it['scheme']:<6} FAILED: {res.get('error')}", flush=True)

@@ -159,7 +159,7 @@ def study_row(it: dict[str, Any], row: dict[str, Any], study: str, rate: float, 
               steps: int, warmup: int) -> dict[str, Any]:
     plan = it["plan"]
     out = {"model": it["model"], "plan": plan.name, "mesh": str(plan.mesh), "nproc": 4,
-           "predicted_step_s": f"{plan.cost.get('step_time_s', float('nan')):.6g}", **row}
+           "predicted_step_s": f"{plan.cost.step_time_s if plan.cost else float('nan'):.6g}", **row}
     out.update({"study": study, "rate_mbit": f"{rate:g}", "delay_ms": f"{delay_ms:g}", "scheme": it["scheme"],
                 "axes": "swapped" if it["scheme"] in SWAPPED.values() else "as planned",
                 "cluster_file": _shown(Path(plan.cluster_file)), "steps": steps, "warmup": warmup,

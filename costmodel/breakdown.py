@@ -21,7 +21,7 @@ import pandas as pd
 
 from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph
-from autoddl.plan import Plan
+from autoddl.plan import CostReport, Plan
 from autoddl.program import COMPUTE, StepProgram, lower, signature_of
 from costmodel.collectives import Collective, carried_out_as
 from costmodel.memory import activation_bytes, memory_bytes
@@ -64,6 +64,10 @@ class CostBreakdown:
             entry["count"] += 1
             entry["bytes"] += int(c.bytes)
         return {p: dict(k) for p, k in out.items()}
+
+    def report(self) -> CostReport:
+        """The typed summary a Plan keeps."""
+        return CostReport.from_dict(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe summary (no DataFrame): times in seconds, memory in bytes."""

@@ -122,7 +122,7 @@ def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tupl
                     cluster=cluster.name, optimizer=optimizer)
         bd = plan_cost(graph, plan, cluster)
         bd.memory_limit_bytes = int(limit)
-        plan.cost, plan.op_costs = bd.to_dict(), bd.op_rows()
+        plan.cost, plan.op_costs = bd.report(), bd.op_rows()
         return plan, bd
 
     baselines: dict[str, Scheme] = {}

@@ -80,7 +80,7 @@ def cases(mesh: tuple[int, ...]):
     for model, cluster_name in todo:
         _, graph = traced(model)
         if cluster_name == "tight":   # the found plan under a memory limit the replicated plan exceeds
-            free = search(graph, local, mesh=mesh).found.cost["memory_bytes_per_device"]
+            free = search(graph, local, mesh=mesh).found.cost.memory_bytes_per_device
             outcome = search(graph, local, mesh=mesh, memory_gb=TIGHT_FRACTION * free / 1e9)
         else:
             outcome = search(graph, _cluster(cluster_name, n), mesh=mesh)
