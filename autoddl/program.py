@@ -182,13 +182,18 @@ class ParamUse:
 @dataclass(frozen=True)
 class GatherGroup:
     """The all-gathers of one layer group's sharded parameters (ZeRO-3 / FSDP), done as one
-    collective over their flattened shards, launched one group ahead of use (as FSDP2 prefetches)."""
+    collective over their flattened shards, launched one group ahead of use (as FSDP2 prefetches).
+    As FSDP2's ``reshard_after_forward``, the gathered parameters are freed once forward is done
+    with the group and gathered again when backward reaches it (when the group's last op has an
+    output with a gradient to hook; otherwise they stay until the step ends)."""
 
     index: int
     group: str                       # "transformer.h.3", or "root" for parameters outside any block
     axis: int
     uses: tuple[int, ...]            # ParamUse indices
     nbytes: int                      # M of the one all-gather: the gathered tensors' bytes added up
+    last_consumer: str = ""          # the last op forward uses the group in
+    reshard: bool = False            # freed after that op's forward, gathered again before its backward
 
 
 @dataclass(frozen=True)
@@ -292,6 +297,7 @@ def lower(graph: OpGraph, plan: Plan) -> StepProgram:
 
 BUCKETED_KINDS = (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER)   # the gradient reductions
 FIRST_BUCKET_BYTES = 1_000_000   # DDP's first bucket: torch/nn/parallel/distributed.py _DEFAULT_FIRST_BUCKET_BYTES
+GATHER_MIN_BYTES = 1_000_000     # smallest ZeRO-3 gather group (smaller layer groups merge with the next)
 
 
 class _Lowering:
@@ -317,8 +323,14 @@ class _Lowering:
         self.plan_gathers(ops)
         for node in ops:
             self.forward_op(node)
+        last = {}
+        for node in ops:
+            for source in self.prog.op_inputs[node.name]:
+                if isinstance(source, int) and self.prog.param_uses[source].gather >= 0:
+                    last[self.prog.param_uses[source].gather] = node.name
         self.prog.gathers = [GatherGroup(i, group, axis, tuple(u.index for u in self.prog.param_uses if u.gather == i),
-                                         nbytes) for i, (group, axis, nbytes) in enumerate(self.gather_specs)]
+                                         nbytes, last.get(i, ""), last.get(i, "") in self.rg)
+                             for i, (group, axis, nbytes) in enumerate(self.gather_specs)]
         self.loss_output()
         self.pack_buckets(ops)
         self.backward(ops)
@@ -390,6 +402,23 @@ class _Lowering:
                     self.gather_specs.append([group[0], group[1], 0])
                 self.gather_of[key] = groups[group]
                 self.gather_specs[groups[group]][2] += moves[0].nbytes
+        self.merge_small_gathers()
+
+    def merge_small_gathers(self) -> None:
+        """Layer groups smaller than ``GATHER_MIN_BYTES`` join the next group on the same axis, as a
+        user wraps FSDP2 units around blocks of some size: one small all-gather costs its latency,
+        not its bytes (a VGG layer is a few KB)."""
+        merged: list[list] = []
+        index: list[int] = []
+        for name, axis, nbytes in self.gather_specs:
+            if merged and merged[-1][1] == axis and merged[-1][2] < GATHER_MIN_BYTES:
+                merged[-1][0] = f"{merged[-1][0].split('..')[0]}..{name}"
+                merged[-1][2] += nbytes
+            else:
+                merged.append([name, axis, nbytes])
+            index.append(len(merged) - 1)
+        self.gather_of = {key: index[g] for key, g in self.gather_of.items()}
+        self.gather_specs = merged
 
     def gathered(self, group: int, consumer: str) -> None:
         """A use of gather ``group`` is needed by ``consumer``: launch the group unless it was
@@ -505,6 +534,11 @@ class _Lowering:
         for node in reversed(ops):
             if node.name not in self.rg:
                 continue
+            for g in self.prog.gathers:     # backward reached a resharded group: gather it again
+                if g.reshard and g.last_consumer == node.name:
+                    self.emit(phase="backward", stream=comm_stream(g.axis), op=node.name,
+                              collective=CollectiveKind.ALL_GATHER, axis=g.axis, nbytes=g.nbytes,
+                              tensor=f"regather {g.group}")
             sig = signature_of(self.plan, node)
             share = work_divisor(sig, self.mesh)
             self.emit(phase="backward", stream=COMPUTE, op=node.name, local_flops=node.flops / share,

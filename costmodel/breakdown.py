@@ -100,7 +100,7 @@ def plan_cost(graph: OpGraph, plan: Plan, cluster: Cluster) -> CostBreakdown:
     program = lower(graph, plan)
     timeline = simulate(program, graph, plan, cluster)
     collectives = predicted_collectives(graph, plan, cluster, program)
-    memory = memory_bytes(graph, plan, collectives)
+    memory = memory_bytes(graph, plan, collectives, program)
     return CostBreakdown(
         step_time_s=timeline.step_time_s, compute_s=timeline.busy_s(stream=COMPUTE, collective=False)
         - timeline.busy_s(phase="optimizer"),

@@ -8,8 +8,8 @@
   every output of a non-view op that some op consumes, each at its local size under
   the producing signature's output NdSbp (views alias their source and add nothing);
 - ``gathered_params``: parameters materialised larger than stored for a use (ZeRO-3 /
-  FSDP gathers S -> B); one op's gathered parameters are alive at a time, so the
-  largest per-op sum counts;
+  FSDP gathers S -> B): by layer group, a group and the next one (prefetched) at a time
+  when groups are freed after forward; gathered per use, the largest per-op sum;
 - ``boxing_buffer``: the largest tensor a collective materialises, other than the
   parameter gathers above: M for all-gather / all-reduce / reduce-scatter / broadcast,
   M/n for a native all-to-all.
@@ -21,7 +21,7 @@ from typing import Sequence
 
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.plan import Plan
-from autoddl.program import signature_of, storage_of, used_parameters
+from autoddl.program import StepProgram, signature_of, storage_of, used_parameters
 from autoddl.sbp import NdSbp
 from costmodel.collectives import Collective, CollectiveKind
 from costmodel.compute import ZERO_COST, optimizer_state_bytes
@@ -59,9 +59,12 @@ def activation_bytes(graph: OpGraph, plan: Plan) -> dict[str, int]:
     return out
 
 
-def gathered_param_bytes(graph: OpGraph, plan: Plan) -> int:
-    """Largest per-op sum of parameters used at a larger local size than stored."""
+def gathered_param_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None = None) -> int:
+    """Parameters materialised larger than stored. Gathered one at a time for its op: the largest
+    per-op sum. Gathered by layer group (``program.gathers``): a group freed after forward
+    (``reshard``) is alive with at most the next one, prefetched; the others until the step ends."""
     mesh = plan.mesh.shape
+    grouped = {program.param_uses[i].fqn for g in program.gathers for i in g.uses} if program else set()
     params = graph.parameters()
     best = 0
     for op in graph.ops():
@@ -69,7 +72,7 @@ def gathered_param_bytes(graph: OpGraph, plan: Plan) -> int:
         total = 0
         for slot, ref in enumerate(op.inputs):
             p = graph[ref.node]
-            if p.kind is not NodeKind.PARAMETER:
+            if p.kind is not NodeKind.PARAMETER or p.target in grouped:
                 continue
             sig = sig or signature_of(plan, op)
             meta = params[p.target].outputs[0]
@@ -77,7 +80,14 @@ def gathered_param_bytes(graph: OpGraph, plan: Plan) -> int:
             if used > local_bytes(meta.nbytes, storage_of(plan, p.target), mesh):
                 total += used
         best = max(best, total)
-    return best
+    if not program or not program.gathers:
+        return best
+    size = [sum(local_bytes(program.param_uses[i].meta.nbytes, program.param_uses[i].dst, mesh) for i in g.uses)
+            for g in program.gathers]
+    kept = sum(n for n, g in zip(size, program.gathers) if not g.reshard)
+    pairs = max((size[i] + (size[i + 1] if i + 1 < len(size) else 0) for i, g in enumerate(program.gathers)
+                 if g.reshard), default=0)
+    return best + kept + pairs
 
 
 def boxing_buffer_bytes(collectives: Sequence[Collective], graph: OpGraph, mesh_shape: Sequence[int]) -> int:
@@ -87,7 +97,8 @@ def boxing_buffer_bytes(collectives: Sequence[Collective], graph: OpGraph, mesh_
     return max(sizes, default=0)
 
 
-def memory_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective] = ()) -> dict[str, int]:
+def memory_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective] = (),
+                 program: StepProgram | None = None) -> dict[str, int]:
     """Bytes per device by category (see module docstring), plus ``total``.
 
     ``collectives`` are the step's collectives after backend emulation
@@ -103,7 +114,7 @@ def memory_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective] =
         "optimizer_states": int(optimizer_state_bytes(param_numel, plan.optimizer)),
         "buffers": buffers,
         "activations": sum(activation_bytes(graph, plan).values()),
-        "gathered_params": gathered_param_bytes(graph, plan),
+        "gathered_params": gathered_param_bytes(graph, plan, program),
         "boxing_buffer": boxing_buffer_bytes(collectives, graph, mesh),
     }
     mem["total"] = sum(mem[k] for k in CATEGORIES)

@@ -83,12 +83,38 @@ class LocalStep:
             self.gathered[group] = self._unpack(group, wait(self.launched[group]))
         return self.gathered[group]
 
-    def _launch_gather(self, group: int) -> None:
+    def _launch_gather(self, group: int, label: str = "gather") -> torch.Tensor:
         g = self.program.gathers[group]
         flat = torch.cat([self.local_params[self.program.param_uses[i].fqn].reshape(-1) for i in g.uses])
         if self.boxer.on_collective is not None:
-            self.boxer.on_collective(CollectiveKind.ALL_GATHER, g.axis, g.nbytes, f"gather {g.group}")
+            self.boxer.on_collective(CollectiveKind.ALL_GATHER, g.axis, g.nbytes, f"{label} {g.group}")
         self.launched[group] = funcol.all_gather_single(flat, 0, self.boxer.groups[g.axis])
+        return self.launched[group]
+
+    def reshard_after(self, out: Any, groups: tuple[int, ...]) -> Any:
+        """After the last forward op of ``groups``: free their gathered parameters (the storage,
+        which autograd's saved tensors share, shrinks to nothing) and hook ``out``'s gradient to
+        gather them again when backward reaches this op (FSDP2's reshard after forward)."""
+        anchor = out if isinstance(out, torch.Tensor) else next(
+            (t for t in out if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if anchor is None or not anchor.requires_grad:
+            return out                  # no backward will come (e.g. under no_grad): keep them
+        for group in groups:
+            for t in self.gathered[group]:
+                t.untyped_storage().resize_(0)
+        anchor.register_hook(lambda grad: self._regather(groups))
+        return out
+
+    def _regather(self, groups: tuple[int, ...]) -> None:
+        """Gather ``groups`` again into the very tensors autograd saved (their version counters kept:
+        the values are the ones forward used)."""
+        with torch.no_grad():
+            for group in groups:
+                fresh = self._unpack(group, wait(self._launch_gather(group, "regather")))
+                for t, value in zip(self.gathered[group], fresh):
+                    t.untyped_storage().resize_(value.numel() * value.element_size())
+                    with torch.autograd._unsafe_preserve_version_counter(t):
+                        t.copy_(value)
 
     def _unpack(self, group: int, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each use's whole tensor: rank r's shards sit in row r; a use's pieces, one per rank,
@@ -145,6 +171,9 @@ class ProgramCompiler:
                 self.env[node.name] = self.fx.placeholder(node.name)
             elif node.kind is NodeKind.OP:
                 self.env[node.name] = self.op(node)
+                done = tuple(g.index for g in self.step.program.gathers if g.reshard and g.last_consumer == node.name)
+                if done:
+                    self.env[node.name] = self.fx.call_function(self.step.reshard_after, (self.env[node.name], done))
         loss = self.step.program.loss
         if self.step.program.loss_async:     # the local share goes out; its all-reduce is in flight
             value = self.fx.call_function(self.step.report_loss, (self.output_node(TensorRef(loss.node, loss.index)),))

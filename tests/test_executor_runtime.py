@@ -266,6 +266,7 @@ PARAM_NUMEL = {"fc1.weight": 16 * 8, "fc1.bias": 16, "fc2.weight": 8 * 16, "fc2.
     # the parameters (all outside any numbered block: one "root" group) gathered in one all-gather;
     # gloo carries the bucket's reduce-scatter out as an all-reduce of the whole buffer
     ("zero3", [("forward", "all_reduce", 0, F32), ("forward", "all_gather", 0, sum(PARAM_NUMEL.values()) * F32),
+               ("backward", "all_gather", 0, sum(PARAM_NUMEL.values()) * F32),      # freed, gathered again
                ("grad_sync", "all_reduce", 0, sum(PARAM_NUMEL.values()) * F32)]),
     ("tp", [("forward", "all_reduce", 0, 8 * 8 * F32)]),
     ("dp_gather", [("forward", "all_reduce", 0, F32), ("forward", "all_gather", 0, 8 * 16 * F32),
