@@ -23,13 +23,13 @@ import atexit
 import copy
 import datetime
 import os
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.plan import Plan

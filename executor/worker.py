@@ -32,7 +32,6 @@ fail at its first timed step (``AUTODDL_TEST_FAIL_MODE``: ``raise``, default, or
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import gc
 import json

@@ -174,7 +174,7 @@ def _no_gradient_rule(input_nd, op_outputs):
 
 def _check_plans(names: list[str]):
     """On every rank: run_check (2 steps) and an audited step for each plan."""
-    from autoddl import program
+    from autoddl import lowering
     from executor.runtime import DistributedModel, audit_step, build_optimizer, init_mesh, run_check
 
     mesh, out = None, {}
@@ -184,15 +184,15 @@ def _check_plans(names: list[str]):
         loss_fn = f_mse if base == "dp_mse" else mse
         plan = make_plan(graph, base)
         mesh = mesh or init_mesh(plan)
-        rule = program.grad_ndsbp
+        rule = lowering.grad_ndsbp
         if name.endswith("_no_rule"):
-            program.grad_ndsbp = _no_gradient_rule
+            lowering.grad_ndsbp = _no_gradient_rule
         try:
             errors = run_check(model, inputs, loss_fn, graph, plan, mesh, optimizer=OPTIMIZER[name], steps=2)
             dmodel = DistributedModel(model, graph, plan, mesh)
             records = audit_step(dmodel, inputs, build_optimizer(OPTIMIZER[name], dmodel.parameters()))
         finally:
-            program.grad_ndsbp = rule
+            lowering.grad_ndsbp = rule
         out[name] = (errors, records)
     return out
 

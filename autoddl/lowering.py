@@ -1,0 +1,367 @@
+"""Lowering a plan into its step program (autoddl/program.py defines what a program holds).
+
+Forward in graph order: each op's inputs are boxed (or, for a parameter, used from its
+storage), then the op runs; backward in reverse, with the gradients' moves; then the
+gradient sync and the optimizer.
+
+Deferred gradient reductions: an op computed the same way on every rank of a mesh axis (its
+inputs all B there) whose inputs come only from parameters, from tensors without a gradient
+or from other such ops (GPT's position embedding: ``wpe[arange(T)]``) may take a P gradient
+there: its backward is linear in the gradient and its saved inputs are the same everywhere, so
+every rank's share goes through it and reaches the parameters' gradients as P, which the
+bucketed, asynchronous gradient sync reduces, instead of a synchronous all-reduce of the
+activation's gradient in the middle of backward (what DDP does, since it reduces gradients
+only). This happens on an axis only where some consumer hands back P.
+
+Issue order: forward and backward collectives are synchronous (the op waits for
+its input), so each such task depends on the one issued before it; a bucket
+depends on the backward tasks that made its gradients ready and on the previous
+bucket (ranks must launch buckets in the same order); the optimizer waits for
+every sync.
+
+ZeRO-3 / FSDP gathers: the parameter uses whose move is one all-gather are grouped by layer
+group (``layer_group``; groups under ``GATHER_MIN_BYTES`` merge with the next), gathered as one
+collective where forward first needs the group, the next group launched right after without
+waiting (prefetch); a group is freed after its last forward op and gathered again when
+backward reaches that op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from autoddl.boxing import Move, boxing_moves, gradient_moves, grad_ndsbp, needed_grad_ndsbp
+from autoddl.collective_kinds import CollectiveKind
+from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
+from autoddl.plan import Plan
+from autoddl.program import (COMPUTE, BoxKey, Bucket, EdgeBox, GatherGroup, InputSource, ParamUse, StepProgram,
+                             Task, comm_stream, layer_group, layout_of, requires_grad, signature_of, storage_of,
+                             work_divisor)
+from autoddl.sbp import NdSbp, Partial, Signature
+
+def consumer_grad(sig: Signature, slot: int, deferred: frozenset[int]) -> NdSbp:
+    """The gradient layout an op hands back for input ``slot``: the gradient rule, with P on the
+    axes where the op's own output gradient arrives deferred (P)."""
+    grad = grad_ndsbp(sig.inputs[slot], sig.outputs)
+    if not deferred:
+        return grad
+    return NdSbp(tuple(Partial() if axis in deferred else s for axis, s in enumerate(grad)))
+
+
+def deferred_reductions(graph: OpGraph, plan: Plan, rg: set[str]) -> dict[str, frozenset[int]]:
+    """Per op, the mesh axes on which it takes its output's gradient as P (module docstring): ops
+    replicated there whose inputs are parameters, gradient-free tensors or such ops, and some
+    consumer of which hands back P there. Forward pass for "replicated from parameters", then a
+    reverse pass for "some consumer hands back P" (a consumer's own deferral counts)."""
+    ndim = plan.mesh.ndim
+    pure: dict[str, frozenset[int]] = {}
+    for node in graph.ops():
+        if node.name not in rg:
+            continue
+        sig = signature_of(plan, node)
+        pure[node.name] = frozenset(
+            a for a in range(ndim)
+            if all(nd[a].is_broadcast() for nd in sig.inputs + sig.outputs)
+            and all(_gradient_source(graph, ref.node, rg, pure, a) for ref in node.inputs))
+    deferred: dict[str, frozenset[int]] = {}
+    for node in reversed(graph.ops()):
+        axes = pure.get(node.name, frozenset())
+        if not axes:
+            continue
+        handed = [consumer_grad(signature_of(plan, c), slot, deferred.get(c.name, frozenset()))
+                  for c, _, slot in graph.uses(node.name) if c.is_op and c.name in rg]
+        deferred[node.name] = frozenset(a for a in axes if any(g[a].is_partial() for g in handed))
+    return {k: v for k, v in deferred.items() if v}
+
+
+def _gradient_source(graph: OpGraph, name: str, rg: set[str], pure: dict[str, frozenset[int]], axis: int) -> bool:
+    """True when a P gradient may reach node ``name`` on ``axis``: a parameter (its sync reduces it),
+    a tensor without a gradient, or an op replicated from parameters on that axis."""
+    node = graph[name]
+    return node.kind is NodeKind.PARAMETER or name not in rg or axis in pure.get(name, frozenset())
+
+
+def lower_program(graph: OpGraph, plan: Plan) -> StepProgram:
+    """The step program of ``plan`` for ``graph`` (module docstring); ``autoddl.program.lower``."""
+    return _Lowering(graph, plan).run()
+
+
+BUCKETED_KINDS = (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER)   # the gradient reductions
+FIRST_BUCKET_BYTES = 1_000_000   # DDP's first bucket: torch/nn/parallel/distributed.py _DEFAULT_FIRST_BUCKET_BYTES
+GATHER_MIN_BYTES = 1_000_000     # smallest ZeRO-3 gather group (smaller layer groups merge with the next)
+
+
+class _Lowering:
+    """Builds one StepProgram: forward in graph order, then backward in reverse, then the sync."""
+
+    def __init__(self, graph: OpGraph, plan: Plan):
+        self.graph, self.plan, self.mesh = graph, plan, tuple(plan.mesh.shape)
+        self.rg = requires_grad(graph)
+        self.prog = StepProgram(plan.name, self.mesh)
+        self.last: int | None = None                       # the task issued last on the host thread
+        self.first_consumer: dict[InputSource, str] = {}   # forward order: gradient complete after it
+        self._uses: dict[tuple[str, NdSbp, NdSbp | None], int] = {}
+        self.async_tasks: list[int] = []                   # launched without the host waiting
+        self.gather_of: dict[tuple[str, NdSbp, NdSbp | None], int] = {}   # use key -> gather group
+        self.gather_specs: list[list] = []                 # [layer group, axis, M bytes] per gather group
+        self.gather_task: dict[int, int] = {}              # gather group -> its task
+        self.wait_for: list[int] = []                      # prefetched gathers the next op waits for
+        self.deferred: dict[str, frozenset[int]] = {}      # op -> axes its output gradient arrives P on
+
+    def run(self) -> StepProgram:
+        ops = self.graph.ops()
+        self.deferred = deferred_reductions(self.graph, self.plan, self.rg)
+        self.plan_gathers(ops)
+        for node in ops:
+            self.forward_op(node)
+        last = {}
+        for node in ops:
+            for source in self.prog.op_inputs[node.name]:
+                if isinstance(source, int) and self.prog.param_uses[source].gather >= 0:
+                    last[self.prog.param_uses[source].gather] = node.name
+        self.prog.gathers = [GatherGroup(i, group, axis, tuple(u.index for u in self.prog.param_uses if u.gather == i),
+                                         nbytes, last.get(i, ""), last.get(i, "") in self.rg)
+                             for i, (group, axis, nbytes) in enumerate(self.gather_specs)]
+        self.loss_output()
+        self.pack_buckets(ops)
+        self.backward(ops)
+        self.optimizer()
+        return self.prog
+
+    # -- issuing tasks ----------------------------------------------------------------------------
+    def emit(self, *, host: bool = True, deps: tuple[int, ...] | None = None, **fields) -> Task:
+        if deps is None:
+            deps = () if self.last is None else (self.last,)
+        task = Task(id=len(self.prog.tasks), deps=deps, **fields)
+        self.prog.tasks.append(task)
+        if host:
+            self.last = task.id
+        return task
+
+    def emit_moves(self, moves: Sequence[Move], phase: str, tensor: str, op: str, host: bool = True) -> None:
+        for m in moves:
+            if m.kind is not None:
+                task = self.emit(host=host, phase=phase, stream=comm_stream(m.axis), op=op, collective=m.kind,
+                                 axis=m.axis, nbytes=m.nbytes, tensor=tensor)
+                if not host:
+                    self.async_tasks.append(task.id)
+
+    # -- forward ----------------------------------------------------------------------------------
+    def forward_op(self, node: OpNode) -> None:
+        sig = signature_of(self.plan, node)
+        sources = tuple(self.source(node, sig, slot, ref) for slot, ref in enumerate(node.inputs))
+        self.prog.op_inputs[node.name] = sources
+        share = work_divisor(sig, self.mesh)
+        deps = ((self.last,) if self.last is not None else ()) + tuple(self.wait_for)
+        self.wait_for = []
+        self.emit(deps=deps, phase="forward", stream=COMPUTE, op=node.name, local_flops=node.flops / share,
+                  local_bytes=(node.bytes_read + node.bytes_written) / share)
+
+    def input_layout(self, node: OpNode, sig: Signature, slot: int) -> tuple[NdSbp, NdSbp | None]:
+        """(the layout op ``node`` reads input ``slot`` in, the gradient layout it hands back or None)."""
+        ref = node.inputs[slot]
+        meta = self.graph.meta_of(ref)
+        flows = ref.node in self.rg and meta.is_floating and node.name in self.rg
+        return sig.inputs[slot], consumer_grad(sig, slot, self.deferred.get(node.name, frozenset())) if flows else None
+
+    def source(self, node: OpNode, sig: Signature, slot: int, ref: TensorRef) -> InputSource:
+        producer = self.graph[ref.node]
+        meta = producer.outputs[ref.index]
+        dst, grad = self.input_layout(node, sig, slot)
+        if producer.kind is NodeKind.PARAMETER:
+            return self.param_use(producer, meta, dst, grad, node.name)
+        return self.edge(ref, meta, dst, grad, node.name)
+
+    # -- ZeRO-3 / FSDP gathers, per layer group --------------------------------------------------------
+    def plan_gathers(self, ops: list[OpNode]) -> None:
+        """Group the parameter uses whose move is one all-gather by (layer group, mesh axis), in the
+        order forward first needs them: each group becomes one all-gather of its flattened shards."""
+        groups: dict[tuple[str, int], int] = {}
+        for node in ops:
+            sig = signature_of(self.plan, node)
+            for slot, ref in enumerate(node.inputs):
+                producer = self.graph[ref.node]
+                if producer.kind is not NodeKind.PARAMETER:
+                    continue
+                key = (producer.target, *self.input_layout(node, sig, slot))
+                moves = boxing_moves(producer.outputs[0].nbytes, storage_of(self.plan, key[0]), key[1], self.mesh)
+                if key in self.gather_of or [m.kind for m in moves] != [CollectiveKind.ALL_GATHER]:
+                    continue
+                group = (layer_group(key[0]), moves[0].axis)
+                if group not in groups:
+                    groups[group] = len(self.gather_specs)
+                    self.gather_specs.append([group[0], group[1], 0])
+                self.gather_of[key] = groups[group]
+                self.gather_specs[groups[group]][2] += moves[0].nbytes
+        self.merge_small_gathers()
+
+    def merge_small_gathers(self) -> None:
+        """Layer groups smaller than ``GATHER_MIN_BYTES`` join the next group on the same axis, as a
+        user wraps FSDP2 units around blocks of some size: one small all-gather costs its latency,
+        not its bytes (a VGG layer is a few KB)."""
+        merged: list[list] = []
+        index: list[int] = []
+        for name, axis, nbytes in self.gather_specs:
+            if merged and merged[-1][1] == axis and merged[-1][2] < GATHER_MIN_BYTES:
+                merged[-1][0] = f"{merged[-1][0].split('..')[0]}..{name}"
+                merged[-1][2] += nbytes
+            else:
+                merged.append([name, axis, nbytes])
+            index.append(len(merged) - 1)
+        self.gather_of = {key: index[g] for key, g in self.gather_of.items()}
+        self.gather_specs = merged
+
+    def gathered(self, group: int, consumer: str) -> None:
+        """A use of gather ``group`` is needed by ``consumer``: launch the group unless it was
+        prefetched (then the consumer waits for it), and prefetch the next group asynchronously."""
+        if group in self.gather_task:
+            self.wait_for.append(self.gather_task[group])
+        else:
+            self.launch_gather(group, consumer, host=True)
+        if group + 1 < len(self.gather_specs) and group + 1 not in self.gather_task:
+            self.launch_gather(group + 1, consumer, host=False)
+
+    def launch_gather(self, group: int, consumer: str, host: bool) -> None:
+        name, axis, nbytes = self.gather_specs[group]
+        task = self.emit(host=host, phase="forward", stream=comm_stream(axis), op=consumer,
+                         collective=CollectiveKind.ALL_GATHER, axis=axis, nbytes=nbytes, tensor=f"gather {name}")
+        self.gather_task[group] = task.id
+
+    def edge(self, ref: TensorRef, meta: TensorMeta, dst: NdSbp, grad: NdSbp | None, consumer: str,
+             host: bool = True) -> BoxKey:
+        key = BoxKey(ref.node, ref.index, dst, grad)
+        if key not in self.prog.edges:
+            src = layout_of(self.graph, self.plan, ref)
+            label = f"{ref}->{consumer}"
+            backward = (gradient_moves(meta.nbytes, grad, src, self.mesh, self.deferred.get(ref.node, frozenset()))
+                        if grad is not None else ())
+            self.prog.edges[key] = EdgeBox(key, meta, src, label, boxing_moves(meta.nbytes, src, dst, self.mesh),
+                                           backward)
+            charge = ref.node if consumer == "output" else consumer     # per-op times add up
+            self.emit_moves(self.prog.edges[key].forward, "forward", label, charge, host)
+            self.first_consumer[key] = consumer
+        return key
+
+    def param_use(self, producer: OpNode, meta: TensorMeta, dst: NdSbp, grad: NdSbp | None, consumer: str) -> int:
+        fqn = producer.target
+        if (fqn, dst, grad) not in self._uses:
+            storage = storage_of(self.plan, fqn)
+            gather = self.gather_of.get((fqn, dst, grad), -1)
+            use = ParamUse(len(self.prog.param_uses), fqn, meta, storage, dst, grad,
+                           boxing_moves(meta.nbytes, storage, dst, self.mesh),
+                           gradient_moves(meta.nbytes, grad, storage, self.mesh) if grad is not None else (),
+                           gather=gather)
+            self._uses[(fqn, dst, grad)] = use.index
+            self.prog.param_uses.append(use)
+            if gather < 0:
+                self.emit_moves(use.forward, "forward", fqn, consumer)
+            self.first_consumer[use.index] = consumer
+        gather = self.prog.param_uses[self._uses[(fqn, dst, grad)]].gather
+        if gather >= 0:
+            self.gathered(gather, consumer)
+        return self._uses[(fqn, dst, grad)]
+
+    def loss_output(self) -> None:
+        """Every rank reads the loss (the output node's last input: torch.export lists buffer
+        mutations first), so it is boxed to B; its gradient is the seed 1, already B. Backward does
+        not need the boxed value, so a loss that is one all-reduce away from B (a P loss) is
+        reduced asynchronously: only the step's end waits for it (``StepProgram.loss_async``)."""
+        out = self.graph.nodes_of(NodeKind.OUTPUT)
+        if not out or not out[0].inputs:
+            raise ValueError(f"the graph of {self.graph.model_name or 'the model'} has no output; trace it with "
+                             "its loss function (autoddl.trace(model, inputs, loss_fn))")
+        ref = out[0].inputs[-1]
+        meta = self.graph.meta_of(ref)
+        if meta.numel != 1:
+            raise ValueError(f"the graph's last output {ref} is {meta}, not a scalar loss; trace the model with "
+                             "its loss function")
+        broadcast = NdSbp.broadcast(len(self.mesh))
+        grad = needed_grad_ndsbp(broadcast) if ref.node in self.rg else None
+        moves = boxing_moves(meta.nbytes, layout_of(self.graph, self.plan, ref), broadcast, self.mesh)
+        self.prog.loss_async = [m.kind for m in moves] == [CollectiveKind.ALL_REDUCE]
+        self.prog.loss = self.edge(ref, meta, broadcast, grad, "output", host=not self.prog.loss_async)
+
+    # -- gradient sync buckets ----------------------------------------------------------------------
+    def pack_buckets(self, ops: list[OpNode]) -> None:
+        """Bucket the uses whose sync is one reduction, in the order backward makes them ready
+        (the reverse of their first consumer's forward position); one open bucket per (kind, axis),
+        closed at ``bucket_mb`` (the first at 1 MB, as DDP does). Buckets are numbered by when
+        their last gradient is ready: the order every rank launches them in."""
+        position = {n.name: i for i, n in enumerate(ops)}
+        ready = sorted((u for u in self.prog.param_uses if u.grad is not None),
+                       key=lambda u: (-position[self.first_consumer[u.index]], u.index))
+        cap = self.plan.training.bucket_bytes
+        open_: dict[tuple[CollectiveKind, int], list[ParamUse]] = {}
+        closed: list[list[ParamUse]] = []
+        for use in ready:
+            if cap <= 0 or len(use.grad_sync) != 1 or use.grad_sync[0].kind not in BUCKETED_KINDS:
+                continue
+            key = (use.grad_sync[0].kind, use.grad_sync[0].axis)
+            members = open_.setdefault(key, [])
+            members.append(use)
+            limit = min(cap, FIRST_BUCKET_BYTES) if not closed else cap
+            if sum(u.grad_sync[0].nbytes for u in members) >= limit:
+                closed.append(open_.pop(key))
+        closed += list(open_.values())
+        rank = {u.index: i for i, u in enumerate(ready)}
+        closed.sort(key=lambda members: max(rank[u.index] for u in members))
+        for index, members in enumerate(closed):
+            move = members[0].grad_sync[0]
+            self.prog.buckets.append(Bucket(index, move.kind, move.axis, tuple(u.index for u in members),
+                                            sum(u.grad_sync[0].nbytes for u in members)))
+            for u in members:
+                self.prog.param_uses[u.index] = _with_bucket(u, index)
+
+    # -- backward -------------------------------------------------------------------------------------
+    def backward(self, ops: list[OpNode]) -> None:
+        firsts: dict[str, list[InputSource]] = {}
+        for source, consumer in self.first_consumer.items():
+            firsts.setdefault(consumer, []).append(source)
+        loss = self.prog.edges[self.prog.loss] if self.prog.loss is not None else None
+        if loss is not None and loss.key.grad is not None:
+            self.emit_moves(loss.backward, "backward", loss.label, loss.key.node)
+        remaining = {b.index: len(b.uses) for b in self.prog.buckets}
+        self.bucket_tasks: list[int] = []
+        for node in reversed(ops):
+            if node.name not in self.rg:
+                continue
+            for g in self.prog.gathers:     # backward reached a resharded group: gather it again
+                if g.reshard and g.last_consumer == node.name:
+                    self.emit(phase="backward", stream=comm_stream(g.axis), op=node.name,
+                              collective=CollectiveKind.ALL_GATHER, axis=g.axis, nbytes=g.nbytes,
+                              tensor=f"regather {g.group}")
+            sig = signature_of(self.plan, node)
+            share = work_divisor(sig, self.mesh)
+            self.emit(phase="backward", stream=COMPUTE, op=node.name, local_flops=node.flops / share,
+                      local_bytes=(node.bytes_read + node.bytes_written) / share)
+            for source in firsts.get(node.name, []):
+                if isinstance(source, BoxKey):
+                    edge = self.prog.edges[source]
+                    self.emit_moves(edge.backward, "backward", edge.label, node.name)
+                elif self.prog.param_uses[source].bucket >= 0:
+                    bucket = self.prog.param_uses[source].bucket
+                    remaining[bucket] -= 1
+                    self.launch_ready_buckets(remaining, node.name)
+        for use in self.prog.param_uses:              # the rest, at the end of backward
+            if use.grad is not None and use.bucket < 0:
+                self.emit_moves(use.grad_sync, "grad_sync", use.fqn, use.fqn)
+
+    def launch_ready_buckets(self, remaining: dict[int, int], op: str) -> None:
+        """Launch, in bucket order, every bucket whose gradients are all ready (async: the
+        compute stream goes on; the next bucket waits for this one to be launched)."""
+        while len(self.bucket_tasks) < len(self.prog.buckets) and remaining[len(self.bucket_tasks)] == 0:
+            b = self.prog.buckets[len(self.bucket_tasks)]
+            deps = (self.last,) + ((self.bucket_tasks[-1],) if self.bucket_tasks else ())
+            task = self.emit(host=False, deps=deps, phase="grad_sync", stream=comm_stream(b.axis), op=op,
+                             collective=b.kind, axis=b.axis, nbytes=b.nbytes, tensor=f"bucket{b.index}")
+            self.bucket_tasks.append(task.id)
+
+    def optimizer(self) -> None:
+        syncs = tuple(t.id for t in self.prog.tasks if t.phase == "grad_sync") + tuple(self.async_tasks)
+        deps = tuple(sorted(set(syncs + ((self.last,) if self.last is not None else ()))))
+        self.emit(deps=deps, phase="optimizer", stream=COMPUTE, op="optimizer")
+
+
+def _with_bucket(use: ParamUse, bucket: int) -> ParamUse:
+    return replace(use, bucket=bucket)
