@@ -70,55 +70,21 @@ from autoddl.graph import TensorMeta, TensorRef
 FlopFormula = Callable[[Sequence[TensorMeta], Sequence[TensorMeta], tuple, dict], int]
 _REGISTERED: dict[str, FlopFormula] = {}
 
-# Ops that return a view or alias of their input: no FLOPs, no bytes.
-VIEW_OPS = frozenset({
-    "view", "_unsafe_view", "reshape", "transpose", "permute", "t", "expand", "slice", "select",
-    "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind", "getitem", "alias",
-    "detach", "flatten", "unflatten", "narrow", "as_strided", "view_as", "expand_as", "movedim",
-    "tensor_split", "_assert_tensor_metadata", "_assert_scalar", "_assert_async",
-})
+from autoddl.op_families import (  # noqa: F401  (VIEW_OPS, COPY_OPS, NORMS, ... are read from autoddl.flops too)
+    VIEW_OPS, COPY_OPS, CAST_OPS, FACTORY_OPS, REDUCTIONS, NORM_WEIGHT_ARG, NORMS, SDPA_OPS,
+    CONV_OPS, CONV_T_OPS, SCAN_OPS, SORT_OPS, SORT_DIM_ARG, UNTAGGED_ELEMENTWISE, INDEX_OPS,
+)
+_CAST_OPS = CAST_OPS
+_FACTORY_OPS = FACTORY_OPS
+_NORM_WEIGHT_ARG = NORM_WEIGHT_ARG
+_CONV_OPS = CONV_OPS
+_CONV_T_OPS = CONV_T_OPS
+_SCAN_OPS = SCAN_OPS
+_SORT_OPS = SORT_OPS
+_SORT_DIM_ARG = SORT_DIM_ARG
+_UNTAGGED_ELEMENTWISE = UNTAGGED_ELEMENTWISE
+_INDEX_OPS = INDEX_OPS
 
-# Ops that copy memory without arithmetic: no FLOPs, bytes moved.
-COPY_OPS = frozenset({"clone", "_to_copy", "contiguous", "copy", "copy_", "lift_fresh_copy",
-                      "cat", "stack", "index_select", "gather", "index", "repeat", "roll", "flip",
-                      "pad", "constant_pad_nd"})
-
-# dtype conversions: a copy when the dtype changes, an alias otherwise.
-_CAST_OPS = frozenset({"to", "type_as", "type"})
-
-_FACTORY_OPS = frozenset({"zeros_like", "ones_like", "full_like", "empty_like", "arange", "zeros",
-                          "ones", "full", "empty", "scalar_tensor", "fill", "fill_", "triu", "tril",
-                          "new_zeros", "new_ones", "new_full", "new_empty", "rand", "randn", "rand_like",
-                          "randn_like", "randint"})
-
-REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm",
-                        "linalg_vector_norm", "prod", "logsumexp", "argmax", "argmin", "var_mean",
-                        "std_mean", "any", "all"})
-
-# norm op -> position of its weight argument (a TensorRef when affine, None otherwise)
-_NORM_WEIGHT_ARG = {
-    "layer_norm": 2, "native_layer_norm": 2, "group_norm": 2, "rms_norm": 2, "_fused_rms_norm": 2,
-    "batch_norm": 1, "native_batch_norm": 1, "_native_batch_norm_legit": 1,
-    "_native_batch_norm_legit_no_training": 1, "_native_batch_norm_legit_functional": 1,
-    "native_group_norm": 1, "instance_norm": 1,
-}
-NORMS = frozenset(_NORM_WEIGHT_ARG)
-
-SDPA_OPS = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-                      "_scaled_dot_product_efficient_attention",
-                      "_scaled_dot_product_flash_attention_for_cpu",
-                      "_scaled_dot_product_cudnn_attention"})
-
-_CONV_OPS = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "_convolution"})
-_CONV_T_OPS = frozenset({"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
-
-_SCAN_OPS = frozenset({"cumsum", "cumprod", "diff", "logcumsumexp", "histc", "bincount"})
-_SORT_OPS = frozenset({"sort", "topk", "argsort", "msort", "kthvalue"})
-_SORT_DIM_ARG = {"sort": 1, "argsort": 1, "topk": 2, "kthvalue": 2}   # position of the dim argument
-_UNTAGGED_ELEMENTWISE = frozenset({"__and__", "__or__", "__xor__", "__invert__", "__lshift__", "__rshift__",
-                                   "floor_divide", "remainder", "fmod"})  # element-wise, no pointwise tag
-_INDEX_OPS = frozenset({"index_put", "index_put_", "scatter", "scatter_", "masked_scatter", "index_copy",
-                        "_unsafe_index", "_unsafe_index_put", "masked_select", "take"})
 # recurrent op -> (gates, element-wise FLOPs per hidden unit and step)
 _RNN = {"gru": (3, 11), "lstm": (4, 13)}
 

@@ -36,18 +36,11 @@ import math
 from typing import Sequence
 
 from autoddl.cluster import Cluster
-from autoddl.flops import VIEW_OPS
+from autoddl.op_families import MATMUL_LIKE, ZERO_COST  # noqa: F401  (read from here too)
 from autoddl.graph import OpNode
 from autoddl.program import work_divisor  # noqa: F401  (re-exported: the search prices with it)
 from autoddl.sbp import Signature
 
-MATMUL_LIKE = frozenset({
-    "mm", "addmm", "linear", "bmm", "baddbmm", "matmul", "conv1d", "conv2d", "conv3d", "convolution",
-    "_convolution", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_cudnn_attention",
-})
-ZERO_COST = VIEW_OPS | {"getitem"}
 
 OPTIMIZERS = ("sgd", "adamw")
 _OPTIMIZER_ALIASES = {"sgd": "sgd", "adamw": "adamw", "adam": "adamw"}

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from autoddl.graph import NodeKind, OpNode
-from autoddl.sbp import B, Broadcast, NdSbp, Partial, S, Sbp, Signature, Split
+from autoddl.op_families import MATMUL_OPS
+from autoddl.sbp import B, NdSbp, S, Sbp, Signature
 from search.formulate import Formulation
 
-MATMUL_OPS = frozenset({"linear", "mm", "addmm", "matmul", "bmm"})
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
         if any(_megatron_forbids(src, dst, roles, axis) for src, dst in sources for axis in model_axes):
             continue
         boxed = any(_collective_needed(src, dst) for src, dst in sources)
-        splits = sum(isinstance(sig.inputs[slot][axis], Split) for slot in param_slots for axis in model_axes)
+        splits = sum(sig.inputs[slot][axis].is_split() for slot in param_slots for axis in model_axes)
         key = (int(boxed), -splits, total)
         if key < best_key:
             best, best_key, lazy_choice = j, key, chosen_lazy
@@ -160,11 +160,11 @@ def _megatron_forbids(src: NdSbp, dst: NdSbp, roles: tuple[str, ...], axis: int)
     parallelism) or, for sequence parallelism, slicing a replicated one (B->S); never all-to-all.
     Tensor parallelism reduces a partial sum right away: no op takes a P activation."""
     s, d = src[axis], dst[axis]
-    if roles[axis] == "tp" and (isinstance(d, Partial) or (isinstance(s, Partial) and isinstance(d, Split))):
+    if roles[axis] == "tp" and (d.is_partial() or (s.is_partial() and d.is_split())):
         return True
-    if s == d or not isinstance(d, Split):
+    if s == d or not d.is_split():
         return False
-    return isinstance(s, Split) or (isinstance(s, Broadcast) and roles[axis] == "tp")
+    return s.is_split() or (s.is_broadcast() and roles[axis] == "tp")
 
 
 def _splits_batch(sig: Signature, param_slots: dict[int, str], model_axes: list[int]) -> bool:
@@ -176,21 +176,21 @@ def _splits_batch(sig: Signature, param_slots: dict[int, str], model_axes: list[
 def _collective_needed(src, dst) -> bool:
     """True unless ``src`` -> ``dst`` is free on every axis: equal, or slicing a replicated tensor.
     Making a partial sum (S->P, B->P) counts as needing one: it defers a reduction."""
-    return any(s != d and not (isinstance(s, Broadcast) and isinstance(d, Split)) for s, d in zip(src, dst))
+    return any(s != d and not (s.is_broadcast() and d.is_split()) for s, d in zip(src, dst))
 
 
 def _not_vocab_parallel(node: OpNode, sig: Signature, param_slots: dict[int, str], model_axes: list[int]) -> bool:
     """Megatron splits an embedding table only by vocabulary rows (VocabParallelEmbedding)."""
     if node.op_name != "embedding":
         return False
-    return any(isinstance(sig.inputs[slot][axis], Split) and sig.inputs[slot][axis] != S(0)
+    return any(sig.inputs[slot][axis].is_split() and sig.inputs[slot][axis] != S(0)
                for slot in param_slots for axis in model_axes)
 
 
 def _param_use_allowed(sig: Signature, param_slots: dict[int, str], roles: tuple[str, ...]) -> bool:
     for slot in param_slots:
         for axis, role in enumerate(roles):
-            if role in ("dp", "zero") and not isinstance(sig.inputs[slot][axis], Broadcast):
+            if role in ("dp", "zero") and not sig.inputs[slot][axis].is_broadcast():
                 return False
     return True
 
@@ -200,7 +200,7 @@ def _storage_matching(param_cands: list[Signature], sig: Signature, param_name: 
     """The storage a lazy parameter gets from its first use: on tp/sp axes the use itself (B where
     the use is P: B -> P is local), on dp/zero axes what the role stores (B, or S(0) for zero)."""
     use = next(sig.inputs[slot] for slot, ref in enumerate(node.inputs) if ref.node == param_name)
-    as_used = tuple(B if isinstance(s, Partial) else s for s in use)
+    as_used = tuple(B if s.is_partial() else s for s in use)
     fixed = {axis: (S(0) if role == "zero" else B) for axis, role in enumerate(roles) if role in ("dp", "zero")}
     for fallback in (False, True):            # zero's S(0) when it divides, else B
         wanted = tuple(B if fallback and axis in fixed else fixed.get(axis, s) for axis, s in enumerate(as_used))
@@ -233,7 +233,7 @@ def _pick_placeholder(cands: list[Signature], wish: tuple[Sbp, ...]) -> int:
         nd = sig.outputs[0] if sig.outputs else None
         if nd is None:
             return 0
-        score = sum(2 if s == w else (1 if isinstance(s, Broadcast) else -5) for s, w in zip(nd, wish))
+        score = sum(2 if s == w else (1 if s.is_broadcast() else -5) for s, w in zip(nd, wish))
         if score > best_score:
             best, best_score = j, score
     return best
@@ -252,7 +252,7 @@ def _not_applicable(spec: BaselineSpec, form: Formulation, assignment: np.ndarra
             if ref.node not in params or node.input_metas[slot].ndim != 2:
                 continue
             for s in sig.inputs[slot]:
-                if isinstance(s, Split):
+                if s.is_split():
                     column += s.dim == 0
                     row += s.dim == 1
     if column == 0 or row == 0:
