@@ -145,18 +145,18 @@ class NdSbp:
 
     @property
     def is_broadcast(self) -> bool:
-        return all(isinstance(s, Broadcast) for s in self.sbps)
+        return all(s.is_broadcast() for s in self.sbps)
 
     @property
     def has_partial(self) -> bool:
-        return any(isinstance(s, Partial) for s in self.sbps)
+        return any(s.is_partial() for s in self.sbps)
 
     def split_factors(self, mesh_shape: Sequence[int], ndim: int) -> tuple[int, ...]:
         """How many pieces each tensor dim is cut into on a mesh of ``mesh_shape``."""
         self._check_mesh(mesh_shape)
         factors = [1] * ndim
         for sbp, size in zip(self.sbps, mesh_shape):
-            if isinstance(sbp, Split):
+            if sbp.is_split():
                 if sbp.dim >= ndim:
                     raise ValueError(f"{self} splits dim {sbp.dim} of a {ndim}-d tensor")
                 factors[sbp.dim] *= size
@@ -164,7 +164,7 @@ class NdSbp:
 
     def divides(self, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
         """True when every split dim of ``shape`` divides evenly over its mesh axes."""
-        if any(isinstance(s, Split) and s.dim >= len(shape) for s in self.sbps):
+        if any(s.is_split() and s.dim >= len(shape) for s in self.sbps):
             return False
         factors = self.split_factors(mesh_shape, len(shape))
         return all(d % f == 0 for d, f in zip(shape, factors))
@@ -179,7 +179,7 @@ class NdSbp:
     def shard_fraction(self, mesh_shape: Sequence[int]) -> float:
         """Fraction of the full tensor's elements one device stores."""
         self._check_mesh(mesh_shape)
-        return 1.0 / math.prod(n for s, n in zip(self.sbps, mesh_shape) if isinstance(s, Split))
+        return 1.0 / math.prod(n for s, n in zip(self.sbps, mesh_shape) if s.is_split())
 
     def to_placements(self) -> tuple:
         """DTensor placements, one per mesh axis."""
@@ -188,9 +188,9 @@ class NdSbp:
 
         out = []
         for s in self.sbps:
-            if isinstance(s, Split):
+            if s.is_split():
                 out.append(Shard(s.dim))
-            elif isinstance(s, Broadcast):
+            elif s.is_broadcast():
                 out.append(Replicate())
             else:
                 out.append(DPartial())

@@ -15,7 +15,7 @@ import torch
 
 from autoddl.graph import OpNode
 from autoddl.ops.registry import B, P, S, Sig1D, piece_offset, register
-from autoddl.sbp import Signature, Split
+from autoddl.sbp import Signature
 
 
 def local_embedding(weight_shard: torch.Tensor, indices: torch.Tensor, shard_offset: int) -> torch.Tensor:
@@ -35,7 +35,7 @@ def embedding(node: OpNode) -> list[Sig1D]:
 
 
 def _vocab_kernel(node: OpNode, sig: Signature, mesh_shape, coord):
-    if not any(isinstance(s, Split) and s.dim == 0 for s in sig.inputs[0]):
+    if not any(s.is_split(0) for s in sig.inputs[0]):
         return None
     offset = piece_offset(node.input_metas[0].shape, sig.inputs[0], mesh_shape, coord, 0)
 

@@ -72,7 +72,7 @@ def is_float(meta: TensorMeta) -> bool:
 def bcast_sbp(sbp: Sbp, out_shape: Sequence[int], in_shape: Sequence[int]) -> Sbp:
     """The SBP an operand broadcast to ``out_shape`` needs so its local piece broadcasts to the
     output piece of ``sbp``: a split dim the operand lacks or has as size 1 is B."""
-    if isinstance(sbp, Split):
+    if sbp.is_split():
         a = sbp.dim - (len(out_shape) - len(in_shape))
         if a >= 0 and in_shape[a] == out_shape[sbp.dim]:
             return S(a)
@@ -130,7 +130,7 @@ def split_factor(sig_part: NdSbp, mesh_shape: MeshShape, dims: set[int] | None =
     """Product of the mesh sizes of the axes on which ``sig_part`` splits a dim in ``dims`` (any if None)."""
     n = 1
     for sbp, size in zip(sig_part, mesh_shape):
-        if isinstance(sbp, Split) and (dims is None or sbp.dim in dims):
+        if sbp.is_split() and (dims is None or sbp.dim in dims):
             n *= size
     return n
 
@@ -139,7 +139,7 @@ def piece_offset(shape: Sequence[int], nd: NdSbp, mesh_shape: MeshShape, coord: 
     """Start index along ``dim`` of the piece device ``coord`` holds (nested splits, outer axis first)."""
     offset, size = 0, shape[dim]
     for sbp, n, c in zip(nd, mesh_shape, coord):
-        if isinstance(sbp, Split) and sbp.dim == dim:
+        if sbp.is_split(dim):
             size //= n
             offset += c * size
     return offset
