@@ -31,6 +31,7 @@ import dataclasses
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,9 @@ DISAGREEMENT = 0.20          # a kind whose fit differs from the link by more th
 LATENCY_FLOOR_US = 5.0       # latencies within this many microseconds agree, whatever their ratio
 
 
+MIN_R2 = 0.5   # a collective fit explaining less of its timings' variance than this is refused
+
+
 def _sig(x: float, digits: int = 4) -> float:
     """``x`` rounded to ``digits`` significant digits (readable YAML, no false precision)."""
     if x == 0 or not math.isfinite(x):
@@ -55,11 +59,12 @@ def _sig(x: float, digits: int = 4) -> float:
 
 # -- fits ----------------------------------------------------------------------------------------
 def fit_collectives(timings: Sequence[CollectiveTiming], backend: Backend | str,
-                    failed: dict[str, str] | None = None) -> dict[str, CollectiveFit]:
+                    failed: dict[str, str] | None = None, min_r2: float = MIN_R2) -> dict[str, CollectiveFit]:
     """One :class:`CollectiveFit` per timed kind, over every axis size and message size.
 
     A kind whose timings cannot be fitted (too noisy: they do not grow with the message
-    size) is left out and its reason put in ``failed``; raises when no kind can be fitted.
+    size) or whose fit explains them worse than ``min_r2`` (R^2) is left out, with a warning
+    on stderr and its reason in ``failed``; raises when no kind can be fitted.
     """
     by_kind: dict[str, list[tuple[int, float, float]]] = {}
     for t in timings:
@@ -67,9 +72,16 @@ def fit_collectives(timings: Sequence[CollectiveTiming], backend: Backend | str,
     fits, reasons = {}, {}
     for kind, samples in by_kind.items():
         try:
-            fits[kind] = fit_collective(CollectiveKind(kind), backend, samples)
+            fit = fit_collective(CollectiveKind(kind), backend, samples)
         except ValueError as exc:
             reasons[kind] = str(exc)
+            continue
+        if fit.r2 < min_r2:
+            reasons[kind] = (f"its fit has R^2 {fit.r2:.2f} < {min_r2:g} (--min-r2): the timings are too noisy to "
+                             "trust; run calibrate again on an idle machine")
+            print(f"calibrate: warning: {kind} not used: {reasons[kind]}", file=sys.stderr)
+            continue
+        fits[kind] = fit
     if failed is not None:
         failed.update(reasons)
     if not fits:
@@ -122,7 +134,7 @@ def _total_memory_gb() -> float:
 
 
 def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int | None = None,
-                      command: str = "") -> Calibration:
+                      command: str = "", min_r2: float = MIN_R2) -> Calibration:
     """Turn ``meas`` into a cluster: measured fields replaced, the rest from ``base`` (module docstring)."""
     s = meas.settings
     backend = Backend(s.backend)
@@ -144,7 +156,7 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
         memory_gb = _sig(_total_memory_gb() / dpn, 3)
 
     failed: dict[str, str] = {}
-    fits = fit_collectives(meas.collectives, backend, failed)
+    fits = fit_collectives(meas.collectives, backend, failed, min_r2)
     link = combined_link(fits)
     link = LinkSpec(bandwidth_gbps=_sig(link.bandwidth_gbps), latency_us=_sig(link.latency_us))
     odd = disagreeing_kinds(fits, link)
@@ -234,7 +246,7 @@ def write_raw(meas: Measurements, path: str | os.PathLike) -> None:
 
 
 def calibrate(base: Cluster, settings: Settings, devices_per_node: int | None = None,
-              command: str = "") -> tuple[Measurements, Calibration]:
+              command: str = "", min_r2: float = MIN_R2) -> tuple[Measurements, Calibration]:
     """Measure this machine with ``settings`` (``executor.calibrate.measure``) and fit a cluster over ``base``."""
     if devices_per_node is not None and devices_per_node < 1:
         raise ValueError(f"--devices-per-node must be a positive integer, got {devices_per_node}")
@@ -248,4 +260,4 @@ def calibrate(base: Cluster, settings: Settings, devices_per_node: int | None = 
             raise ValueError(f"calibrate --backend nccl needs one GPU per rank: --nproc {settings.nproc}, "
                              f"{torch.cuda.device_count()} GPUs visible; use --backend gloo or a smaller --nproc")
     meas = measure(settings)
-    return meas, calibrate_cluster(meas, base, devices_per_node, command)
+    return meas, calibrate_cluster(meas, base, devices_per_node, command, min_r2)

@@ -33,6 +33,9 @@ from search.problem import NoFeasiblePlanError
 NEAR_BEST = 1.05    # meshes whose search objective is within 5% of the best get the full cost model
 
 
+SCHEMES = ("found", "dp", "zero3", "tp", "sp", "dp_tp")   # what `autoddl plan --scheme` can write
+
+
 class PlanningError(ValueError):
     """Bad planning input (devices, mesh, memory); the message says which and what to do."""
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 
-GiB = float(2**30)
+GB = 1e9   # the unit of --memory-gb and of cluster.yaml's memory_gb
 
 
 class NoFeasiblePlanError(RuntimeError):
@@ -31,12 +31,12 @@ class NoFeasiblePlanError(RuntimeError):
         self.min_memory_bytes = float(min_memory_bytes)
         self.memory_limit_bytes = float(memory_limit_bytes)
         over = self.min_memory_bytes - self.memory_limit_bytes
-        msg = (f"no plan fits the per-device memory limit of {self.memory_limit_bytes / GiB:.3f} GiB: "
-               f"the plan using the least memory still needs {self.min_memory_bytes / GiB:.3f} GiB "
-               f"per device ({over / GiB:.3f} GiB over). Use more devices, a larger --memory-gb, "
+        msg = (f"no plan fits the per-device memory limit of {self.memory_limit_bytes / GB:.3f} GB: "
+               f"the plan using the least memory still needs {self.min_memory_bytes / GB:.3f} GB "
+               f"per device ({over / GB:.3f} GB over). Use more devices, a larger --memory-gb, "
                f"or a smaller batch.")
         if largest:
-            msg += " Largest minimum needs: " + ", ".join(f"{n} {b / GiB:.3f} GiB" for n, b in largest)
+            msg += " Largest minimum needs: " + ", ".join(f"{n} {b / GB:.3f} GB" for n, b in largest)
         super().__init__(msg)
 
 

@@ -113,6 +113,14 @@ def test_combined_link_and_disagreeing_kinds():
     assert list(fits) == ["all_reduce"] and "do not grow with message size" in failed["broadcast"]
     with pytest.raises(ValueError, match="no collective could be fitted.*idle"):
         fit_collectives(flat, "gloo")
+    # a fit that explains its timings badly (R^2 below the threshold) is refused, with its R^2
+    noisy = [CollectiveTiming("all_gather", 2, m, ring_time_s(GLOO_FORMULA["all_gather"], m, 2, 1e9, 50e-6)
+                              * (3.0 if i % 2 else 0.3), "synthetic") for i, m in enumerate(SIZES)]
+    failed = {}
+    fits = fit_collectives(timings("all_reduce", 50e-6, 1e9) + noisy, "gloo", failed, min_r2=0.9)
+    r2 = fit_collective(K.ALL_GATHER, "gloo", [(t.n_devices, t.nbytes, t.time_s) for t in noisy]).r2
+    assert r2 < 0.9 and list(fits) == ["all_reduce"] and f"R^2 {r2:.2f} < 0.9" in failed["all_gather"]
+    assert "all_gather" in fit_collectives(noisy, "gloo", {}, min_r2=r2 - 1e-9)
 
 
 # -- schema ----------------------------------------------------------------------------------------

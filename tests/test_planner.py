@@ -126,7 +126,7 @@ def test_memory_limit_nothing_fits_names_the_minimum(mlp, cluster4):
     with pytest.raises(NoFeasiblePlanError) as info:
         search(mlp, cluster4, memory_gb=1e-6)
     assert info.value.min_memory_bytes > 1e3
-    assert "GiB" in str(info.value) and "--memory-gb" in str(info.value)
+    assert " GB" in str(info.value) and "GiB" not in str(info.value) and "--memory-gb" in str(info.value)
 
 
 def test_mesh_and_devices_errors(mlp):
@@ -179,7 +179,7 @@ def test_cli_plan_explain_compare(tmp_path, capsys):
 @pytest.mark.parametrize("argv, words", [
     (["--devices", "3"], ["3", "devices"]),
     (["--mesh", "3x3"], ["3x3", "multiply to 8"]),
-    (["--memory-gb", "0.000001"], ["no plan fits", "GiB"]),
+    (["--memory-gb", "0.000001"], ["no plan fits", "0.000 GB"]),
 ])
 def test_cli_errors_are_one_line_exit_2(argv, words, capsys):
     rc = main(["plan", str(ROOT / "examples" / "mlp.py"), "--cluster", str(DGX), "--out", "/dev/null"] + argv)
@@ -201,3 +201,23 @@ def test_cli_untraceable_model_exit_2(tmp_path, capsys):
     rc = main(["plan", str(bad), "--out", str(tmp_path / "p.json")])
     err = capsys.readouterr().err
     assert rc == 2 and "bad" in err and "Traceback" not in err
+
+
+def test_cli_plan_says_what_it_planned_and_what_to_run_next(tmp_path, capsys):
+    """--devices beyond one node of the cluster file: the header says the cluster really planned,
+    and the plan ends with the commands to explain and run it (one `autoddl run` per node)."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(ROOT / "examples" / "mlp.py"), "--cluster", str(DGX), "--devices", "16",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "planned:  2x8 of dgx-a100-8 (--devices 16)" in text
+    nxt = text[text.index("next:"):].splitlines()
+    assert nxt[1].split()[:3] == ["autoddl", "explain", str(out)]
+    assert f"autoddl run {out} --nproc 8 --nnodes 2 " in nxt[3] and "--check --reference ddp" in nxt[3]
+
+
+def test_cli_unknown_scheme_is_refused_before_any_work(capsys):
+    rc = main(["plan", str(ROOT / "examples" / "gpt.py"), "--scheme", "pp"])
+    captured = capsys.readouterr()
+    assert rc == 2 and "invalid choice: 'pp'" in captured.err
+    assert "model:" not in captured.out + captured.err          # refused while parsing: nothing traced

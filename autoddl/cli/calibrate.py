@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from autoddl.calibration import DEFAULT_BASE, calibrate, write_raw
+from autoddl.calibration import DEFAULT_BASE, MIN_R2, calibrate, write_raw
 from autoddl.cli import common_options, register
 from autoddl.cluster import Backend, Cluster
 from executor.calibrate import Settings
@@ -39,6 +39,8 @@ def add_calibrate(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--devices-per-node", type=int, metavar="N",
                    help="devices_per_node to write (default: the base's, at least --nproc)")
     p.add_argument("--raw", metavar="CSV", help="also write every timing to this CSV file")
+    p.add_argument("--min-r2", type=float, default=MIN_R2, metavar="R2",
+                   help=f"refuse, with a warning, a collective fit whose R^2 is below this (default {MIN_R2:g})")
     p.add_argument("--across-hosts", action="store_true", help="run as torchrun ranks on several hosts "
                    "(benchmarks/two_hosts.py -- -m autoddl calibrate --across-hosts): fit intra- and inter-host links")
     p.set_defaults(func=run_calibrate)
@@ -55,7 +57,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     settings = Settings.default(args.nproc, args.backend, quick=args.quick, threads=args.threads)
     print(f"calibrate: {settings.nproc} {settings.backend} ranks, {settings.threads} thread(s) each, "
           f"{'quick' if settings.quick else 'full'} settings", file=sys.stderr, flush=True)
-    meas, cal = calibrate(base, settings, args.devices_per_node, _command(args))
+    meas, cal = calibrate(base, settings, args.devices_per_node, _command(args), args.min_r2)
     if args.raw:
         write_raw(meas, args.raw)
     if args.out:

@@ -15,6 +15,7 @@ from autoddl.graph import NodeKind
 from autoddl.loader import load_model_file, trace_model_file
 from autoddl.plan import Mesh, Plan
 from autoddl.trace import trace
+from search.planner import SCHEMES, resolve_cluster
 from search.problem import NoFeasiblePlanError
 
 EXPECTED_ERRORS.append(NoFeasiblePlanError)
@@ -68,8 +69,8 @@ def add_plan(subparsers) -> None:
                                           "print the found plan next to every expert baseline.")
     _add_search_options(p)
     p.add_argument("--out", default="plan.json", metavar="PLAN_JSON", help="where to write the plan")
-    p.add_argument("--scheme", default="found", metavar="NAME",
-                   help="which plan to write: found (default) or a baseline (dp, zero3, tp, sp, dp_tp)")
+    p.add_argument("--scheme", default="found", choices=SCHEMES,
+                   help="which plan to write: found (default) or a baseline")
     p.add_argument("--verbose", action="store_true", help="print the per-op table of the found plan")
     p.set_defaults(func=run_plan)
 
@@ -79,7 +80,10 @@ def run_plan(args: argparse.Namespace) -> int:
     found, bd = outcome.found, outcome.found_breakdown
     print(f"model:    {mf.name} ({mf.path}) {graph.parameter_count / 1e6:,.1f}M parameters, "
           f"{len(graph.ops())} ops, traced in {trace_s:.2f} s")
+    planned = resolve_cluster(cluster, args.devices)
     print(f"cluster:  {cluster.summary()}")
+    if planned.num_devices != cluster.num_devices:
+        print(f"planned:  {planned.nodes}x{planned.devices_per_node} of {cluster.name} (--devices {args.devices})")
     print(f"searched: meshes {', '.join('x'.join(map(str, m)) for m in outcome.meshes)} "
           f"in {outcome.search_s:.2f} s")
     print()
@@ -104,7 +108,21 @@ def run_plan(args: argparse.Namespace) -> int:
         print(chosen.plan.summary().to_string(index=False))
     chosen.plan.save(args.out)
     print(f"wrote {args.out} ({chosen.name} plan)")
+    _print_next(args.out, chosen.plan, resolve_cluster(cluster, args.devices))
     return 0
+
+
+def _print_next(path: str, plan: Plan, cluster: Cluster) -> None:
+    """What to run next with the plan just written."""
+    backend = "" if cluster.backend.value == "nccl" else " --backend gloo"
+    print("next:")
+    print(f"  autoddl explain {path}                          # why each op got its signature")
+    print(f"  autoddl explain {path} --trace predicted.json   # the simulated step (open in ui.perfetto.dev)")
+    ranks = f"--nproc {plan.devices}"
+    if plan.devices > cluster.devices_per_node:   # one `autoddl run` per node
+        ranks = (f"--nproc {cluster.devices_per_node} --nnodes {plan.devices // cluster.devices_per_node} "
+                 "--node-rank R --master-addr NODE0 --master-port 29500")
+    print(f"  autoddl run {path} {ranks}{backend} --check --reference ddp   # run it, check it, time it beside DDP")
 
 
 @register
