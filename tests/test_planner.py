@@ -221,3 +221,26 @@ def test_cli_unknown_scheme_is_refused_before_any_work(capsys):
     captured = capsys.readouterr()
     assert rc == 2 and "invalid choice: 'pp'" in captured.err
     assert "model:" not in captured.out + captured.err          # refused while parsing: nothing traced
+
+
+def test_cli_explain_fits_100_columns_names_modules_and_weight_layouts(tmp_path, capsys):
+    """explain: the plan in words first; every line within 100 columns unless --wide; --op takes a
+    module path or a parameter name; each weight's storage -> use layout is shown."""
+    out = tmp_path / "tp.json"
+    assert main(["plan", str(ROOT / "examples" / "gpt.py"), "--preset", "tiny", "--cluster", str(DGX),
+                 "--devices", "2", "--scheme", "tp", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["explain", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].startswith("tensor parallel over 2: Plan 'tp'")
+    assert max(len(line) for line in text.splitlines()) <= 100
+    plan = Plan.load(out)
+    assert main(["explain", str(out), "--op", "transformer.h.0.mlp", "--wide"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "(transformer.h.0.mlp." in line]
+    assert [r.split()[1] for r in rows] == ["(transformer.h.0.mlp.c_fc)", "(transformer.h.0.mlp.gelu)",
+                                           "(transformer.h.0.mlp.c_proj)"]
+    fc = "transformer.h.0.mlp.c_fc.weight"
+    assert f"{fc}: {plan.param_storage[fc]} -> " in rows[0]
+    assert main(["explain", str(out), "--op", fc]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len([line for line in lines if line.startswith("linear")]) == 1     # the one op reading it
