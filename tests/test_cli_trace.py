@@ -166,3 +166,37 @@ def test_python_dash_m(write_model):
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "(top 1 of 5 ops by FLOPs)" in proc.stdout
+
+
+CUMSUM_MODEL = """
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.cumsum(self.fc(x), dim=1)
+
+
+def build_model():
+    return M()
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+"""
+
+
+def test_trace_and_plan_warn_about_ops_they_only_approximate(write_model, capsys):
+    """An op without an SBP rule (cumsum) is named with its count by trace and by plan."""
+    path = str(write_model(CUMSUM_MODEL, "cums.py"))
+    code, out, err = run(["trace", path], capsys)
+    assert code == 0, err
+    assert "warning:    1 ops without an SBP rule (planned replicated, all-B): aten.cumsum.default x1" in out
+    code, out, err = run(["plan", path, "--devices", "2", "--out", os.devnull], capsys)
+    assert code == 0, err
+    assert "warning: 1 ops without an SBP rule (planned replicated, all-B): aten.cumsum.default x1" in out

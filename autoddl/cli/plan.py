@@ -14,6 +14,7 @@ from autoddl.cli import EXPECTED_ERRORS, add_model_options, common_options, mode
 from autoddl.cluster import DEFAULT_CLUSTER_PATH, Cluster
 from autoddl.graph import NodeKind
 from autoddl.loader import load_model_file, trace_model_file
+from autoddl.ops import coverage_report
 from autoddl.plan import Mesh, Plan
 from autoddl.trace import trace
 from search.planner import SCHEMES, resolve_cluster
@@ -99,6 +100,8 @@ def run_plan(args: argparse.Namespace) -> int:
     print(line)
     for note in found.notes:
         print(f"note: {note}")
+    for line in coverage_report(graph).lines():
+        print(f"warning: {line}")
     chosen = next((s for s in outcome.schemes if s.name == args.scheme), None)
     if chosen is None or chosen.plan is None:
         why = chosen.reason if chosen is not None else "no such scheme"

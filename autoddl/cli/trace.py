@@ -7,6 +7,7 @@ import time
 
 from autoddl.cli import add_model_options, common_options, model_overrides, register, table
 from autoddl.loader import load_model_file
+from autoddl.ops import coverage_report
 from autoddl.trace import trace
 
 
@@ -44,4 +45,6 @@ def run_trace(args: argparse.Namespace) -> int:
     print(f"parameters: {graph.parameter_count:,} ({graph.parameter_bytes / 1e6:,.1f} MB)")
     print(f"GFLOPs:     {graph.total_flops / 1e9:,.6f} forward (loss included)")
     print(f"trace:      {trace_s:.2f} s")
+    for line in coverage_report(graph).lines():
+        print(f"warning:    {line}")
     return 0
