@@ -1,15 +1,17 @@
 """Record the collectives a training step really runs: kind, mesh axis, bytes, phase.
 
-``CommRecorder`` is a TorchDispatchMode. DTensor's ``redistribute`` (forward and
-in autograd's backward) issues c10d functional ops (``_c10d_functional.*``) on
-plain local tensors; the mode sees each one with its process-group name, which
-maps to a mesh axis through ``mesh.get_group(axis).group_name``. What is recorded
-is what ran, including backend fallbacks (``CARRIED_AS``): on a CPU (gloo) mesh
-DTensor turns an S(i)->S(j) all-to-all into an all-gather plus a local chunk (the
-mode sees the all-gather), and gloo's process group carries a reduce-scatter out
-as an all-reduce of the whole input plus a local chunk (the mode sees
-``reduce_scatter_tensor``; the record says ``all_reduce``). These are the same
-substitutions as costmodel.collectives.BACKENDS, which the audit test compares with.
+``CommRecorder`` is a TorchDispatchMode. The executor's boxing moves, gradient
+buckets and layer-group gathers (forward and in autograd's backward) issue c10d
+functional ops (``_c10d_functional.*``) on plain local tensors; the mode sees each
+one with its process-group name, which maps to a mesh axis through
+``mesh.get_group(axis).group_name``. What is recorded is what was dispatched: on a
+CPU (gloo) mesh the executor carries an S(i)->S(j) all-to-all out as an all-gather
+plus a local chunk (the mode sees the all-gather). What the process group does inside
+a dispatched op is invisible to the mode and is stated here (``CARRIED_AS``): gloo
+carries a reduce-scatter out as an all-reduce of the whole input plus a local chunk (the
+mode sees ``reduce_scatter_tensor``; the record says ``all_reduce``). Kept apart from
+autoddl.collective_kinds.BACKENDS on purpose: the audit checks the program against
+what ran, so it does not read the program's own table.
 
 ``bytes`` is the size M of the full buffer of the alpha-beta formulas in
 DESIGN.md: the tensor for all-reduce and broadcast, the gathered output for

@@ -34,7 +34,18 @@ class GradSync:
     def __init__(self, program: StepProgram, boxer: Boxer, local_params: dict[str, torch.Tensor],
                  set_phase: Callable[[str], None]):
         self.program, self.boxer, self.local_params, self.set_phase = program, boxer, local_params, set_phase
+        self.layouts = [self._layout(b) for b in program.buckets]   # per bucket, per use: fixed for the run
         self.start_step()
+
+    def _layout(self, bucket: Bucket) -> list[tuple[tuple[int, ...], int | None]]:
+        """Each use's (gradient shape in its storage layout, scatter dim or None) in ``bucket``."""
+        out = []
+        for i in bucket.uses:
+            use = self.program.param_uses[i]
+            after = use.grad_sync[0].after
+            dim = after[bucket.axis].dim if bucket.kind is CollectiveKind.REDUCE_SCATTER else None
+            out.append((after.local_shape(use.meta.shape, self.boxer.mesh_shape), dim))
+        return out
 
     def start_step(self) -> None:
         self.grads: dict[int, torch.Tensor] = {}
@@ -103,17 +114,12 @@ class GradSync:
 
     def _unpack(self, bucket: Bucket, flat: torch.Tensor) -> list[torch.Tensor]:
         """The bucket's gradients, each in its storage layout, from the collective's flat result."""
-        uses = [self.program.param_uses[i] for i in bucket.uses]
-        mesh = self.boxer.mesh_shape
         out, start = [], 0
-        for use in uses:
-            after = use.grad_sync[0].after
-            shape = after.local_shape(use.meta.shape, mesh)
+        for shape, dim in self.layouts[bucket.index]:
             numel = math.prod(shape)
             piece = flat[start:start + numel]
             start += numel
-            if bucket.kind is CollectiveKind.REDUCE_SCATTER:
-                dim = after[bucket.axis].dim
+            if dim is not None:       # reduce-scatter: the scatter dim came first (see _launch)
                 moved = (shape[dim],) + tuple(s for i, s in enumerate(shape) if i != dim)
                 out.append(piece.reshape(moved).movedim(0, dim).contiguous())
             else:
