@@ -84,6 +84,10 @@ class DeviceSpec:
     memory_gb: float                # 1e9 bytes
     memory_bandwidth_gbps: float    # GB/s
 
+    def peak_tflops_for(self, dtype: str) -> float:
+        """Dense peak of compute in ``dtype`` (a torch dtype name: float32, bfloat16, float16)."""
+        return self.peak_tflops
+
 
 @dataclass(frozen=True)
 class LinkSpec:

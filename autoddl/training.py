@@ -1,31 +1,101 @@
 """Training settings: how a step is run, independent of how ops are sharded.
 
-A plan carries one ``Training``; the lowering (autoddl/program.py) turns it into
+A plan carries one ``Training``; the lowering (autoddl/lowering.py) turns it into
 tasks of the step program, which the cost model prices and the executor runs.
+
+- ``bucket_mb``: gradient-sync bucket size (MB = 1e6 bytes of local gradients); 0
+  syncs each parameter on its own.
+- ``param_dtype`` / ``reduce_dtype``: the mixed-precision policy, named as FSDP2's
+  ``MixedPrecisionPolicy``: parameters are kept (and updated, with the optimizer's
+  states) in float32; forward and backward compute with working copies in
+  ``param_dtype`` (activations in it too); gradients are reduced across ranks in
+  ``reduce_dtype`` (None: ``param_dtype``, as FSDP2) and accumulated into float32.
+- ``recompute``: activation recompute per repeated block (``layer_group``): ``none``
+  keeps every activation, ``selective`` keeps matmul outputs and recomputes the rest
+  in backward (torchtitan's selective-op policy), ``full`` keeps only the block's
+  inputs and recomputes the whole block forward before its backward. ``auto`` is a
+  request: the planner chooses per block and writes its choices to ``recompute_blocks``.
+- ``recompute_blocks``: block -> policy, overriding ``recompute`` for those blocks.
+- ``micro_batches``: micro-steps per optimizer step (gradient accumulation): the traced
+  graph is one micro-step; gradients are synced once, during the last micro-step's
+  backward (sharded gradients are reduce-scattered every micro-step, as FSDP does).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 DEFAULT_BUCKET_MB = 25.0   # DistributedDataParallel's default bucket_cap_mb (torch/nn/parallel/distributed.py)
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}   # --precision name -> torch dtype name
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+RECOMPUTE_CHOICES = RECOMPUTE_POLICIES + ("auto",)
+
+
+def dtype_name(name: str, what: str) -> str:
+    """``bf16`` / ``bfloat16`` / ``torch.bfloat16`` -> ``bfloat16``; a clear error for anything else."""
+    short = str(name).removeprefix("torch.")
+    if short in DTYPES:
+        return DTYPES[short]
+    if short in DTYPES.values():
+        return short
+    raise ValueError(f"training.{what} {name!r} is not a training dtype; choose one of "
+                     f"{sorted(DTYPES)} (or {sorted(DTYPES.values())})")
+
 
 @dataclass(frozen=True)
 class Training:
-    """``bucket_mb``: gradient-sync bucket size (MB = 1e6 bytes of local gradients); 0 syncs each
-    parameter on its own."""
+    """How one step is run (module docstring)."""
 
     bucket_mb: float = DEFAULT_BUCKET_MB
+    param_dtype: str = "float32"
+    reduce_dtype: str | None = None
+    recompute: str = "none"
+    recompute_blocks: dict[str, str] = field(default_factory=dict)
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         if not self.bucket_mb >= 0:
             raise ValueError(f"training.bucket_mb must be >= 0 (MB of gradients per bucket), got {self.bucket_mb!r}")
+        object.__setattr__(self, "param_dtype", dtype_name(self.param_dtype, "param_dtype"))
+        if self.reduce_dtype is not None:
+            object.__setattr__(self, "reduce_dtype", dtype_name(self.reduce_dtype, "reduce_dtype"))
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ValueError(f"training.recompute {self.recompute!r} is not a policy; choose one of "
+                             f"{list(RECOMPUTE_CHOICES)}")
+        bad = {b: p for b, p in self.recompute_blocks.items() if p not in RECOMPUTE_POLICIES}
+        if bad:
+            raise ValueError(f"training.recompute_blocks {bad} name unknown policies; each block takes one of "
+                             f"{list(RECOMPUTE_POLICIES)}")
+        if not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
+            raise ValueError(f"training.micro_batches must be an integer >= 1 (micro-steps per optimizer step), "
+                             f"got {self.micro_batches!r}")
+
+    def __hash__(self) -> int:
+        return hash((self.bucket_mb, self.param_dtype, self.reduce_dtype, self.recompute,
+                     tuple(sorted(self.recompute_blocks.items())), self.micro_batches))
 
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 1e6)
+
+    @property
+    def grad_reduce_dtype(self) -> str:
+        """The dtype gradients cross the network in."""
+        return self.reduce_dtype or self.param_dtype
+
+    @property
+    def mixed(self) -> bool:
+        """Computing in a lower precision than the float32 parameters."""
+        return self.param_dtype != "float32"
+
+    def recompute_of(self, block: str) -> str:
+        """The policy block ``block`` runs under (``root``, outside any block, is never recomputed)."""
+        if block == "root":
+            return "none"
+        policy = self.recompute_blocks.get(block, self.recompute)
+        return "none" if policy == "auto" else policy
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -37,4 +107,7 @@ class Training:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{source}: training has unknown fields {unknown}; known: {sorted(known)}")
-        return cls(**data)
+        try:
+            return cls(**data)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
