@@ -19,6 +19,19 @@ depends on the backward tasks that made its gradients ready and on the previous
 bucket (ranks must launch buckets in the same order); the optimizer waits for
 every sync.
 
+Activation recompute (``Training.recompute``): when backward reaches the last op of a recomputed
+block, the block's recomputed ops (``recomputed_ops``) run forward again first, with the forward
+collectives of the edges they box (``full``; ``selective`` keeps matmul and collective outputs, so
+it recomputes element-wise work only). A resharded ZeRO-3 group is gathered again before.
+
+Micro-steps (``Training.micro_batches`` = k): the one-micro-step program runs k times; the
+micro-steps before the last skip the gradient all-reduces (DDP's ``no_sync``: gradients accumulate
+locally) but keep reduce-scatters (sharded gradients are reduced every micro-step, as FSDP does);
+the optimizer runs once, after the last.
+
+Mixed precision: gradients cross the network in ``Training.grad_reduce_dtype``; the graph (traced
+under the policy) already holds activations and parameter working copies in ``param_dtype``.
+
 ZeRO-3 / FSDP gathers: the parameter uses whose move is one all-gather are grouped by layer
 group (``layer_group``; groups under ``GATHER_MIN_BYTES`` merge with the next), gathered as one
 collective where forward first needs the group, the next group launched right after without
@@ -35,9 +48,10 @@ from autoddl.boxing import Move, boxing_moves, gradient_moves, grad_ndsbp, neede
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
 from autoddl.plan import Plan
+from autoddl.precision import itemsize
 from autoddl.program import (COMPUTE, BoxKey, Bucket, EdgeBox, GatherGroup, InputSource, ParamUse, StepProgram,
-                             Task, comm_stream, layer_group, layout_of, requires_grad, signature_of, storage_of,
-                             work_divisor)
+                             Task, block_of, comm_stream, layer_group, layout_of, recomputed_ops, requires_grad, signature_of,
+                             storage_of, work_divisor)
 from autoddl.sbp import NdSbp, Partial, Signature
 
 def consumer_grad(sig: Signature, slot: int, deferred: frozenset[int]) -> NdSbp:
@@ -126,6 +140,9 @@ class _Lowering:
         self.loss_output()
         self.pack_buckets(ops)
         self.backward(ops)
+        self.prog.tasks, ids = repeat_micro_steps(self.prog.tasks, self.plan.training.micro_batches, self.last)
+        self.async_tasks = [new for step in ids for old in self.async_tasks for new in step[old]]
+        self.last = ids[-1][self.last][-1] if self.last is not None and ids[-1][self.last] else self.last
         self.optimizer()
         return self.prog
 
@@ -248,9 +265,10 @@ class _Lowering:
         if (fqn, dst, grad) not in self._uses:
             storage = storage_of(self.plan, fqn)
             gather = self.gather_of.get((fqn, dst, grad), -1)
+            grad_nbytes = meta.numel * itemsize(self.plan.training.grad_reduce_dtype)
             use = ParamUse(len(self.prog.param_uses), fqn, meta, storage, dst, grad,
                            boxing_moves(meta.nbytes, storage, dst, self.mesh),
-                           gradient_moves(meta.nbytes, grad, storage, self.mesh) if grad is not None else (),
+                           gradient_moves(grad_nbytes, grad, storage, self.mesh) if grad is not None else (),
                            gather=gather)
             self._uses[(fqn, dst, grad)] = use.index
             self.prog.param_uses.append(use)
@@ -323,14 +341,20 @@ class _Lowering:
             self.emit_moves(loss.backward, "backward", loss.label, loss.key.node)
         remaining = {b.index: len(b.uses) for b in self.prog.buckets}
         self.bucket_tasks: list[int] = []
+        recompute_at = {block_ops[-1].name: block_ops for block_ops in recomputed_ops(self.graph, self.plan).values()}
+        last_in_block = {name: name for name in recompute_at}
         for node in reversed(ops):
-            if node.name not in self.rg:
+            if node.name not in self.rg and node.name not in recompute_at:
                 continue
             for g in self.prog.gathers:     # backward reached a resharded group: gather it again
                 if g.reshard and g.last_consumer == node.name:
                     self.emit(phase="backward", stream=comm_stream(g.axis), op=node.name,
                               collective=CollectiveKind.ALL_GATHER, axis=g.axis, nbytes=g.nbytes,
                               tensor=f"regather {g.group}")
+            if node.name in last_in_block:
+                self.recompute(recompute_at[node.name])
+            if node.name not in self.rg:
+                continue
             sig = signature_of(self.plan, node)
             share = work_divisor(sig, self.mesh)
             self.emit(phase="backward", stream=COMPUTE, op=node.name, local_flops=node.flops / share,
@@ -346,6 +370,21 @@ class _Lowering:
         for use in self.prog.param_uses:              # the rest, at the end of backward
             if use.grad is not None and use.bucket < 0:
                 self.emit_moves(use.grad_sync, "grad_sync", use.fqn, use.fqn)
+
+    def recompute(self, block_ops: list[OpNode]) -> None:
+        """The block's recomputed ops forward again (module docstring), each after the forward
+        collectives of the edges it boxes when the whole block is recomputed."""
+        whole = self.plan.training.recompute_of(block_of(block_ops[0])) == "full"
+        for node in block_ops:
+            if whole:
+                for source in self.prog.op_inputs[node.name]:
+                    if isinstance(source, BoxKey) and self.first_consumer.get(source) == node.name:
+                        edge = self.prog.edges[source]
+                        self.emit_moves(edge.forward, "recompute", edge.label, node.name)
+            sig = signature_of(self.plan, node)
+            share = work_divisor(sig, self.mesh)
+            self.emit(phase="recompute", stream=COMPUTE, op=node.name, local_flops=node.flops / share,
+                      local_bytes=(node.bytes_read + node.bytes_written) / share)
 
     def launch_ready_buckets(self, remaining: dict[int, int], op: str) -> None:
         """Launch, in bucket order, every bucket whose gradients are all ready (async: the
@@ -365,3 +404,34 @@ class _Lowering:
 
 def _with_bucket(use: ParamUse, bucket: int) -> ParamUse:
     return replace(use, bucket=bucket)
+
+
+def skipped_before_last(task: Task) -> bool:
+    """A task the micro-steps before the last do not run: a gradient all-reduce (``no_sync``)."""
+    return task.phase == "grad_sync" and task.collective is CollectiveKind.ALL_REDUCE
+
+
+def repeat_micro_steps(tasks: list[Task], k: int, last_host: int | None
+                       ) -> tuple[list[Task], list[dict[int, tuple[int, ...]]]]:
+    """``tasks`` (one micro-step, no optimizer) run ``k`` times (module docstring): each earlier
+    micro-step without its gradient all-reduces, each micro-step's first task after the previous
+    one's last host task. A dependency on a skipped task becomes the skipped task's own. Returns
+    the tasks and, per micro-step, each old task id's new ids (none or its deps when skipped)."""
+    out: list[Task] = []
+    ids: list[dict[int, tuple[int, ...]]] = []
+    previous_last: int | None = None
+    for step in range(k):
+        last = step == k - 1
+        new_id: dict[int, tuple[int, ...]] = {}
+        for t in tasks:
+            deps = tuple(sorted({d for old in t.deps for d in new_id[old]}))
+            if not deps and previous_last is not None:
+                deps = (previous_last,)
+            if not last and skipped_before_last(t):
+                new_id[t.id] = deps
+                continue
+            out.append(replace(t, id=len(out), deps=deps, micro_step=step))
+            new_id[t.id] = (len(out) - 1,)
+        ids.append(new_id)
+        previous_last = new_id[last_host][-1] if last_host is not None and new_id[last_host] else previous_last
+    return out, ids

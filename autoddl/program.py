@@ -34,11 +34,12 @@ from typing import Sequence, Union
 from autoddl.boxing import Move
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
+from autoddl.op_families import MATMUL_LIKE, ZERO_COST
 from autoddl.plan import Plan
 from autoddl.sbp import NdSbp, Signature
 
 COMPUTE = "compute"
-PHASES = ("forward", "backward", "grad_sync", "optimizer")
+PHASES = ("forward", "recompute", "backward", "grad_sync", "optimizer")
 
 
 def comm_stream(axis: int) -> str:
@@ -118,6 +119,25 @@ def layer_group(fqn: str) -> str:
         if part.isdigit():
             return ".".join(parts[: i + 1])
     return "root"
+
+
+def block_of(node: OpNode) -> str:
+    """The repeated block an op runs in, from its module path (``transformer.h.3.attn`` ->
+    ``transformer.h.3``), else ``root``: the unit activation recompute is decided for."""
+    return layer_group(f"{node.module_path}.op") if node.module_path else "root"
+
+
+def recomputed_ops(graph: OpGraph, plan: Plan) -> dict[str, list[OpNode]]:
+    """Per block recomputed under ``plan.training``, the ops its backward runs forward again, in
+    forward order: every op of the block (``full``), or its ops that are neither matmul-like
+    (their outputs are kept) nor free views (``selective``, torchtitan's selective-op policy)."""
+    out: dict[str, list[OpNode]] = {}
+    for node in graph.ops():
+        block = block_of(node)
+        policy = plan.training.recompute_of(block)
+        if policy == "full" or (policy == "selective" and node.op_name not in MATMUL_LIKE | ZERO_COST):
+            out.setdefault(block, []).append(node)
+    return out
 
 
 def work_divisor(sig: Signature, mesh_shape: Sequence[int]) -> int:
@@ -209,6 +229,7 @@ class Task:
     tensor: str = ""                 # what a collective moves: "producer->consumer", a fqn, "bucket3"
     local_flops: float = 0.0         # compute: this rank's share of the op's forward FLOPs
     local_bytes: float = 0.0
+    micro_step: int = 0              # which micro-step of the optimizer step (Training.micro_batches)
 
     @property
     def is_collective(self) -> bool:

@@ -30,6 +30,7 @@ from torch import nn
 
 from autoddl.flops import op_bytes, op_flops, short_name
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
+from autoddl.precision import cast_forward_inputs, working_copy
 
 
 class TraceError(RuntimeError):
@@ -143,7 +144,7 @@ def _positional_names(fn: Callable[..., Any]) -> list[str]:
 
 
 def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[..., torch.Tensor] | None = None, *,
-          targets: Any = None, name: str = "") -> OpGraph:
+          targets: Any = None, name: str = "", param_dtype: str = "float32") -> OpGraph:
     """Export ``model`` (and ``loss_fn`` if given) to an OpGraph on the meta device.
 
     ``example_inputs`` is a tuple of tensors (``model(*inputs)``), a dict of keyword
@@ -151,14 +152,16 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[..., torch.Te
     dict) go only to the loss: ``loss_fn(output, *targets)``. Without targets the loss
     is ``loss_fn(output, *inputs)``. With ``loss_fn`` the graph is the whole training
     step's forward (its output is the loss) and its inputs are ``StepInputs`` order;
-    parameter fqns and module paths are those of ``model``.
+    parameter fqns and module paths are those of ``model``. ``param_dtype``: traced under that
+    mixed-precision policy (autoddl/precision.py): parameters and floating forward inputs in it.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"trace() needs an nn.Module, got {type(model).__name__}")
     name = name or type(model).__name__
     step = step_inputs(example_inputs, targets)
     meta_inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in step)
-    meta_model = to_meta(model)
+    meta_inputs = cast_forward_inputs(meta_inputs, step.n_args + len(step.kwarg_names), param_dtype)
+    meta_model = to_meta(model, param_dtype)
     plain = loss_fn is None and not step.kwarg_names and not step.has_targets
     root: nn.Module = meta_model if plain else _Step(meta_model, loss_fn, step.layout())
     with _captured_torch_output() as printed:
@@ -326,10 +329,10 @@ def _replace_uses(node: torch.fx.Node, outputs: Any) -> dict[str, str]:
     return renamed
 
 
-def to_meta(model: nn.Module) -> nn.Module:
+def to_meta(model: nn.Module, param_dtype: str = "float32") -> nn.Module:
     """A copy of ``model`` whose parameters, buffers and plain tensor attributes live on the meta device.
 
-    No data is copied; tied parameters stay tied.
+    No data is copied; tied parameters stay tied; floating parameters become ``param_dtype``.
     """
     memo: dict[int, Any] = {}
     attrs = [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
@@ -337,6 +340,8 @@ def to_meta(model: nn.Module) -> nn.Module:
         if id(t) in memo:
             continue
         meta = torch.empty_like(t, device="meta")
+        if isinstance(t, nn.Parameter):
+            meta = working_copy(meta, param_dtype)
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
     return copy.deepcopy(model, memo)
 

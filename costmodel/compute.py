@@ -1,6 +1,8 @@
 """Compute time of one op on its local shard (roofline), forward + backward, and the optimizer step.
 
-Roofline: ``max(flops / (peak * eff_compute), bytes / (mem_bw * eff_memory)) + op_overhead``.
+Roofline: ``max(flops / (peak * eff_compute), bytes / (mem_bw * eff_memory)) + op_overhead``, with
+``peak`` the device's peak in the dtype the op computes in (``compute_dtype``: bfloat16 under a
+bf16 policy, since the graph is traced under it).
 ``eff_compute`` is ``cluster.efficiency.compute``, or, when the cluster has a
 measured ``compute_curve`` (``autoddl calibrate``), the curve's efficiency at the
 FLOPs of one op (piecewise-linear in log FLOPs, flat beyond its ends): small
@@ -69,15 +71,23 @@ def compute_efficiency(op_flops: float, cluster: Cluster) -> float:
     return curve[i - 1][1] + w * (curve[i][1] - curve[i - 1][1])
 
 
-def roofline_time_s(flops: float, nbytes: float, cluster: Cluster, op_flops: float | None = None) -> float:
-    """max(compute time, memory time) on one device, without overhead.
+def compute_dtype(node: OpNode) -> str:
+    """The dtype an op computes in, whose peak it runs at: its first floating input's (a matmul of
+    bfloat16 operands), else its first floating output's, else float32."""
+    metas = list(node.input_metas) + list(node.outputs)
+    return next((m.dtype for m in metas if m.is_floating), "float32")
+
+
+def roofline_time_s(flops: float, nbytes: float, cluster: Cluster, op_flops: float | None = None,
+                    dtype: str = "float32") -> float:
+    """max(compute time, memory time) on one device, without overhead, computing in ``dtype``.
 
     ``op_flops``: FLOPs of one op, where the compute curve is read (default ``flops``;
     a matmul's backward is 2 ops of the forward's size, not one of twice the size).
     """
     dev, eff = cluster.device, cluster.efficiency
     eff_compute = compute_efficiency(flops if op_flops is None else op_flops, cluster)
-    return max(flops / (dev.peak_tflops * 1e12 * eff_compute),
+    return max(flops / (dev.peak_tflops_for(dtype) * 1e12 * eff_compute),
                nbytes / (dev.memory_bandwidth_gbps * 1e9 * eff.memory))
 
 
@@ -104,7 +114,8 @@ def op_forward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], c
     if node.op_name in ZERO_COST:
         return executor_forward_s(node, cluster) * share
     d = work_divisor(sig, mesh_shape)
-    return (roofline_time_s(node.flops / d, (node.bytes_read + node.bytes_written) / d, cluster)
+    return (roofline_time_s(node.flops / d, (node.bytes_read + node.bytes_written) / d, cluster,
+                            dtype=compute_dtype(node))
             + cluster.op_overhead_us * 1e-6 + executor_forward_s(node, cluster)) * share
 
 
@@ -117,7 +128,7 @@ def op_backward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], 
         return executor_backward_s(node, cluster) * share
     d = work_divisor(sig, mesh_shape)
     return (roofline_time_s(factor * node.flops / d, factor * (node.bytes_read + node.bytes_written) / d,
-                            cluster, op_flops=node.flops / d) + cluster.op_overhead_us * 1e-6
+                            cluster, op_flops=node.flops / d, dtype=compute_dtype(node)) + cluster.op_overhead_us * 1e-6
             + executor_backward_s(node, cluster)) * share
 
 

@@ -1,12 +1,20 @@
 """Peak memory per device of one training step, by category.
 
-- ``parameters``: each parameter's local piece under its storage NdSbp (P counts full size);
-- ``gradients``: the same size as the parameters (kept in the storage NdSbp);
+- ``parameters``: each parameter's local piece under its storage NdSbp (P counts full size),
+  kept in float32 (the masters, under any precision policy: autoddl/precision.py);
+- ``gradients``: the same size as the parameters (kept in the storage NdSbp, float32);
 - ``optimizer_states``: AdamW 2 fp32 states per local parameter element, SGD none;
+- ``working_params``: under a mixed-precision policy, the working copies in ``param_dtype``
+  of the parameters not gathered for use (those are in ``gathered_params``), at their storage size;
 - ``buffers``: module buffers, local by their signature's output NdSbp;
 - ``activations``: what autograd saves for backward, taken as the user inputs plus
   every output of a non-view op that some op consumes, each at its local size under
-  the producing signature's output NdSbp (views alias their source and add nothing);
+  the producing signature's output NdSbp (views alias their source and add nothing),
+  in the traced (working) dtype. An op recomputed in backward (``recomputed_ops``) saves
+  nothing unless an op outside its block reads it (the block's output, which the next block
+  keeps as its checkpoint input);
+- ``recomputed``: the activations one recomputed block holds again during its backward: the
+  largest block's recomputed outputs (one block is recomputed at a time);
 - ``gathered_params``: parameters materialised larger than stored for a use (ZeRO-3 /
   FSDP gathers S -> B): by layer group, a group and the next one (prefetched) at a time
   when groups are freed after forward; gathered per use, the largest per-op sum;
@@ -21,13 +29,14 @@ from typing import Sequence
 
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.plan import Plan
-from autoddl.program import StepProgram, signature_of, storage_of, used_parameters
+from autoddl.precision import MASTER_ITEMSIZE
+from autoddl.program import StepProgram, block_of, recomputed_ops, signature_of, storage_of, used_parameters
 from autoddl.sbp import NdSbp
 from costmodel.collectives import Collective, CollectiveKind
 from costmodel.compute import ZERO_COST, optimizer_state_bytes
 
-CATEGORIES = ("parameters", "gradients", "optimizer_states", "buffers", "activations",
-              "gathered_params", "boxing_buffer")
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "working_params", "buffers", "activations",
+              "recomputed", "gathered_params", "boxing_buffer")
 
 
 def local_bytes(nbytes: int, nd: NdSbp, mesh_shape: Sequence[int]) -> int:
@@ -36,27 +45,48 @@ def local_bytes(nbytes: int, nd: NdSbp, mesh_shape: Sequence[int]) -> int:
 
 
 def local_parameters(graph: OpGraph, plan: Plan) -> tuple[int, int]:
-    """(bytes, elements) of the parameters one device stores (used ones: see edges.used_parameters)."""
+    """(bytes, elements) of the parameters one device stores (used ones: see used_parameters), at
+    the masters' dtype (float32 for floating parameters, whatever the working dtype)."""
     mesh = plan.mesh.shape
     nbytes = numel = 0
     for fqn, node in used_parameters(graph).items():
         frac = storage_of(plan, fqn).shard_fraction(mesh)
-        nbytes += int(round(node.outputs[0].nbytes * frac))
-        numel += int(round(node.outputs[0].numel * frac))
+        meta = node.outputs[0]
+        nbytes += int(round(meta.numel * (MASTER_ITEMSIZE if meta.is_floating else meta.itemsize) * frac))
+        numel += int(round(meta.numel * frac))
     return nbytes, numel
+
+
+def working_param_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None = None) -> int:
+    """Working copies (``param_dtype``) of the parameters not gathered for use, at storage size."""
+    if not plan.training.mixed:
+        return 0
+    grouped = {program.param_uses[i].fqn for g in program.gathers for i in g.uses} if program else set()
+    return sum(local_bytes(n.outputs[0].nbytes, storage_of(plan, fqn), plan.mesh.shape)
+               for fqn, n in used_parameters(graph).items() if fqn not in grouped and n.outputs[0].is_floating)
 
 
 def activation_bytes(graph: OpGraph, plan: Plan) -> dict[str, int]:
     """Saved-activation bytes per node (inputs and non-view ops), per the module docstring's rule."""
     mesh = plan.mesh.shape
+    recomputed = {n.name for block in recomputed_ops(graph, plan).values() for n in block}
     out: dict[str, int] = {}
     for node in graph.topo():
         if node.kind is NodeKind.INPUT or (node.is_op and node.op_name not in ZERO_COST):
             sig = signature_of(plan, node)
-            used = {i for c, i, _ in graph.uses(node.name) if c.is_op}
+            used = {i for c, i, _ in graph.uses(node.name) if c.is_op
+                    and not (node.name in recomputed and block_of(c) == block_of(node))}
             out[node.name] = sum(local_bytes(node.outputs[i].nbytes, sig.outputs[i], mesh)
                                  for i in used if node.outputs[i].dtype != "none")
     return out
+
+
+def recomputed_bytes(graph: OpGraph, plan: Plan) -> int:
+    """The largest block's recomputed activations, held again during its backward."""
+    mesh = plan.mesh.shape
+    return max((sum(local_bytes(m.nbytes, nd, mesh) for n in block if n.op_name not in ZERO_COST
+                    for m, nd in zip(n.outputs, signature_of(plan, n).outputs) if m.dtype != "none")
+                for block in recomputed_ops(graph, plan).values()), default=0)
 
 
 def gathered_param_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None = None) -> int:
@@ -112,8 +142,10 @@ def memory_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective] =
         "parameters": param_bytes,
         "gradients": param_bytes,
         "optimizer_states": int(optimizer_state_bytes(param_numel, plan.optimizer)),
+        "working_params": working_param_bytes(graph, plan, program),
         "buffers": buffers,
         "activations": sum(activation_bytes(graph, plan).values()),
+        "recomputed": recomputed_bytes(graph, plan),
         "gathered_params": gathered_param_bytes(graph, plan, program),
         "boxing_buffer": boxing_buffer_bytes(collectives, graph, mesh),
     }

@@ -7,7 +7,8 @@ communication stream per mesh axis, so an asynchronous gradient bucket runs
 while backward goes on, and is exposed only where the optimizer (or the next
 bucket) has to wait for it. Durations:
 
-- compute: the roofline of the op's local share (costmodel.compute), forward or backward;
+- compute: the roofline of the op's local share (costmodel.compute), forward (again, when
+  recomputed in backward) or backward;
 - collective: alpha-beta on the link of its mesh axis, as the backend carries it out
   (costmodel.collectives);
 - optimizer: the memory-bound step over the local parameters, plus the executor's fixed
@@ -69,7 +70,7 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster) -> flo
         return optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster) + cluster.executor.step_us * 1e-6
     node = graph[task.op]
     sig = signature_of(plan, node)
-    if task.phase == "forward":
+    if task.phase in ("forward", "recompute"):
         return op_forward_time_s(node, sig, mesh, cluster)
     return op_backward_time_s(node, sig, mesh, cluster)
 
