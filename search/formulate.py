@@ -5,8 +5,22 @@ buffers, ops); the graph output takes its inputs as they are. Costs come from
 the cost model: an op's node cost is its forward + backward compute, a
 parameter's is its optimizer step; an edge's matrix holds the forward boxing
 of the tensor plus the backward transition of its gradient (gradient sync for a
-parameter edge). Memory per candidate: a parameter's local weight, gradient and
-optimizer state; an op's saved activations.
+parameter edge). Memory per candidate: a parameter's local state
+(:func:`param_state_bytes`); an op's saved activations.
+
+Training settings (``Training``) price one optimizer step, as the step program runs it:
+
+- ``micro_batches`` = k: an op's compute and an activation's boxing (forward and
+  backward) happen k times; a parameter's forward move (a ZeRO-3 all-gather) and its
+  gradient's reduce-scatter too, its gradient all-reduce once (``no_sync``); the
+  optimizer once.
+- recompute: an op that ``recomputed_ops`` recomputes runs its forward once more in
+  backward (``costmodel.compute.op_forward_time_s``), and, in a ``full`` block, the
+  forward boxing of its inputs again; it saves no activation but the outputs an op
+  outside its block reads (costmodel/memory.py's ``activation_bytes`` rule).
+- precision: the graph is traced in ``param_dtype`` (activations and working copies in
+  it); parameters keep float32 masters, gradients cross the network in
+  ``grad_reduce_dtype``.
 
 The pairwise edge objective charges every consumer its own boxing; the plan's
 final cost (``costmodel.plan_cost``) shares one redistribute among consumers
@@ -14,7 +28,9 @@ wanting the same layout, so it can only be lower.
 
 Repeated layers make the problem cheap to build: candidates, cost vectors and
 edge matrices are cached by a structural key (op, shapes, constant args), and
-every (tensor, source layout, target layout) transition is priced once.
+every (tensor, source layout, target layout) transition is priced once. An op's
+recompute policy and which of its outputs it saves are part of its key (blocks may
+differ in policy).
 """
 
 from __future__ import annotations
@@ -29,12 +45,16 @@ import numpy as np
 from autoddl import ops
 from autoddl.cluster import Cluster
 from autoddl.flops import VIEW_OPS
+from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorRef
+from autoddl.plan import Mesh, Plan
+from autoddl.precision import MASTER_ITEMSIZE, itemsize
+from autoddl.program import block_of, recomputed_ops, requires_grad
 from autoddl.sbp import NdSbp, Signature
+from autoddl.training import Training
 from costmodel.boxing import (edge_backward_transitions, grad_ndsbp, needed_grad_ndsbp, transitions_of,
                               transitions_time_s)
-from costmodel.compute import op_compute_time_s, optimizer_state_bytes, optimizer_time_s
-from autoddl.program import requires_grad
+from costmodel.compute import op_compute_time_s, op_forward_time_s, optimizer_state_bytes, optimizer_time_s
 from search.problem import SearchProblem
 
 _PLACEHOLDERS = (NodeKind.INPUT, NodeKind.PARAMETER, NodeKind.BUFFER)
@@ -51,6 +71,27 @@ class Formulation:
 
     def signatures(self, assignment: np.ndarray) -> dict[str, Signature]:
         return {n.name: self.problem.choices[i][int(a)] for i, (n, a) in enumerate(zip(self.nodes, assignment))}
+
+
+def param_state_bytes(numel_local: float, training: Training, optimizer: str) -> float:
+    """Bytes one device keeps for ``numel_local`` elements of a floating parameter between and during
+    steps: the float32 master and its float32 gradient (4 + 4 bytes each), the optimizer's states
+    (AdamW: 8), and, under a mixed-precision policy, the working copy in ``param_dtype``.
+    (costmodel/memory.py's parameters + gradients + optimizer_states + working_params, per element.)"""
+    working = itemsize(training.param_dtype) if training.mixed else 0
+    return numel_local * (2 * MASTER_ITEMSIZE + working) + optimizer_state_bytes(numel_local, optimizer)
+
+
+def recompute_plan(training: Training, mesh_shape: Sequence[int] = (1,)) -> Plan:
+    """A plan holding only ``training``: what ``recomputed_ops`` reads (it needs no signatures)."""
+    return Plan(name="", mesh=Mesh(tuple(mesh_shape)), signatures={}, param_storage={}, graph_hash="",
+                training=training)
+
+
+def recomputed_names(graph: OpGraph, training: Training) -> dict[str, str]:
+    """Op name -> its block's policy, for every op ``recomputed_ops`` recomputes under ``training``."""
+    return {n.name: training.recompute_of(block) for block, ops_ in recomputed_ops(graph, recompute_plan(training)).items()
+            for n in ops_}
 
 
 def structural_key(node: OpNode) -> tuple:
@@ -70,12 +111,17 @@ def _args_key(value: Any) -> Any:
 
 
 def formulate(graph: OpGraph, cluster: Cluster, mesh_shape: Sequence[int], *, optimizer: str = "adamw",
-              memory_limit_bytes: float | None = None) -> Formulation:
+              memory_limit_bytes: float | None = None, training: Training | None = None) -> Formulation:
+    """The SearchProblem of ``graph`` on ``mesh_shape`` for one optimizer step under ``training``
+    (default ``Training()``; its ``recompute`` "auto" counts as none: the planner decides)."""
+    training = training or Training()
     mesh = tuple(int(s) for s in mesh_shape)
     nodes = [n for n in graph.topo() if n.kind is not NodeKind.OUTPUT]
     index = {n.name: i for i, n in enumerate(nodes)}
     keys = [structural_key(n) for n in nodes]
     rg = requires_grad(graph)
+    recomputed = recomputed_names(graph, training)
+    k = training.micro_batches
 
     cand_cache: dict[tuple, list[Signature]] = {}
     choices = []
@@ -88,15 +134,19 @@ def formulate(graph: OpGraph, cluster: Cluster, mesh_shape: Sequence[int], *, op
 
     def node_vectors(i: int) -> tuple[np.ndarray, np.ndarray]:
         n, key = nodes[i], keys[i]
-        ck = (key, n.name in rg)
+        policy = recomputed.get(n.name, "none")
+        saved = _saved_outputs(graph, n, policy != "none")
+        ck = (key, n.name in rg, policy, saved)
         if ck not in cost_cache:
-            cost_cache[ck] = _node_vectors(n, choices[i], mesh, cluster, optimizer, n.name in rg)
+            cost_cache[ck] = _node_vectors(n, choices[i], mesh, cluster, optimizer, n.name in rg, training,
+                                           policy != "none", saved)
         return cost_cache[ck]
 
     vectors = [node_vectors(i) for i in range(len(nodes))]
 
     edge_cache: dict[tuple, np.ndarray] = {}
     pair = _pair_pricer(mesh, cluster)
+    grad_itemsize = itemsize(training.grad_reduce_dtype)
     edges = []
     for u in nodes:
         for v_name in graph.nx.successors(u.name):
@@ -104,38 +154,58 @@ def formulate(graph: OpGraph, cluster: Cluster, mesh_shape: Sequence[int], *, op
             if v.kind is NodeKind.OUTPUT:
                 continue
             refs = tuple(graph.nx.edges[u.name, v_name]["refs"])
-            ek = (keys[index[u.name]], keys[index[v_name]], refs, u.name in rg)
+            reboxed = recomputed.get(v_name) == "full"        # a full block boxes its inputs again
+            ek = (keys[index[u.name]], keys[index[v_name]], refs, u.name in rg, reboxed)
             if ek not in edge_cache:
                 edge_cache[ek] = _edge_matrix(u, v, refs, choices[index[u.name]], choices[index[v_name]],
-                                              u.name in rg, pair)
+                                              u.name in rg, pair, k, 1 + reboxed, grad_itemsize)
             edges.append((index[u.name], index[v_name], edge_cache[ek]))
 
+    policy_keys = [(key, recomputed.get(n.name, "none")) for n, key in zip(nodes, keys)]
     problem = SearchProblem(
         nodes=[n.name for n in nodes], choices=choices,
         node_cost=[c for c, _ in vectors], node_mem=[m for _, m in vectors], edges=edges,
-        memory_limit_bytes=memory_limit_bytes, groups=layer_groups(nodes, keys),
+        memory_limit_bytes=memory_limit_bytes, groups=layer_groups(nodes, policy_keys),
     )
     return Formulation(problem, nodes, mesh, index)
 
 
+def _saved_outputs(graph: OpGraph, node: OpNode, recomputed: bool) -> tuple[bool, ...]:
+    """Which outputs of op ``node`` autograd keeps (costmodel/memory.py's ``activation_bytes`` rule):
+    those some op reads; of a recomputed op, only those an op outside its block reads."""
+    if not node.is_op:
+        return ()
+    block = block_of(node) if recomputed else None
+    kept = {i for c, i, _ in graph.uses(node.name) if c.is_op and (not recomputed or block_of(c) != block)}
+    return tuple(i in kept for i in range(len(node.outputs)))
+
+
 def _node_vectors(node: OpNode, cands: list[Signature], mesh: tuple[int, ...], cluster: Cluster,
-                  optimizer: str, needs_grad: bool) -> tuple[np.ndarray, np.ndarray]:
+                  optimizer: str, needs_grad: bool, training: Training, recomputed: bool,
+                  saved: tuple[bool, ...]) -> tuple[np.ndarray, np.ndarray]:
     cost = np.zeros(len(cands))
     mem = np.zeros(len(cands))
     if node.kind is NodeKind.PARAMETER:
         meta = node.outputs[0]
         for j, sig in enumerate(cands):
             frac = sig.outputs[0].shard_fraction(mesh)
-            numel, nbytes = meta.numel * frac, meta.nbytes * frac
-            cost[j] = optimizer_time_s(nbytes, numel, optimizer, cluster)
-            mem[j] = 2 * nbytes + optimizer_state_bytes(numel, optimizer)
+            numel = meta.numel * frac
+            if meta.is_floating:           # float32 masters, whatever the working dtype
+                cost[j] = optimizer_time_s(numel * MASTER_ITEMSIZE, numel, optimizer, cluster)
+                mem[j] = param_state_bytes(numel, training, optimizer)
+            else:
+                cost[j] = optimizer_time_s(meta.nbytes * frac, numel, optimizer, cluster)
+                mem[j] = 2 * meta.nbytes * frac + optimizer_state_bytes(numel, optimizer)
     elif node.kind is NodeKind.OP:
         saves = node.op_name not in VIEW_OPS and node.op_name != "getitem"
         for j, sig in enumerate(cands):
-            cost[j] = op_compute_time_s(node, sig, mesh, cluster, needs_backward=needs_grad)
+            step = op_compute_time_s(node, sig, mesh, cluster, needs_backward=needs_grad)
+            if recomputed:
+                step += op_forward_time_s(node, sig, mesh, cluster)
+            cost[j] = training.micro_batches * step
             if saves:
-                mem[j] = sum(m.nbytes * nd.shard_fraction(mesh) for m, nd in zip(node.outputs, sig.outputs)
-                             if m.dtype != "none")
+                mem[j] = sum(m.nbytes * nd.shard_fraction(mesh)
+                             for m, nd, kept in zip(node.outputs, sig.outputs, saved) if kept and m.dtype != "none")
     return cost, mem
 
 
@@ -144,20 +214,29 @@ _PROBE_BYTES = 2**40 * 3**6 * 5**3 * 7**2
 
 
 def _pair_pricer(mesh: tuple[int, ...], cluster: Cluster):
-    """Seconds of one edge's forward boxing plus its gradient's transitions, memoised; the same
-    transitions ``costmodel.plan_cost`` charges (an activation's gradient goes back through the
-    executor's redistribute, a parameter's straight to its storage).
+    """Seconds of one edge's forward boxing plus its gradient's transitions over one optimizer step,
+    memoised; the same transitions ``costmodel.plan_cost`` charges (an activation's gradient goes
+    back through the executor's redistribute, a parameter's straight to its storage).
+
+    ``price(fwd_bytes, grad_bytes, src, dst, grad, is_param, k, fwd_times)``: ``k`` micro-steps;
+    the forward boxing runs ``fwd_times`` times per micro-step (2 when a fully recomputed consumer
+    boxes its input again). Every transition runs once per micro-step except a parameter
+    gradient's all-reduce, once per step (the earlier micro-steps skip it, as DDP's ``no_sync``).
 
     Which collectives a transition runs depends only on the layouts; their bytes are the
     tensor's divided by a layout-given factor. So the collectives are found once per layout
     pair (with a probe size) and only re-priced per tensor size."""
-    @lru_cache(maxsize=None)
-    def steps(src: NdSbp, dst: NdSbp, grad: NdSbp | None, is_param: bool) -> tuple:
-        found = list(transitions_of(_PROBE_BYTES, src, dst, mesh))
-        if grad is not None:
-            found += (transitions_of(_PROBE_BYTES, grad, needed_grad_ndsbp(src), mesh) if is_param
-                      else edge_backward_transitions(_PROBE_BYTES, src, dst, grad, mesh))
+    def probe(found) -> tuple:
         return tuple((kind, axis, _PROBE_BYTES // nbytes) for kind, axis, nbytes in found)
+
+    @lru_cache(maxsize=None)
+    def steps(src: NdSbp, dst: NdSbp, grad: NdSbp | None, is_param: bool) -> tuple[tuple, tuple]:
+        forward = probe(transitions_of(_PROBE_BYTES, src, dst, mesh))
+        backward = ()
+        if grad is not None:
+            backward = probe(transitions_of(_PROBE_BYTES, grad, needed_grad_ndsbp(src), mesh) if is_param
+                             else edge_backward_transitions(_PROBE_BYTES, src, dst, grad, mesh))
+        return forward, backward
 
     @lru_cache(maxsize=None)
     def line(kind, axis: int) -> tuple[float, float]:
@@ -165,18 +244,28 @@ def _pair_pricer(mesh: tuple[int, ...], cluster: Cluster):
         alpha = transitions_time_s([(kind, axis, 0)], mesh, cluster)
         return alpha, (transitions_time_s([(kind, axis, 2**30)], mesh, cluster) - alpha) / 2**30
 
-    @lru_cache(maxsize=None)
-    def price(nbytes: int, src: NdSbp, dst: NdSbp, grad: NdSbp | None, is_param: bool) -> float:
+    def seconds(found: tuple, nbytes: int, is_param: bool, k: int) -> float:
         total = 0.0
-        for kind, axis, div in steps(src, dst, grad, is_param):
+        for kind, axis, div in found:
             alpha, per_byte = line(kind, axis)
-            total += alpha + per_byte * (nbytes // div)
+            once = is_param and kind is CollectiveKind.ALL_REDUCE
+            total += (1 if once else k) * (alpha + per_byte * (nbytes // div))
         return total
+
+    @lru_cache(maxsize=None)
+    def price(fwd_bytes: int, grad_bytes: int, src: NdSbp, dst: NdSbp, grad: NdSbp | None, is_param: bool,
+              k: int = 1, fwd_times: int = 1) -> float:
+        forward, backward = steps(src, dst, grad, is_param)
+        return (k * fwd_times * seconds(forward, fwd_bytes, False, 1)
+                + seconds(backward, grad_bytes, is_param, k))
     return price
 
 
 def _edge_matrix(u: OpNode, v: OpNode, refs: tuple, cu: list[Signature], cv: list[Signature],
-                 u_needs_grad: bool, price) -> np.ndarray:
+                 u_needs_grad: bool, price, k: int = 1, fwd_times: int = 1, grad_itemsize: int | None = None
+                 ) -> np.ndarray:
+    """(len(cu), len(cv)) seconds of edge u -> v over one step (``price``'s rules). A parameter's
+    gradient crosses the network in ``grad_itemsize`` bytes per element (the reduce dtype)."""
     total = np.zeros((len(cu), len(cv)))
     is_param = u.kind is NodeKind.PARAMETER
     for out_index, slot in refs:
@@ -184,11 +273,13 @@ def _edge_matrix(u: OpNode, v: OpNode, refs: tuple, cu: list[Signature], cv: lis
         if meta.dtype == "none":
             continue
         with_grad = u_needs_grad and meta.is_floating
+        grad_bytes = meta.numel * grad_itemsize if is_param and grad_itemsize else meta.nbytes
         srcs = [s.outputs[out_index] for s in cu]
         dsts = [(s.inputs[slot], grad_ndsbp(s.inputs[slot], s.outputs) if with_grad else None) for s in cv]
         su, si = _unique(srcs)
         du, di = _unique(dsts)
-        table = np.array([[price(meta.nbytes, s, d, g, is_param) for d, g in du] for s in su])
+        times = 1 if is_param else fwd_times
+        table = np.array([[price(meta.nbytes, grad_bytes, s, d, g, is_param, k, times) for d, g in du] for s in su])
         total += table[np.ix_(si, di)]
     return total
 
