@@ -1,4 +1,4 @@
-"""Expert plans (data, tensor, sequence parallel, ZeRO-3, DP x TP) as assignments of a SearchProblem.
+"""Expert plans (data, tensor, sequence parallel, ZeRO-3, DP x TP, FSDP x TP) as assignments of a SearchProblem.
 
 Each baseline gives every mesh axis a role, and a role fixes what an expert fixes:
 
@@ -52,6 +52,8 @@ def baseline_specs(mesh_ndim: int) -> list[BaselineSpec]:
             BaselineSpec("dp", ("dp", "dp"), "data parallel over both mesh axes"),
             BaselineSpec("zero3", ("zero", "zero"), "ZeRO-3 / FSDP over both mesh axes"),
             BaselineSpec("dp_tp", ("dp", "tp"), "data parallel across the outer axis, Megatron inside a node"),
+            BaselineSpec("fsdp_tp", ("zero", "tp"), "ZeRO-3 / FSDP across the outer axis, Megatron inside a node "
+                                                    "(torchtitan's 2-D)"),
         ]
     return [BaselineSpec("dp", ("dp",) * mesh_ndim, "data parallel over every mesh axis")]
 
