@@ -64,7 +64,12 @@ class CostReport:
     """What the cost model predicted for one training step of a plan: the simulated step time and
     its parts (seconds; ``comm_s`` adds every collective up, ``exposed_comm_s`` is the part no
     compute overlapped), memory per device by category (bytes), and the step's collectives
-    (phase -> kind -> count and bytes)."""
+    (phase -> kind -> count and bytes).
+
+    Throughput over one optimizer step (every micro-step, the global batch): ``tokens_per_s`` when
+    the first input is integer token ids (B, T), else ``samples_per_s`` (the other is None);
+    ``model_tflops_per_device``: the model's FLOPs (3 x the graph's forward FLOPs per micro-step,
+    recompute not counted, as MFU counts them) per second per device, in TFLOP/s."""
 
     step_time_s: float
     compute_s: float
@@ -80,6 +85,9 @@ class CostReport:
     exposed_comm_s: float = 0.0
     memory: dict[str, int] = field(default_factory=dict)
     collectives: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+    model_tflops_per_device: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -135,6 +143,8 @@ class Plan:
     cluster_file: str = ""                      # the cluster YAML the plan was priced with
     optimizer: str = "adamw"
     training: Training = field(default_factory=Training)
+    batch_size: int | None = None               # the traced micro-step's batch (dim 0 of the inputs, all
+                                                # data-parallel ranks); None: the model file's own
     cost: CostReport | None = None                          # what the cost model predicted
     op_costs: list[dict[str, Any]] = field(default_factory=list)  # per-op rows (summary table)
     notes: list[str] = field(default_factory=list)
@@ -165,6 +175,7 @@ class Plan:
             "graph_hash": self.graph_hash,
             "optimizer": self.optimizer,
             "training": self.training.to_dict(),
+            "batch_size": self.batch_size,
             "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
             "signatures": {k: str(v) for k, v in self.signatures.items()},
             "param_storage": {k: str(v) for k, v in self.param_storage.items()},
@@ -189,6 +200,7 @@ class Plan:
                 model_args=data.get("model_args", {}), cluster=data.get("cluster", ""),
                 cluster_file=data.get("cluster_file", ""), optimizer=data.get("optimizer", "adamw"),
                 training=Training.from_dict(data.get("training"), source=source),
+                batch_size=data.get("batch_size"),
                 cost=CostReport.from_dict(data["cost"], source=source) if data.get("cost") else None, op_costs=data.get("op_costs", []), notes=data.get("notes", []),
             )
         except KeyError as exc:
