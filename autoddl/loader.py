@@ -19,10 +19,17 @@ The step's tensors are ``ModelFile.example_inputs``, a flat :class:`StepInputs`
 in graph-input order (forward's positional inputs, its keyword inputs, the
 targets): ``dmodel(*mf.example_inputs)`` feeds the traced graph and
 ``mf.step_loss(model, values)`` computes the same step's loss eagerly.
+
+Inputs and targets are batch-first: ``mf.with_batch_size(n)`` is the same file with every one
+of them repeated or cut to ``n`` along dim 0 (how the planner sets the micro-step's batch,
+``--micro-batch-size`` x the data-parallel degree); ``load_for_plan(plan)`` loads the file a
+plan was made for at the plan's batch (``Plan.batch_size``), to trace with
+``mf.trace(plan.training.param_dtype)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import inspect
@@ -32,13 +39,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from autoddl.graph import OpGraph
 from autoddl.trace import StepInputs, step_inputs, trace
+
+if TYPE_CHECKING:
+    from autoddl.plan import Plan
 
 _SIGNATURES = {
     "build_model": "def build_model(**sizes) -> torch.nn.Module",
@@ -81,9 +91,49 @@ class ModelFile:
         or sharded on the batch dim); default: ``example_inputs`` themselves."""
         return self.example_inputs.step_loss(self.model if model is None else model, self.loss_fn, values)
 
-    def trace(self) -> OpGraph:
-        """The whole training step's forward (loss included) as an OpGraph."""
-        return trace(self.model, self.example_inputs, self.loss_fn, name=self.name)
+    def trace(self, param_dtype: str = "float32") -> OpGraph:
+        """The whole training step's forward (loss included) as an OpGraph, traced under the
+        mixed-precision policy ``param_dtype`` (a plan's ``training.param_dtype``)."""
+        return trace(self.model, self.example_inputs, self.loss_fn, name=self.name, param_dtype=param_dtype)
+
+    @property
+    def batch_size(self) -> int:
+        """The example batch: dim 0 of the first input (see :meth:`with_batch_size` for the checks)."""
+        return self._batch_dim()
+
+    def _batch_dim(self) -> int:
+        names = self.example_inputs.names(getattr(self.model, "forward", None))
+        if not len(self.example_inputs):
+            raise ModelFileError(f"{self.path}: example_inputs() returned no tensors, so there is no batch dim")
+        sizes = []
+        for name, t in zip(names, self.example_inputs):
+            if t.dim() == 0:
+                raise ModelFileError(f"{self.path}: input {name!r} is a 0-d tensor: it has no batch dim (dim 0), "
+                                     "so the batch cannot be set; inputs and targets must be batch-first")
+            sizes.append((name, int(t.shape[0])))
+        first = sizes[0]
+        odd = [f"{n!r} ({b})" for n, b in sizes[1:] if b != first[1]]
+        if odd:
+            raise ModelFileError(f"{self.path}: inputs must be batch-first with one batch size, but dim 0 of "
+                                 f"{', '.join(odd)} differs from {first[0]!r} ({first[1]}); make every input "
+                                 "and target batch-first")
+        return first[1]
+
+    def with_batch_size(self, batch: int) -> "ModelFile":
+        """This file with every input and target of batch ``batch`` (dim 0): repeated or sliced
+        along dim 0. A clear error names an input with no batch dim (a 0-d tensor) or whose dim 0
+        differs from the others'."""
+        if not (isinstance(batch, int) and batch >= 1):
+            raise ValueError(f"batch size {batch!r} must be a positive integer")
+        have = self._batch_dim()
+        if batch == have:
+            return self
+        reps = -(-batch // have)
+        values = [(t.repeat((reps,) + (1,) * (t.dim() - 1)) if reps > 1 else t)[:batch].contiguous()
+                  for t in self.example_inputs]
+        args, kwargs, targets = self.example_inputs.split(values)
+        step = StepInputs(args, kwargs, targets if self.example_inputs.has_targets else None)
+        return dataclasses.replace(self, example_inputs=step)
 
 
 def default_loss(output: Any, *inputs: Any, **keyword_inputs: Any) -> torch.Tensor:
@@ -152,6 +202,18 @@ def _tensors(file: Path, fn_name: str, value: Any) -> tuple[torch.Tensor, ...] |
         "a sequence holding " + ", ".join(sorted({type(t).__name__ for t in value}))
     raise ModelFileError(f"{file}: {fn_name}() returned {got}, expected a tuple of tensors or a dict of them "
                          f"({_SIGNATURES[fn_name]})")
+
+
+def load_for_plan(plan: "Plan", *, device: str | torch.device = "meta", path: str | os.PathLike | None = None
+                  ) -> ModelFile:
+    """The model file ``plan`` was made for (``path``, default ``plan.model``), with the plan's model
+    arguments and at its traced batch (``plan.batch_size``). Trace it with
+    ``mf.trace(plan.training.param_dtype)`` to get the plan's graph."""
+    source = path or plan.model
+    if not source:
+        raise ModelFileError(f"plan {plan.name!r} names no model file; pass the one it was made for")
+    mf = load_model_file(source, device=device, **plan.model_args)
+    return mf.with_batch_size(plan.batch_size) if plan.batch_size else mf
 
 
 def trace_model_file(path: str | os.PathLike, **overrides: Any) -> tuple[ModelFile, OpGraph]:
