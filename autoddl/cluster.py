@@ -27,6 +27,13 @@ left out, e.g. for clusters whose plans run under a compiled runtime).
 once (its cores / threads per rank): a mesh with more ranks than that on a node
 time-shares the cores, and the cost model slows that mesh's compute and
 collectives by ranks / cores_per_node.
+
+``device.peak_tflops`` is either one number (the dense peak, used for every dtype)
+or a mapping per dtype, ``{float32: 67, bfloat16: 989, float16: 989}`` (torch dtype
+names; fp32 / bf16 / fp16 are read as them). The mapping must give float32;
+``DeviceSpec.peak_tflops`` then reads as the float32 peak and
+``DeviceSpec.peak_tflops_for(dtype)`` gives each dtype's, with an error naming the
+file and the field for a dtype the mapping leaves out (a V100 has no bfloat16).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import difflib
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -44,6 +52,7 @@ from typing import Any
 import yaml
 
 from autoddl.atomic import write_text_atomic
+from autoddl.training import DTYPES
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CLUSTER_PATH = CONFIG_DIR / "dgx-a100-8.yaml"
@@ -52,6 +61,14 @@ DEFAULT_CLUSTER = DEFAULT_CLUSTER_PATH          # alias used in the shared inter
 DEVICE_KINDS = ("cuda", "cpu")
 # The values of autoddl.collective_kinds.CollectiveKind (which imports this module's Backend).
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+# The dtypes device.peak_tflops may give a peak for (torch names), in the order written; aliases in DTYPES.
+PEAK_DTYPES = tuple(DTYPES.values())            # float32, bfloat16, float16
+
+
+def peak_dtype(name: Any) -> str | None:
+    """``float32`` / ``fp32`` / ``torch.float32`` -> ``"float32"`` (likewise bfloat16, float16); else None."""
+    short = str(name).removeprefix("torch.")
+    return DTYPES.get(short) or (short if short in PEAK_DTYPES else None)
 
 
 class ClusterConfigError(ValueError):
@@ -78,15 +95,88 @@ class Backend(str, Enum):
 
 @dataclass(frozen=True)
 class DeviceSpec:
+    """One device. ``peak_tflops`` may be given as a mapping per dtype (module docstring): it is then
+    stored in ``peaks_by_dtype`` and ``peak_tflops`` reads as the float32 peak.
+
+    ``dataclasses.replace(device, peak_tflops={...})`` changes every peak; replacing only the number
+    of a device with peaks per dtype is refused (it would disagree with its float32 peak).
+    """
+
     name: str
     kind: str                       # "cuda" | "cpu"
-    peak_tflops: float              # dense peak of the training dtype, 1e12 FLOP/s
+    peak_tflops: float              # dense peak, 1e12 FLOP/s: float32's if peaks_by_dtype is given, else every dtype's
     memory_gb: float                # 1e9 bytes
     memory_bandwidth_gbps: float    # GB/s
+    peaks_by_dtype: tuple[tuple[str, float], ...] = ()   # ((dtype, TFLOPS), ...); (): one peak for every dtype
+    source: str = field(default="", compare=False, repr=False)    # the cluster file, named by errors
 
-    def peak_tflops_for(self, dtype: str) -> float:
-        """Dense peak of compute in ``dtype`` (a torch dtype name: float32, bfloat16, float16)."""
-        return self.peak_tflops
+    def __post_init__(self) -> None:
+        where = f"{self.source or 'DeviceSpec ' + repr(self.name)}"
+        peaks = self.peak_tflops
+        if isinstance(peaks, Mapping):
+            errors: list[str] = []
+            parsed = _peaks(where, "device.peak_tflops", dict(peaks), _DEVICE_FIELDS["peak_tflops"][0], errors)
+            if errors:
+                raise ClusterConfigError(errors, self.source)
+            object.__setattr__(self, "peaks_by_dtype", tuple(parsed.items()))
+            object.__setattr__(self, "peak_tflops", parsed["float32"])
+            return
+        pairs = self.peaks_by_dtype
+        if isinstance(pairs, Mapping):
+            pairs = tuple(pairs.items())
+        pairs = tuple((peak_dtype(d) or str(d), v) for d, v in pairs)
+        object.__setattr__(self, "peaks_by_dtype", tuple(sorted(
+            pairs, key=lambda p: PEAK_DTYPES.index(p[0]) if p[0] in PEAK_DTYPES else len(PEAK_DTYPES))))
+        fp32 = dict(pairs).get("float32")
+        if pairs and fp32 is None:
+            raise ClusterConfigError(f"{where}: device.peak_tflops.float32: missing; peaks_by_dtype "
+                                     f"({self.peak_text()}) needs the float32 peak", self.source)
+        if pairs and fp32 != peaks:
+            raise ClusterConfigError(
+                f"{where}: device.peak_tflops: {peaks!r} disagrees with the float32 peak {fp32!r} of its peaks per "
+                f"dtype ({self.peak_text()}); to change the peaks give peak_tflops as a mapping, e.g. "
+                f"dataclasses.replace(device, peak_tflops={{'float32': ..., 'bfloat16': ...}})", self.source)
+
+    @property
+    def peaks(self) -> dict[str, float]:
+        """Dense peak per dtype given (``{}`` when one peak serves every dtype)."""
+        return dict(self.peaks_by_dtype)
+
+    def peak_tflops_for(self, dtype: Any) -> float:
+        """Dense peak of compute in ``dtype`` (a torch dtype or its name: float32, bfloat16, float16;
+        fp32 / bf16 / fp16 too), 1e12 FLOP/s.
+
+        With one peak for every dtype, that peak (whatever ``dtype``). With peaks per dtype, the
+        given dtype's; a dtype the cluster file gives no peak for (integers, float64 included)
+        raises ``ClusterConfigError`` naming the file, ``device.peak_tflops.<dtype>`` and the
+        dtypes it does give.
+        """
+        if not self.peaks_by_dtype:
+            return self.peak_tflops
+        name = peak_dtype(dtype)
+        peaks = self.peaks
+        if name in peaks:
+            return peaks[name]
+        shown = name or str(dtype).removeprefix("torch.")
+        where = f"{self.source}: " if self.source else ""
+        hint = (f"add `{shown}: <dense TFLOPS>` under device.peak_tflops in the cluster file, or train in "
+                f"{' / '.join(peaks)}" if name else
+                f"peaks are given per training dtype ({', '.join(PEAK_DTYPES)}); ask for the dtype the op "
+                "computes in")
+        raise ClusterConfigError(f"{where}device.peak_tflops.{shown}: missing: no {shown} peak for {self.name} "
+                                 f"(device.peak_tflops gives {', '.join(peaks)}); {hint}", self.source)
+
+    def peak_text(self) -> str:
+        """``312 TFLOPS`` or ``float32 19.5, bfloat16 312, float16 312 TFLOPS``."""
+        if not self.peaks_by_dtype:
+            return f"{self.peak_tflops:g} TFLOPS"
+        return ", ".join(f"{d} {v:g}" for d, v in self.peaks_by_dtype) + " TFLOPS"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML ``device`` section: ``peak_tflops`` a number, or a mapping per dtype."""
+        return {"name": self.name, "kind": self.kind,
+                "peak_tflops": dict(self.peaks_by_dtype) if self.peaks_by_dtype else self.peak_tflops,
+                "memory_gb": self.memory_gb, "memory_bandwidth_gbps": self.memory_bandwidth_gbps}
 
 
 @dataclass(frozen=True)
@@ -156,7 +246,8 @@ class ExecutorOverheads:
 _DEVICE_FIELDS = {
     "name": ("a device name, e.g. A100-SXM4-80GB", "str"),
     "kind": ("one of " + ", ".join(DEVICE_KINDS), "kind"),
-    "peak_tflops": ("a positive number in TFLOPS (dense peak of the training dtype)", "pos"),
+    "peak_tflops": ("a positive number in TFLOPS (dense peak, used for every dtype) or a mapping from dtype ("
+                    + ", ".join(PEAK_DTYPES) + ") to its dense peak in TFLOPS, float32 included", "peaks"),
     "memory_gb": ("a positive number in GB (1e9 bytes) of device memory", "pos"),
     "memory_bandwidth_gbps": ("a positive number in GB/s of memory bandwidth", "pos"),
 }
@@ -186,10 +277,12 @@ def _unknown_key(src: str, where: str, key: Any, known: tuple[str, ...]) -> str:
 
 
 def _unit_of(dotted: str) -> str:
-    """The unit a field's name promises: ``*_gbps`` GB/s, ``*_tflops`` TFLOPS, ``*_gb`` GB, ``*_us`` us."""
-    for suffix, unit in (("_gbps", "GB/s"), ("_tflops", "TFLOPS"), ("_gb", "GB"), ("_us", "microseconds")):
-        if dotted.endswith(suffix):
-            return unit
+    """The unit a field's name promises: ``*_gbps`` GB/s, ``*_tflops`` TFLOPS, ``*_gb`` GB, ``*_us`` us
+    (``device.peak_tflops.bfloat16``: its parent's)."""
+    for part in reversed(dotted.split(".")):
+        for suffix, unit in (("_gbps", "GB/s"), ("_tflops", "TFLOPS"), ("_gb", "GB"), ("_us", "microseconds")):
+            if part.endswith(suffix):
+                return unit
     return ""
 
 
@@ -248,7 +341,9 @@ def _section(src: str, dotted: str, value: Any, fields: dict[str, tuple[str, str
                 errors.append(f"{src}: {sub}: missing; expected {expected}")
             continue
         raw = value[key]
-        if kind in ("str", "kind"):
+        if kind == "peaks":
+            out[key] = _peaks(src, sub, raw, expected, errors)
+        elif kind in ("str", "kind"):
             if not isinstance(raw, str) or not raw.strip():
                 errors.append(f"{src}: {sub}: expected {expected}, got {raw!r}")
             elif kind == "kind" and raw not in DEVICE_KINDS:
@@ -259,6 +354,39 @@ def _section(src: str, dotted: str, value: Any, fields: dict[str, tuple[str, str
         else:
             out[key] = _number(src, sub, raw, expected, kind, errors)
     return out if len(errors) == n_before else None
+
+
+def _peaks(src: str, dotted: str, value: Any, expected: str, errors: list[str]) -> Any:
+    """``peak_tflops``: a positive number, or ``{dtype: positive TFLOPS}`` with float32 among the dtypes
+    (aliases read as torch names, returned in PEAK_DTYPES order). None on error."""
+    if not isinstance(value, dict):
+        return _number(src, dotted, value, expected, "pos", errors)
+    if not value:
+        errors.append(f"{src}: {dotted}: expected {expected}, got {{}}")
+        return None
+    n_before = len(errors)
+    known = PEAK_DTYPES + tuple(DTYPES)
+    seen: dict[str, Any] = {}
+    peaks: dict[str, Any] = {}
+    for key, raw in value.items():
+        dtype = peak_dtype(key) if isinstance(key, str) else None
+        if dtype is None:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {peak_dtype(close[0])!r}? " if close else ""
+            errors.append(f"{src}: {dotted}.{key}: unknown dtype; {hint}known dtypes: {', '.join(PEAK_DTYPES)} "
+                          f"(or {', '.join(DTYPES)})")
+            continue
+        if dtype in seen:
+            errors.append(f"{src}: {dotted}.{key}: {dtype} given twice (as {seen[dtype]!r} and {key!r}); keep one")
+            continue
+        seen[dtype] = key
+        peaks[dtype] = _number(src, f"{dotted}.{key}", raw, f"a positive number in TFLOPS (dense {dtype} peak)",
+                               "pos", errors)
+    if len(errors) == n_before and "float32" not in peaks:
+        errors.append(f"{src}: {dotted}.float32: missing; the mapping needs the dense float32 peak in TFLOPS "
+                      f"(parameters and optimizer math are float32; device.peak_tflops reads as it), got peaks "
+                      f"for {', '.join(peaks)}")
+    return {d: peaks[d] for d in PEAK_DTYPES if d in peaks} if len(errors) == n_before else None
 
 
 def _collectives(src: str, value: Any, errors: list[str]) -> CollectiveFits | None:
@@ -437,6 +565,9 @@ class Cluster:
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
+        src = self.source or f"cluster {self.name!r}"
+        if isinstance(self.device, DeviceSpec) and self.device.source != src:    # peak_tflops_for's errors name it
+            object.__setattr__(self, "device", dataclasses.replace(self.device, source=src))
         if isinstance(self.collectives, dict):          # {kind: LinkSpec | {latency_us, bandwidth_gbps}}
             fits = {k: LinkSpec(**v) if isinstance(v, dict) else v for k, v in self.collectives.items()}
             bad = [k for k in fits if k not in COLLECTIVE_KINDS]
@@ -503,7 +634,7 @@ class Cluster:
             "name": self.name,
             "nodes": self.nodes,
             "devices_per_node": self.devices_per_node,
-            "device": dataclasses.asdict(self.device),
+            "device": self.device.to_dict(),
             "links": {"intra_node": dataclasses.asdict(self.intra_node),
                       "inter_node": dataclasses.asdict(self.inter_node)},
             "backend": Backend(self.backend).value,
@@ -599,7 +730,7 @@ class Cluster:
         f = self.efficiency
         inter = f" | inter {e.bandwidth_gbps:g} GB/s {e.latency_us:g} us" if self.nodes > 1 else ""
         return (f"{self.name}: {self.nodes}x{self.devices_per_node} {d.name} ({d.kind}, "
-                f"{d.peak_tflops:g} TFLOPS, {d.memory_gb:g} GB, {d.memory_bandwidth_gbps:g} GB/s) "
+                f"{d.peak_text()}, {d.memory_gb:g} GB, {d.memory_bandwidth_gbps:g} GB/s) "
                 f"| intra {a.bandwidth_gbps:g} GB/s {a.latency_us:g} us{inter} | {Backend(self.backend).value} "
                 f"| eff compute {f.compute:g} memory {f.memory:g} network {f.network:g} "
                 f"| op overhead {self.op_overhead_us:g} us"

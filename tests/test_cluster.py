@@ -69,7 +69,7 @@ def test_bundled_config_loads_with_yaml_values(name):
     assert c.name == raw["name"] == name
     assert (c.nodes, c.devices_per_node) == (raw["nodes"], raw["devices_per_node"])
     assert c.num_devices == raw["nodes"] * raw["devices_per_node"]
-    assert dataclasses.asdict(c.device) == raw["device"]
+    assert c.device.to_dict() == raw["device"]
     assert dataclasses.asdict(c.intra_node) == raw["links"]["intra_node"]
     assert dataclasses.asdict(c.inter_node) == raw["links"]["inter_node"]
     assert c.backend is Backend(raw["backend"])
@@ -82,16 +82,135 @@ def test_bundled_config_loads_with_yaml_values(name):
 def test_bundled_hardware_numbers():
     a100 = Cluster.from_yaml(DEFAULT_CLUSTER_PATH)
     assert DEFAULT_CLUSTER_PATH.name == "dgx-a100-8.yaml"
-    assert (a100.num_devices, a100.device.peak_tflops, a100.device.memory_bandwidth_gbps) == (8, 312, 2039)
+    assert (a100.num_devices, a100.device.peak_tflops, a100.device.memory_bandwidth_gbps) == (8, 19.5, 2039)
+    assert a100.device.peaks == {"float32": 19.5, "bfloat16": 312, "float16": 312}
     assert a100.intra_node == LinkSpec(300, 2.0) and a100.inter_node.bandwidth_gbps == 25
     h100 = Cluster.from_yaml(bundled_config("h100-4x8"))
-    assert (h100.nodes, h100.devices_per_node, h100.device.peak_tflops) == (4, 8, 989)
+    assert (h100.nodes, h100.devices_per_node, h100.device.peak_tflops) == (4, 8, 67)
+    assert [h100.device.peak_tflops_for(d) for d in ("float32", "bfloat16", "float16")] == [67, 989, 989]
     assert (h100.intra_node.bandwidth_gbps, h100.inter_node.bandwidth_gbps) == (450, 400 / 8)
     v100 = Cluster.from_yaml(bundled_config("v100-16x1"))
     assert (v100.nodes, v100.devices_per_node, v100.inter_node.bandwidth_gbps) == (16, 1, 25 / 8)
+    assert v100.device.peaks == {"float32": 15.7, "float16": 125}                 # Volta: no bfloat16
+    with pytest.raises(ClusterConfigError) as info:
+        v100.device.peak_tflops_for("bfloat16")
+    assert str(info.value).startswith(f"{bundled_config('v100-16x1')}: device.peak_tflops.bfloat16: missing: "
+                                      "no bfloat16 peak for V100-SXM2-32GB (device.peak_tflops gives float32, "
+                                      "float16)")
     cpu = Cluster.from_yaml(bundled_config("local-cpu"))
     assert (cpu.device.kind, cpu.backend, cpu.num_devices) == ("cpu", Backend.GLOO, 4)
+    assert cpu.device.peak_tflops == cpu.device.peak_tflops_for("bfloat16") == 0.1419     # one peak, every dtype
     assert set(available_configs()) >= set(BUNDLED)
+
+
+# -- device peaks per dtype ---------------------------------------------------------------------
+A100_PEAKS = {"float32": 19.5, "bfloat16": 312, "float16": 312}
+
+
+def test_scalar_peak_serves_every_dtype():
+    dev = Cluster.from_dict(GOOD).device
+    assert (dev.peak_tflops, dev.peaks, dev.peaks_by_dtype) == (312.0, {}, ())
+    dtypes = ("float32", "bfloat16", "fp16", "torch.float16", "int64")
+    assert [dev.peak_tflops_for(d) for d in dtypes] == [312.0] * 5
+    assert dev.to_dict()["peak_tflops"] == 312.0 and "(cuda, 312 TFLOPS, 80 GB" in Cluster.from_dict(GOOD).summary()
+
+
+def test_peaks_per_dtype_load_with_aliases_and_look_up(tmp_path):
+    path = write(tmp_path, edited(device__peak_tflops={"fp16": 312, "fp32": 19.5, "bf16": 312}))
+    c = Cluster.from_yaml(path)
+    assert c.device.peaks_by_dtype == (("float32", 19.5), ("bfloat16", 312.0), ("float16", 312.0))  # torch names
+    assert c.device.peak_tflops == 19.5                                          # the float32 peak
+    assert [c.device.peak_tflops_for(d) for d in ("float32", "fp32", "bfloat16", "torch.bfloat16", "float16")] == \
+        [19.5, 19.5, 312.0, 312.0, 312.0]
+    assert "(cuda, float32 19.5, bfloat16 312, float16 312 TFLOPS, 80 GB" in c.summary()
+    assert c == Cluster.from_dict(edited(device__peak_tflops=A100_PEAKS)) and hash(c) == hash(
+        Cluster.from_dict(edited(device__peak_tflops=A100_PEAKS)))
+    assert c != Cluster.from_dict(edited(device__peak_tflops={"float32": 19.5, "bfloat16": 300}))
+    assert c != Cluster.from_dict(edited(device__peak_tflops=19.5))              # one peak is not the mapping
+
+
+def test_missing_dtype_names_file_field_and_dtype(tmp_path):
+    path = write(tmp_path, edited(device__peak_tflops={"float32": 15.7, "float16": 125}))
+    c = Cluster.from_yaml(path)
+    with pytest.raises(ClusterConfigError) as info:
+        c.device.peak_tflops_for("bf16")
+    assert str(info.value) == (f"{path}: device.peak_tflops.bfloat16: missing: no bfloat16 peak for A100-SXM4-80GB "
+                               "(device.peak_tflops gives float32, float16); add `bfloat16: <dense TFLOPS>` under "
+                               "device.peak_tflops in the cluster file, or train in float32 / float16")
+    with pytest.raises(ClusterConfigError, match=r"device.peak_tflops.int64: missing: .* peaks are given per "
+                                                 r"training dtype \(float32, bfloat16, float16\)"):
+        c.device.peak_tflops_for("torch.int64")
+    big = c.resized(16)                                                           # the file stays named
+    assert big.device.peaks == {"float32": 15.7, "float16": 125.0}
+    with pytest.raises(ClusterConfigError, match=rf"^{path}: device.peak_tflops.bfloat16: missing"):
+        big.device.peak_tflops_for("bfloat16")
+    with pytest.raises(ClusterConfigError, match=r"^cluster 'toy-2x4': device.peak_tflops.bfloat16: missing"):
+        dataclasses.replace(c, source="").device.peak_tflops_for("bfloat16")
+
+
+@pytest.mark.parametrize("peaks, field, expected", [
+    ({"float32": 19.5, "bfloat61": 312}, "device.peak_tflops.bfloat61",
+     "unknown dtype; did you mean 'bfloat16'? known dtypes: float32, bfloat16, float16 (or fp32, bf16, fp16)"),
+    ({"float32": 19.5, "int8": 624}, "device.peak_tflops.int8",
+     "unknown dtype; known dtypes: float32, bfloat16, float16 (or fp32, bf16, fp16)"),
+    ({"float32": 19.5, "bfloat16": 0}, "device.peak_tflops.bfloat16",
+     "expected a positive number in TFLOPS (dense bfloat16 peak), got 0"),
+    ({"float32": -19.5}, "device.peak_tflops.float32",
+     "expected a positive number in TFLOPS (dense float32 peak), got -19.5"),
+    ({"float32": 19.5, "fp16": "fast"}, "device.peak_tflops.fp16",
+     "expected a positive number in TFLOPS (dense float16 peak), got 'fast'"),
+    ({"float32": "19.5 TFLOPS"}, "device.peak_tflops.float32", "expected a positive number in TFLOPS (dense float32 "
+     "peak), got '19.5 TFLOPS': wrong unit, drop the unit 'TFLOPS' and give the bare number in TFLOPS"),
+    ({"bfloat16": 312, "float16": 312}, "device.peak_tflops.float32",
+     "missing; the mapping needs the dense float32 peak in TFLOPS (parameters and optimizer math are float32; "
+     "device.peak_tflops reads as it), got peaks for bfloat16, float16"),
+    ({"fp32": 19.5, "float32": 19.5}, "device.peak_tflops.fp32",
+     "float32 given twice (as 'float32' and 'fp32'); keep one"),
+    ({}, "device.peak_tflops", "expected a positive number in TFLOPS (dense peak, used for every dtype) or a "
+                               "mapping from dtype (float32, bfloat16, float16) to its dense peak in TFLOPS, float32 "
+                               "included, got {}"),
+])
+def test_peaks_per_dtype_validation(tmp_path, peaks, field, expected):
+    path, errors, _ = errors_of(tmp_path, edited(device__peak_tflops=peaks))
+    assert errors == [f"{path}: {field}: {expected}"]
+
+
+def test_peaks_per_dtype_errors_reported_together(tmp_path):
+    path, errors, msg = errors_of(tmp_path, edited(device__peak_tflops={"float32": 0, "bf17": 1, "float16": "x"},
+                                                   device__memory_gb=-1))
+    assert [e.split(": ")[1] for e in errors] == ["device.peak_tflops.bf17", "device.peak_tflops.float16",
+                                                  "device.peak_tflops.float32", "device.memory_gb"]   # file order
+    assert msg.startswith(f"4 problems in {path}:")
+
+
+def test_peaks_per_dtype_round_trip_with_comments(tmp_path):
+    c = Cluster.from_dict(edited(device__peak_tflops={"bf16": 312, "float32": 19.5}))
+    out = tmp_path / "c.yaml"
+    c.to_yaml(out, comments={"device.peak_tflops": "dense", "device.peak_tflops.bfloat16": "datasheet"})
+    text = out.read_text()
+    assert "  peak_tflops:  # dense\n    float32: 19.5\n    bfloat16: 312  # datasheet\n  memory_gb: 80\n" in text
+    back = Cluster.from_yaml(out)
+    assert back == c and back.device.peaks == {"float32": 19.5, "bfloat16": 312.0}
+    assert yaml.safe_load(text)["device"]["peak_tflops"] == {"float32": 19.5, "bfloat16": 312}
+    scalar = Cluster.from_dict(GOOD)
+    scalar.to_yaml(out)
+    assert "  peak_tflops: 312\n" in out.read_text() and Cluster.from_yaml(out) == scalar
+
+
+def test_device_spec_direct_construction_with_peaks():
+    dev = DeviceSpec("A100", "cuda", {"fp32": 19.5, "bfloat16": 312}, 80, 2039)
+    assert (dev.peak_tflops, dev.peaks) == (19.5, {"float32": 19.5, "bfloat16": 312})
+    assert dev == DeviceSpec("A100", "cuda", 19.5, 80, 2039, peaks_by_dtype=(("bfloat16", 312), ("float32", 19.5)))
+    faster = dataclasses.replace(dev, peak_tflops={"float32": 20, "bfloat16": 320, "float16": 320})
+    assert faster.peak_tflops_for("float16") == 320 and faster.peak_tflops == 20
+    with pytest.raises(ClusterConfigError, match=r"device.peak_tflops: 40.0 disagrees with the float32 peak 19.5 "
+                                                 r"of its peaks per dtype \(float32 19.5, bfloat16 312 TFLOPS\)"):
+        dataclasses.replace(dev, peak_tflops=40.0)
+    with pytest.raises(ClusterConfigError, match=r"device.peak_tflops.float32: missing"):
+        DeviceSpec("A100", "cuda", {"bf16": 312}, 80, 2039)
+    c = Cluster.from_dict(GOOD)
+    with pytest.raises(ClusterConfigError, match=r"device.peak_tflops.bfloat16: expected a positive number"):
+        dataclasses.replace(c, device=dataclasses.replace(c.device, peak_tflops={"float32": 1, "bfloat16": -1}))
 
 
 def test_bundled_config_unknown_name_lists_available():
@@ -254,6 +373,8 @@ def test_resized():
     assert (big.name, big.nodes, big.devices_per_node, big.num_devices) == ("h100-4x8@64", 8, 8, 64)
     assert (big.device, big.intra_node, big.inter_node, big.backend) == \
         (h100.device, h100.intra_node, h100.inter_node, h100.backend)
+    assert big.device.peaks == {"float32": 67, "bfloat16": 989, "float16": 989}
+    assert "H100-SXM5-80GB (cuda, float32 67, bfloat16 989, float16 989 TFLOPS, 80 GB" in big.summary()
     assert (h100.resized(8).nodes, h100.resized(8).devices_per_node) == (1, 8)
     four = h100.resized(4)
     assert (four.name, four.nodes, four.devices_per_node) == ("h100-4x8@4", 1, 4)
