@@ -84,6 +84,7 @@ def test_bundled_hardware_numbers():
     assert DEFAULT_CLUSTER_PATH.name == "dgx-a100-8.yaml"
     assert (a100.num_devices, a100.device.peak_tflops, a100.device.memory_bandwidth_gbps) == (8, 19.5, 2039)
     assert a100.device.peaks == {"float32": 19.5, "bfloat16": 312, "float16": 312}
+    assert a100.efficiency == Efficiency(compute=0.869, memory=0.841, network=0.783)
     assert a100.intra_node == LinkSpec(300, 2.0) and a100.inter_node.bandwidth_gbps == 25
     h100 = Cluster.from_yaml(bundled_config("h100-4x8"))
     assert (h100.nodes, h100.devices_per_node, h100.device.peak_tflops) == (4, 8, 67)
@@ -101,6 +102,22 @@ def test_bundled_hardware_numbers():
     assert (cpu.device.kind, cpu.backend, cpu.num_devices) == ("cpu", Backend.GLOO, 4)
     assert cpu.device.peak_tflops == cpu.device.peak_tflops_for("bfloat16") == 0.1419     # one peak, every dtype
     assert set(available_configs()) >= set(BUNDLED)
+
+
+@pytest.mark.parametrize("name, assumed", [("dgx-a100-8", {"op_overhead_us"}),
+                                            ("h100-4x8", {"memory", "op_overhead_us"}),
+                                            ("v100-16x1", {"op_overhead_us"})])
+def test_gpu_configs_cite_every_efficiency(name, assumed):
+    """Each derating number and the per-op overhead has a comment beside it (the source above it); the ones no
+    published measurement backs say "assumption"."""
+    lines = bundled_config(name).read_text().splitlines()
+    said = set()
+    for key in ("compute", "memory", "network", "op_overhead_us"):
+        at = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{key}:"))
+        assert "  # " in lines[at], (name, key)
+        if "assumption" in " ".join(lines[max(0, at - 3):at + 1]).split(f"# {key}:")[-1]:
+            said.add(key)
+    assert said == assumed
 
 
 # -- device peaks per dtype ---------------------------------------------------------------------
