@@ -7,9 +7,10 @@
 every collective on ``--nproc`` ranks; :func:`calibrate_cluster` turns the timings
 into a ``Cluster``:
 
-- ``device.peak_tflops``: the best matmul rate (per-op dispatch taken out);
-  ``efficiency.compute``: what matmuls of 1 GFLOP or more reach of it;
-  ``compute_curve``: efficiency by matmul size;
+- ``device.peak_tflops``: per dtype (float32, bfloat16, float16 where it runs at a
+  sane speed), the best matmul rate on the same shapes (per-op dispatch taken out);
+  ``efficiency.compute``: what float32 matmuls of 1 GFLOP or more reach of the float32
+  peak; ``compute_curve``: float32 efficiency by matmul size (read for every dtype);
 - ``device.memory_bandwidth_gbps``: the best of copy / add over large arrays
   (achieved, so ``efficiency.memory`` is 1);
 - ``op_overhead_us``: a tiny op's dispatch and autograd recording;
@@ -146,8 +147,7 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
         raise ValueError(f"calibrate: --devices-per-node {dpn} is less than --nproc {s.nproc}")
     ranks = f"{s.nproc} ranks at once, {s.threads} thread{'s' * (s.threads > 1)} each"
 
-    comp = compute_summary(meas.matmuls, meas.dispatch_us * 1e-6)
-    best = max(comp.points, key=lambda p: p[1])[0]
+    comp = compute_summary(meas.matmuls, meas.dispatch_us * 1e-6, meas.dtype_matmuls)
     largest = comp.points[-1][0]
     n_large = sum(1 for mt, _ in comp.points if mt.flops >= LARGE_MATMUL_FLOPS)
     mem_kind, mem_gbps = max(meas.memory_gbps.items(), key=lambda kv: kv[1])
@@ -165,8 +165,8 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
 
     cluster = dataclasses.replace(
         base, devices_per_node=dpn, backend=backend,
-        device=dataclasses.replace(base.device, peak_tflops=_sig(comp.peak_tflops), memory_gb=memory_gb,
-                                   memory_bandwidth_gbps=_sig(mem_gbps)),
+        device=dataclasses.replace(base.device, peak_tflops={d: _sig(p) for d, p in comp.peaks.items()},
+                                   memory_gb=memory_gb, memory_bandwidth_gbps=_sig(mem_gbps)),
         intra_node=link, inter_node=inter,
         efficiency=Efficiency(compute=_sig(min(1.0, comp.large_efficiency), 3), memory=1.0, network=1.0),
         op_overhead_us=_sig(meas.op_overhead_us, 3), collectives=CollectiveFits(**per_kind),
@@ -180,8 +180,9 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
         "devices_per_node": (f"ranks on this machine; calibrated with {s.nproc}"
                              + (f"; above {s.nproc} ranks they share cores (slower compute and collectives "
                                 f"than measured)" if dpn > s.nproc else "")),
-        "device.peak_tflops": (f"measured: best matmul rate, {best.m}x{best.k} @ {best.k}x{best.n} "
-                               f"(per-op dispatch {meas.dispatch_us:.1f} us taken out), {ranks}"),
+        "device.peak_tflops": (f"measured: best matmul rate per dtype over the same {len(comp.points)} shapes "
+                               f"(per-op dispatch {meas.dispatch_us:.1f} us taken out), {ranks}"
+                               + "".join(f"; no {d} peak: {why}" for d, why in meas.dropped_dtypes.items())),
         "device.memory_gb": (f"measured: {_total_memory_gb():.1f} GB RAM / {dpn} devices"
                              if memory_gb != base.device.memory_gb or base.device.kind == "cpu" else "from base"),
         "device.memory_bandwidth_gbps": (
@@ -205,6 +206,9 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
                                    f"{DISAGREEMENT:.0%}); used instead of links.intra_node")
         for kind, f in fits.items():
             comments[f"collectives.{kind}"] = _fit_text(f, meas)
+    for dtype, _, mt in comp.dtype_peaks:
+        comments[f"device.peak_tflops.{dtype}"] = (f"measured: best {dtype} matmul rate, {mt.m}x{mt.k} @ "
+                                                   f"{mt.k}x{mt.n}")
     for i, group in enumerate(comp.groups):
         comments[f"compute_curve.{i}"] = "M x K x N: " + ", ".join(f"{mt.m}x{mt.k}x{mt.n}" for mt in group)
 
@@ -237,6 +241,9 @@ def write_raw(meas: Measurements, path: str | os.PathLike) -> None:
         w.writerow(["benchmark", "what", "n_devices", "bytes_or_flops", "time_s"])
         for mt in meas.matmuls:
             w.writerow(["matmul", f"{mt.m}x{mt.k}x{mt.n}", 1, int(mt.flops), mt.time_s])
+        for dtype, timings in meas.dtype_matmuls.items():
+            for mt in timings:
+                w.writerow(["matmul", f"{dtype} {mt.m}x{mt.k}x{mt.n}", 1, int(mt.flops), mt.time_s])
         for t in meas.collectives:
             w.writerow(["collective", f"{t.kind}: {t.how}", t.n_devices, t.nbytes, t.time_s])
         for k, v in meas.memory_gbps.items():

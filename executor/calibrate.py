@@ -5,7 +5,10 @@
 intra-op threads per rank = one rank's share of the cores) and runs every benchmark
 on all ranks at once, so each rank sees the contention it sees in training:
 
-- matmul ``(M, K) @ (K, N)`` over square and skinny shapes (median time per shape);
+- matmul ``(M, K) @ (K, N)`` over square and skinny shapes (median time per shape), in
+  float32 and, on the same shapes, in each other dtype of ``Settings.matmul_dtypes``
+  (bfloat16, float16) for that dtype's peak; a dtype running more than
+  ``SLOW_DTYPE_FACTOR`` times slower than float32 on a shape is left out (no peak);
 - memory bandwidth: ``copy_`` and ``add(out=)`` over arrays far beyond the caches;
 - per-op overhead: ``add`` of 1-element tensors (without grad: the dispatch a
   benchmarked matmul pays too; with grad: plus the autograd recording a training
@@ -43,7 +46,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from autoddl.cluster import COLLECTIVE_KINDS, ExecutorOverheads
+from autoddl.cluster import COLLECTIVE_KINDS, PEAK_DTYPES, ExecutorOverheads
 from executor.local_ranks import run_ranks
 
 SQUARE_SIZES = (64, 128, 256, 512, 1024, 2048)
@@ -52,6 +55,8 @@ SKINNY_SHAPES = ((2048, 2048, 64), (2048, 64, 2048), (64, 2048, 2048), (2048, 25
 MESSAGE_BYTES = tuple(4096 * 4 ** i for i in range(7)) + (32 << 20,)                      # 4 KB .. 32 MB
 QUICK_MESSAGE_BYTES = (4096, 32 << 10, 256 << 10, 1 << 20, 4 << 20)
 LARGE_MATMUL_FLOPS = 1e9            # matmuls at least this big give efficiency.compute
+MATMUL_DTYPES = ("float32", "bfloat16", "float16")   # timed on the same shapes; float32 gives the curve
+SLOW_DTYPE_FACTOR = 8.0             # a dtype this many times slower than float32 on a shape gets no peak
 
 
 def default_threads(nproc: int) -> int:
@@ -83,8 +88,13 @@ class Settings:
     verbose: bool = True              # rank 0 prints one line per benchmark to stderr
     executor_chains: tuple[int, int] = (8, 40)   # ops per chain (short, long) of the executor benchmark
     executor_reps: int = 15           # timed steps per chain (after 2 untimed)
+    matmul_dtypes: tuple[str, ...] = MATMUL_DTYPES   # float32 first; the others get a peak each
 
     def __post_init__(self) -> None:
+        if not self.matmul_dtypes or self.matmul_dtypes[0] != "float32" or len(set(self.matmul_dtypes)) != len(
+                self.matmul_dtypes) or not set(self.matmul_dtypes) <= set(PEAK_DTYPES):
+            raise ValueError(f"calibrate: matmul_dtypes must start with float32 and name each of {PEAK_DTYPES} at "
+                             f"most once, got {self.matmul_dtypes}")
         if self.nproc < 2:
             raise ValueError(f"calibrate: --nproc must be at least 2 to time collectives, got {self.nproc}")
         if self.backend not in ("gloo", "nccl"):
@@ -113,6 +123,7 @@ class MatmulTiming:
     n: int
     k: int
     time_s: float                     # median over repetitions, mean over ranks
+    dtype: str = "float32"            # the dtype of A, B and the output
 
     @property
     def flops(self) -> float:
@@ -191,7 +202,7 @@ def fit_executor_overheads(timings: ExecutorTimings) -> ExecutorFit:
 @dataclass(frozen=True)
 class Measurements:
     settings: Settings
-    matmuls: tuple[MatmulTiming, ...]
+    matmuls: tuple[MatmulTiming, ...]  # float32 (the efficiency curve)
     memory_gbps: dict[str, float]     # {"copy": GB/s, "add": GB/s} per rank, bytes read + written
     dispatch_us: float                # add of 1-element tensors, no grad (what a timed matmul pays too)
     tiny_op_us: float                 # add of 1-element tensors needing grad (dispatch + autograd)
@@ -199,6 +210,8 @@ class Measurements:
     seconds: dict[str, float] = field(default_factory=dict)    # wall time per benchmark section
     machine: str = ""
     executor: ExecutorTimings | None = None                     # the executor's own fixed costs
+    dtype_matmuls: dict[str, tuple[MatmulTiming, ...]] = field(default_factory=dict)   # other dtypes, same shapes
+    dropped_dtypes: dict[str, str] = field(default_factory=dict)  # dtype -> why it got no peak (too slow)
 
     @property
     def op_overhead_us(self) -> float:
@@ -215,21 +228,39 @@ class ComputeSummary:
     curve: tuple[tuple[float, float], ...]        # (GFLOP, efficiency), GFLOP strictly increasing
     points: tuple[tuple[MatmulTiming, float], ...]  # every timing with its efficiency, by FLOPs
     groups: tuple[tuple[MatmulTiming, ...], ...]  # the timings behind each curve point
+    dtype_peaks: tuple[tuple[str, float, MatmulTiming], ...] = ()  # (dtype, TFLOPS, best timing), float32 first
+
+    @property
+    def peaks(self) -> dict[str, float]:
+        """Peak TFLOPS per measured dtype (float32 alone when no other dtype was timed)."""
+        return {d: p for d, p, _ in self.dtype_peaks} or {"float32": self.peak_tflops}
 
 
-def compute_summary(matmuls: tuple[MatmulTiming, ...], dispatch_s: float) -> ComputeSummary:
+def _rates(matmuls: tuple[MatmulTiming, ...], dispatch_s: float) -> tuple[dict[MatmulTiming, float], float]:
+    """Each timing's FLOP/s with the dispatch taken out, and the peak: the best rate among matmuls lasting
+    at least 10x the dispatch (so a noisy dispatch time cannot inflate it)."""
+    rate = {mt: mt.flops / max(mt.time_s - dispatch_s, 0.5 * mt.time_s) for mt in matmuls}
+    long = [r for mt, r in rate.items() if mt.time_s >= 10 * dispatch_s] or list(rate.values())
+    return rate, max(long)
+
+
+def compute_summary(matmuls: tuple[MatmulTiming, ...], dispatch_s: float,
+                    dtype_matmuls: dict[str, tuple[MatmulTiming, ...]] | None = None) -> ComputeSummary:
     """Achieved FLOP/s = flops / (time - dispatch_s): the cost model adds the per-op overhead itself.
 
-    The peak is the best rate among matmuls lasting at least 10x the dispatch (so a noisy
-    dispatch time cannot inflate it); efficiencies are capped at 1. Points within a factor
-    of 2 in FLOPs form one curve point (median efficiency at the geometric mean FLOPs), so
-    a square and a skinny matmul of one size average out.
+    ``matmuls`` (float32) give the peak, the curve and the large-matmul efficiency:
+    efficiencies are capped at 1; points within a factor of 2 in FLOPs form one curve point
+    (median efficiency at the geometric mean FLOPs), so a square and a skinny matmul of one
+    size average out. ``dtype_matmuls`` (other dtypes) give one peak each, by the same rule.
     """
     if not matmuls:
         raise ValueError("compute_summary: no matmul timings")
-    rate = {mt: mt.flops / max(mt.time_s - dispatch_s, 0.5 * mt.time_s) for mt in matmuls}
-    long = [r for mt, r in rate.items() if mt.time_s >= 10 * dispatch_s] or list(rate.values())
-    peak = max(long)
+    rate, peak = _rates(matmuls, dispatch_s)
+    dtype_peaks = []
+    for dtype, timings in {"float32": matmuls, **(dtype_matmuls or {})}.items():
+        if timings:
+            r, best = _rates(timings, dispatch_s)
+            dtype_peaks.append((dtype, best / 1e12, next(mt for mt, x in r.items() if x == best)))
     points = tuple(sorted(((mt, min(1.0, r / peak)) for mt, r in rate.items()), key=lambda p: p[0].flops))
     groups: list[list[tuple[MatmulTiming, float]]] = []
     for p in points:
@@ -241,7 +272,8 @@ def compute_summary(matmuls: tuple[MatmulTiming, ...], dispatch_s: float) -> Com
                    round(min(1.0, max(1e-3, statistics.median(e for _, e in g))), 4)) for g in groups)
     large = [e for mt, e in points if mt.flops >= LARGE_MATMUL_FLOPS] or [points[-1][1]]
     return ComputeSummary(peak_tflops=peak / 1e12, large_efficiency=statistics.median(large), curve=curve,
-                          points=points, groups=tuple(tuple(mt for mt, _ in g) for g in groups))
+                          points=points, groups=tuple(tuple(mt for mt, _ in g) for g in groups),
+                          dtype_peaks=tuple(dtype_peaks))
 
 
 # -- running the ranks ---------------------------------------------------------------------------
@@ -271,6 +303,10 @@ def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measuremen
     mean = statistics.fmean
     matmuls = tuple(MatmulTiming(m, n, k, mean(r["matmul"][i] for r in ranks))
                     for i, (m, n, k) in enumerate(settings.matmul_shapes))
+    dropped = dict(ranks[0].get("matmul_dropped", {}))
+    dtype_matmuls = {dtype: tuple(MatmulTiming(m, n, k, mean(r["matmul_dtypes"][dtype][i] for r in ranks), dtype)
+                                  for i, (m, n, k) in enumerate(settings.matmul_shapes))
+                     for dtype in ranks[0].get("matmul_dtypes", {}) if dtype not in dropped}
     colls = []
     for key, how in ranks[0]["collectives_how"].items():
         per_rep = [max(r["collectives"][key][i] for r in ranks) for i in range(settings.repeats)]
@@ -289,7 +325,8 @@ def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measuremen
         settings=settings, matmuls=matmuls,
         memory_gbps={k: mean(r["memory_gbps"][k] for r in ranks) for k in ranks[0]["memory_gbps"]},
         dispatch_us=mean(r["dispatch_us"] for r in ranks), tiny_op_us=mean(r["tiny_op_us"] for r in ranks),
-        collectives=tuple(colls), seconds=seconds, machine=ranks[0]["machine"], executor=executor)
+        collectives=tuple(colls), seconds=seconds, machine=ranks[0]["machine"], executor=executor,
+        dtype_matmuls=dtype_matmuls, dropped_dtypes=dropped)
 
 
 def _bench_rank(settings: Settings) -> dict:
@@ -438,20 +475,45 @@ class _Bench:
         return {"memory_gbps": gbps}
 
     def matmuls(self) -> dict[str, Any]:
-        torch = self.torch
-        times = []
+        """Each shape in float32, then in each other dtype still timed (the same shapes, one after the other,
+        so both see the same load). A dtype whose median on a shape is more than SLOW_DTYPE_FACTOR times
+        float32's (agreed over ranks, so every rank drops it at once) is timed no further and gets no peak."""
+        extra = [d for d in self.s.matmul_dtypes if d != "float32"]
+        times: list[float] = []
+        by_dtype: dict[str, list[float]] = {d: [] for d in extra}
+        dropped: dict[str, str] = {}
+        threads = f"{self.s.threads} thread{'s' * (self.s.threads > 1)}"
         for m, n, k in self.s.matmul_shapes:
-            a = torch.randn(m, k, device=self.device)                     # (M, K)
-            b = torch.randn(k, n, device=self.device)                     # (K, N)
-            out = torch.empty(m, n, device=self.device)                   # (M, N)
-            self.dist.barrier()
-            warm = self.time_calls(lambda: torch.mm(a, b, out=out), 1)
-            reps = int(min(50, max(3, math.ceil(self.s.matmul_time_s / max(self.agree_max(warm), 1e-9)))))
-            t = statistics.median(self.time_calls(lambda: torch.mm(a, b, out=out), 1) for _ in range(reps))
-            times.append(t)
-            self.say(f"matmul ({m}x{k}) @ ({k}x{n}): {t * 1e3:.3f} ms, {2 * m * n * k / t / 1e9:.1f} GFLOP/s "
-                     f"({reps} reps, {self.s.threads} thread{'s' * (self.s.threads > 1)}, rank 0)")
-        return {"matmul": times}
+            t32, reps = self._time_matmul(m, n, k, "float32")
+            times.append(t32)
+            self.say(f"matmul ({m}x{k}) @ ({k}x{n}): {t32 * 1e3:.3f} ms, {2 * m * n * k / t32 / 1e9:.1f} GFLOP/s "
+                     f"({reps} reps, {threads}, rank 0)")
+            agreed32 = self.agree_max(t32)
+            for dtype in [d for d in extra if d not in dropped]:
+                t, reps = self._time_matmul(m, n, k, dtype)
+                by_dtype[dtype].append(t)
+                self.say(f"{dtype} matmul ({m}x{k}) @ ({k}x{n}): {t * 1e3:.3f} ms, "
+                         f"{2 * m * n * k / t / 1e9:.1f} GFLOP/s ({reps} reps, {threads}, rank 0)")
+                ratio = self.agree_max(t) / max(agreed32, 1e-12)
+                if ratio > SLOW_DTYPE_FACTOR:
+                    dropped[dtype] = (f"{ratio:.0f}x float32's time on {m}x{k} @ {k}x{n} (more than "
+                                      f"{SLOW_DTYPE_FACTOR:g}x): not a dtype to train in on this machine")
+                    self.say(f"{dtype} matmuls: {dropped[dtype]}; timed no further, no {dtype} peak")
+        return {"matmul": times, "matmul_dtypes": by_dtype, "matmul_dropped": dropped}
+
+    def _time_matmul(self, m: int, n: int, k: int, dtype: str) -> tuple[float, int]:
+        """Median seconds of ``(M, K) @ (K, N)`` in ``dtype`` (after 2 untimed calls: the first call of a
+        dtype may set up its kernels), and the repetitions it took."""
+        torch = self.torch
+        dt = getattr(torch, dtype)
+        a = torch.randn(m, k, device=self.device, dtype=dt)                  # (M, K)
+        b = torch.randn(k, n, device=self.device, dtype=dt)                  # (K, N)
+        out = torch.empty(m, n, device=self.device, dtype=dt)                # (M, N)
+        self.dist.barrier()
+        torch.mm(a, b, out=out)
+        warm = self.time_calls(lambda: torch.mm(a, b, out=out), 1)
+        reps = int(min(50, max(3, math.ceil(self.s.matmul_time_s / max(self.agree_max(warm), 1e-9)))))
+        return statistics.median(self.time_calls(lambda: torch.mm(a, b, out=out), 1) for _ in range(reps)), reps
 
     def collectives(self) -> dict[str, Any]:
         results: dict[tuple[str, int, int], list[float]] = {}

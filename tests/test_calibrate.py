@@ -214,13 +214,18 @@ def test_compute_summary_peak_and_curve():
     assert [len(g) for g in summary.groups] == [1, 1, 1, 2, 1]
 
 
-def synthetic_measurements(kind_params: dict[str, tuple[float, float]]) -> Measurements:
+def synthetic_measurements(kind_params: dict[str, tuple[float, float]],
+                           dtype_rates: dict[str, float] | None = None) -> Measurements:
+    """Matmuls at 40 GFLOP/s in float32 (and at ``dtype_rates`` FLOP/s in other dtypes, on the same shapes)."""
     settings = Settings.default(2, quick=True, threads=1)
     colls = tuple(CollectiveTiming(k, 2, m, ring_time_s(GLOO_FORMULA[k], m, 2, b, a), "synthetic")
                   for k, (a, b) in kind_params.items() for m in settings.message_bytes)
     mts = tuple(MatmulTiming(m, n, k, 2 * m * n * k / 40e9) for m, n, k in settings.matmul_shapes)
+    by_dtype = {d: tuple(MatmulTiming(m, n, k, 2 * m * n * k / r, d) for m, n, k in settings.matmul_shapes)
+                for d, r in (dtype_rates or {}).items()}
     return Measurements(settings=settings, matmuls=mts, memory_gbps={"copy": 9.0, "add": 7.5}, dispatch_us=0.0,
-                        tiny_op_us=4.0, collectives=colls, seconds={"total": 1.0}, machine="test")
+                        tiny_op_us=4.0, collectives=colls, seconds={"total": 1.0}, machine="test",
+                        dtype_matmuls=by_dtype)
 
 
 def test_calibrate_cluster_from_synthetic_measurements(tmp_path):
@@ -230,6 +235,7 @@ def test_calibrate_cluster_from_synthetic_measurements(tmp_path):
     assert (c.name, c.backend, c.devices_per_node, c.device.name) == ("local-cpu", Backend.GLOO, 4, "cpu-core-avx2")
     assert c.intra_node == LinkSpec(1.2, 50.0) == c.inter_node and not c.collectives
     assert c.device.peak_tflops == 0.04 and c.efficiency.compute == 1.0 and c.device.memory_bandwidth_gbps == 9.0
+    assert c.device.peaks == {"float32": 0.04}          # only float32 timed: a mapping, so bfloat16 is not guessed
     assert c.op_overhead_us == 4.0 and all(e == 1.0 for _, e in c.compute_curve)
     out = tmp_path / "cal.yaml"
     cal.write(out)
@@ -242,6 +248,70 @@ def test_calibrate_cluster_from_synthetic_measurements(tmp_path):
     assert cal.cluster.collectives.get("all_reduce") == LinkSpec(1.2, 50.0)
     cal.write(out)
     assert Cluster.from_yaml(out) == cal.cluster and "  broadcast:  # a 20.0 us, b 4.000 GB/s" in out.read_text()
+
+
+def test_calibrate_cluster_writes_a_peak_per_timed_dtype(tmp_path):
+    meas = synthetic_measurements({k: (50e-6, 1.2e9) for k in GLOO_FORMULA})
+    bf16 = tuple(MatmulTiming(m, n, k, 2 * m * n * k / (20e9 if m == n == k == 512 else 15e9), "bfloat16")
+                 for m, n, k in meas.settings.matmul_shapes)                  # 20 GFLOP/s at its best, 512^3
+    meas = dataclasses.replace(meas, dtype_matmuls={"bfloat16": bf16},
+                               dropped_dtypes={"float16": "9x float32's time on 64x64 @ 64x64 (more than 8x)"})
+    cal = calibrate_cluster(meas, base_cluster(), command="x")
+    dev = cal.cluster.device
+    assert dev.peaks == {"float32": 0.04, "bfloat16": 0.02} and dev.peak_tflops == 0.04
+    assert dev.peak_tflops_for("bf16") == 0.02 and cal.compute.peaks == pytest.approx(dev.peaks)
+    with pytest.raises(ClusterConfigError, match="device.peak_tflops.float16: missing"):
+        dev.peak_tflops_for("float16")                  # dropped: no peak rather than a guessed one
+    assert [d for d, _, _ in cal.compute.dtype_peaks] == ["float32", "bfloat16"]
+    assert cal.comments["device.peak_tflops.bfloat16"] == "measured: best bfloat16 matmul rate, 512x512 @ 512x512"
+    assert "no float16 peak: 9x float32's time on 64x64 @ 64x64" in cal.comments["device.peak_tflops"]
+    out = tmp_path / "cal.yaml"
+    cal.write(out)
+    assert Cluster.from_yaml(out) == cal.cluster
+    text = out.read_text()
+    assert "  peak_tflops:  # measured: best matmul rate per dtype over the same 5 shapes" in text
+    assert "    bfloat16: 0.02  # measured: best bfloat16 matmul rate, 512x512 @ 512x512\n" in text
+
+
+def test_compute_summary_peak_per_dtype():
+    dispatch = 5e-6
+    f32 = tuple(MatmulTiming(s, s, s, 2 * s ** 3 / 50e9 + dispatch) for s in (256, 512, 1024))
+    bf16 = tuple(MatmulTiming(s, s, s, 2 * s ** 3 / r + dispatch, "bfloat16")
+                 for s, r in ((256, 10e9), (512, 24e9), (1024, 22e9)))
+    summary = compute_summary(f32, dispatch, {"bfloat16": bf16})
+    assert summary.peaks == pytest.approx({"float32": 0.05, "bfloat16": 0.024})
+    assert summary.dtype_peaks[1][2] == bf16[1] and summary.peak_tflops == pytest.approx(0.05)
+    assert [e for _, e in summary.curve] == [1.0, 1.0, 1.0]                 # the curve is float32's
+    assert compute_summary(f32, dispatch).peaks == pytest.approx({"float32": 0.05})
+
+
+def test_slow_dtype_is_timed_no_further_and_gets_no_peak():
+    from executor.calibrate import SLOW_DTYPE_FACTOR, _Bench, _combine
+
+    shapes = ((64, 64, 64), (128, 128, 128), (256, 256, 256))
+    settings = Settings.default(2, quick=True, threads=1, matmul_shapes=shapes)
+    assert SLOW_DTYPE_FACTOR == 8
+    per_call = {"float32": 1e-3, "bfloat16": 2e-3, "float16": 9e-3}
+    bench = object.__new__(_Bench)                     # the rank's logic alone: no process group
+    bench.s, bench.rank = settings, 0
+    bench.say = lambda text: None
+    bench.agree_max = lambda value, group=None: value
+    bench._time_matmul = lambda m, n, k, dtype: (per_call[dtype] * m / 64, 3)
+    out = _Bench.matmuls(bench)
+    assert out["matmul"] == [1e-3, 2e-3, 4e-3] and out["matmul_dtypes"]["bfloat16"] == [2e-3, 4e-3, 8e-3]
+    assert out["matmul_dtypes"]["float16"] == [9e-3]                         # dropped after the first shape
+    assert out["matmul_dropped"] == {"float16": "9x float32's time on 64x64 @ 64x64 (more than 8x): not a dtype "
+                                                "to train in on this machine"}
+    rank = dict(out, memory_gbps={"copy": 1.0}, dispatch_us=1.0, tiny_op_us=2.0, collectives_how={},
+                collectives={}, seconds={"matmul": 1.0}, machine="test")
+    meas = _combine(settings, [rank, rank], 1.0)
+    assert list(meas.dtype_matmuls) == ["bfloat16"] and meas.dropped_dtypes == out["matmul_dropped"]
+    assert [mt.time_s for mt in meas.dtype_matmuls["bfloat16"]] == [2e-3, 4e-3, 8e-3]
+    assert {mt.dtype for mt in meas.dtype_matmuls["bfloat16"]} == {"bfloat16"}
+    with pytest.raises(ValueError, match="matmul_dtypes must start with float32"):
+        Settings(matmul_dtypes=("bfloat16", "float32"))
+    with pytest.raises(ValueError, match="matmul_dtypes must start with float32"):
+        Settings(matmul_dtypes=("float32", "int8"))
 
 
 # -- the real thing, quick ---------------------------------------------------------------------
@@ -259,10 +329,17 @@ def test_quick_calibration_on_two_gloo_ranks(tmp_path, capfd):
     assert all(x > 0 and math.isfinite(x) for x in numbers), numbers
     assert 1e-3 < c.device.peak_tflops < 10 and c.compute_curve[-1][0] == pytest.approx(2 * 512 ** 3 / 1e9, rel=1e-3)
     assert c.compute_curve and all(0 < e <= 1 for _, e in c.compute_curve)
+    # bfloat16 matmuls run on every x86 / Arm CPU torch supports: timed on the same shapes, a peak of their own
+    assert set(c.device.peaks) >= {"float32", "bfloat16"} and all(0 < p < 10 for p in c.device.peaks.values())
+    text = out.read_text()
+    assert "    bfloat16: " in text and "# measured: best bfloat16 matmul rate, " in text
+    assert ("float16" in c.device.peaks) != ("no float16 peak: " in text)   # float16: a peak, or why not
     c.to_yaml(tmp_path / "again.yaml")
     assert Cluster.from_yaml(tmp_path / "again.yaml") == c
-    err = capfd.readouterr().err
-    assert err.count("calibrate: matmul") == len(Settings.default(2, quick=True).matmul_shapes)
+    printed, err = capfd.readouterr()
+    assert f"bfloat16 {c.device.peaks['bfloat16']:g}" in printed              # the summary calibrate prints
+    n_shapes = len(Settings.default(2, quick=True).matmul_shapes)
+    assert err.count("calibrate: matmul") == err.count("calibrate: bfloat16 matmul") == n_shapes
     assert all(f"calibrate: {k} on 2 of 2 ranks" in err for k in GLOO_FORMULA)
     rows = raw.read_text().splitlines()
     assert rows[0] == "benchmark,what,n_devices,bytes_or_flops,time_s" and len(rows) > 25
