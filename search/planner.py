@@ -8,10 +8,21 @@ plan is then priced by the full cost model (``costmodel.plan_cost``), and the
 cheapest one that fits the per-device memory limit is the found plan. The
 found plan is never worse than a baseline: each baseline is itself a start,
 and a baseline whose full cost beats the descent's result would be returned.
+
+Every plan carries the search's ``Training`` (precision, recompute, micro-batches), and the
+search objective prices one optimizer step under it (search/formulate.py). ``recompute="auto"``
+chooses recompute per block (``Training.recompute_blocks``) under the memory limit, per mesh:
+from nothing recomputed, blocks are recomputed one at a time in block order, selective first,
+then full (the levels of :func:`recompute_levels`), until the mesh's best plan fits, as the full
+cost model counts memory. Memory falls level by level, so the first level that fits is found by
+bisection (of the formulation's least memory while the search finds nothing that fits, then of
+the full cost model's memory of the plan found), and the search runs again at that level.
+Baselines take the first level at which they fit themselves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -22,18 +33,21 @@ import numpy as np
 from autoddl.cluster import Cluster
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.plan import Mesh, Plan, axis_roles
-from costmodel.breakdown import CostBreakdown, plan_cost
+from autoddl.program import block_of, lower
+from autoddl.training import Training
+from costmodel.breakdown import CostBreakdown, plan_cost, predicted_collectives
+from costmodel.memory import memory_bytes
 from search.baselines import BaselineSpec, baseline_specs, build_baseline
 from search.coordinate_descent import coordinate_descent
 from search.formulate import Formulation, formulate
 from search.meshes import mesh_shapes
-from search.problem import NoFeasiblePlanError
+from search.problem import NoFeasiblePlanError, memory_tolerance
 
 
 NEAR_BEST = 1.05    # meshes whose search objective is within 5% of the best get the full cost model
 
 
-SCHEMES = ("found", "dp", "zero3", "tp", "sp", "dp_tp")   # what `autoddl plan --scheme` can write
+SCHEMES = ("found", "dp", "zero3", "tp", "sp", "dp_tp", "fsdp_tp")   # what `autoddl plan --scheme` can write
 
 
 class PlanningError(ValueError):
@@ -89,9 +103,10 @@ def resolve_meshes(cluster: Cluster, mesh: tuple[int, ...] | None) -> list[tuple
 
 
 def canonical_mesh(spec: BaselineSpec, cluster: Cluster) -> tuple[int, ...] | None:
-    """The mesh an expert would run ``spec`` on: 1-D over all devices, DP x TP as nodes x node."""
+    """The mesh an expert would run ``spec`` on: 1-D over all devices, DP x TP and FSDP x TP as
+    nodes x node."""
     n = cluster.num_devices
-    if spec.name != "dp_tp":                  # dp, zero3, tp, sp: one axis over every device
+    if spec.name not in ("dp_tp", "fsdp_tp"):  # dp, zero3, tp, sp: one axis over every device
         return (n,) if len(spec.roles) == 1 else None
     inner = cluster.devices_per_node if cluster.nodes > 1 else _largest_inner(n)
     if inner in (1, n) or n % inner:
@@ -104,39 +119,186 @@ def _largest_inner(n: int) -> int:
     return max((d for d in range(2, n) if n % d == 0 and d <= n // 2), default=1)
 
 
+# -- training: recompute levels, throughput, pricing ------------------------------------------------
+
+def recompute_blocks(graph: OpGraph) -> list[str]:
+    """The repeated blocks recompute is decided for, in forward order (``root`` is never recomputed)."""
+    return list(dict.fromkeys(b for b in (block_of(n) for n in graph.ops()) if b != "root"))
+
+
+def recompute_levels(graph: OpGraph, training: Training) -> list[dict[str, str]]:
+    """``recompute="auto"``'s choices in the order it tries them: level 0 recomputes nothing; level
+    i <= n (n blocks) recomputes the first i blocks selectively; level n + j all of them, the first
+    j in full. Blocks the user gave a policy in ``recompute_blocks`` keep it."""
+    free = [b for b in recompute_blocks(graph) if b not in training.recompute_blocks]
+    levels = []
+    for i in range(2 * len(free) + 1):
+        selective, full = min(i, len(free)), max(0, i - len(free))
+        levels.append({**{b: "full" if j < full else "selective" if j < selective else "none"
+                          for j, b in enumerate(free)}, **training.recompute_blocks})
+    return levels
+
+
+def at_level(training: Training, blocks: dict[str, str]) -> Training:
+    return dataclasses.replace(training, recompute_blocks=dict(blocks))
+
+
+def with_training(plan: Plan, training: Training) -> Plan:
+    """A copy of ``plan`` (not yet priced) running under ``training``."""
+    return dataclasses.replace(plan, training=training, notes=list(plan.notes), cost=None, op_costs=[])
+
+
+def recompute_summary(training: Training, graph: OpGraph) -> str:
+    """``selective in 32 of 32 blocks, full in 3 (layers.0 .. layers.2)``, or ``nothing recomputed``."""
+    blocks = recompute_blocks(graph)
+    by = {p: [b for b in blocks if training.recompute_of(b) == p] for p in ("selective", "full")}
+    parts = []
+    for policy, names in by.items():
+        if names:
+            where = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+            parts.append(f"{policy} in {len(names)} of {len(blocks)} blocks ({where})")
+    return ", ".join(parts) or "nothing recomputed"
+
+
+def throughput(graph: OpGraph, plan: Plan, step_time_s: float) -> dict[str, float | None]:
+    """The CostReport's throughput fields over one optimizer step (autoddl/plan.py's CostReport):
+    tokens (first input integer token ids (B, T)) or samples per second, and the model's TFLOP/s per
+    device: 3 x the forward FLOPs of every micro-step (recompute not counted), over the step time."""
+    out: dict[str, float | None] = {"tokens_per_s": None, "samples_per_s": None, "model_tflops_per_device": None}
+    if not step_time_s > 0:
+        return out
+    k = plan.training.micro_batches
+    inputs = graph.nodes_of(NodeKind.INPUT)
+    if inputs and inputs[0].outputs and inputs[0].outputs[0].ndim >= 1:
+        meta = inputs[0].outputs[0]
+        if meta.ndim == 2 and not meta.is_floating and meta.dtype != "bool":
+            out["tokens_per_s"] = meta.shape[0] * meta.shape[1] * k / step_time_s
+        else:
+            out["samples_per_s"] = meta.shape[0] * k / step_time_s
+    forward_flops = sum(n.flops for n in graph.ops())
+    out["model_tflops_per_device"] = 3 * forward_flops * k / step_time_s / plan.devices / 1e12
+    return out
+
+
+def price(graph: OpGraph, plan: Plan, cluster: Cluster, limit_bytes: float) -> CostBreakdown:
+    """The full cost model's breakdown of ``plan`` under ``limit_bytes`` per device; sets ``plan.cost``
+    (with throughput) and ``plan.op_costs``."""
+    bd = plan_cost(graph, plan, cluster)
+    bd.memory_limit_bytes = int(limit_bytes)
+    plan.cost = dataclasses.replace(bd.report(), **throughput(graph, plan, bd.step_time_s))
+    plan.op_costs = bd.op_rows()
+    return bd
+
+
+def plan_memory(graph: OpGraph, plan: Plan, cluster: Cluster) -> int:
+    """Per-device bytes of ``plan`` as the full cost model counts them, without simulating its timeline."""
+    program = lower(graph, plan)
+    return memory_bytes(graph, plan, predicted_collectives(graph, plan, cluster, program), program)["total"]
+
+
+def first_level(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
+    """The smallest level in ``lo..hi`` that ``fits`` (levels save memory in order: bisection), or
+    None when even ``hi`` does not."""
+    if lo > hi or not fits(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def gb(nbytes: float) -> str:
+    """``91.9 GB`` / ``0.00327 GB``: three significant digits (GB = 1e9 bytes, as --memory-gb)."""
+    return f"{nbytes / 1e9:.3g} GB"
+
+
+def auto_note(plan: Plan, graph: OpGraph, limit: float, before: float | None, exact: bool) -> str:
+    """plan.notes's line on what ``recompute auto`` chose and why."""
+    chosen = recompute_summary(plan.training, graph)
+    have = plan.cost.memory_bytes_per_device if plan.cost is not None else 0
+    if before is None:
+        return (f"recompute auto on mesh {plan.mesh}: {chosen}: the plan fits without recompute "
+                f"({gb(have)} of {gb(limit)} per device)")
+    need = f"needs {gb(before)}" if exact else f"needs at least {gb(before)} (the search's estimate)"
+    fit = "fits" if have <= limit else "still does not fit"
+    return (f"recompute auto on mesh {plan.mesh}: {chosen}, the fewest blocks in order (selective first, then "
+            f"full) with which it {fit}: without recompute the best plan on this mesh {need} per device, over "
+            f"the {gb(limit)} limit; with it {gb(have)}")
+
+
+def assignment_plan(name: str, form: Formulation, assignment: np.ndarray, graph_hash: str, model_name: str,
+                    cluster: Cluster, optimizer: str, training: Training) -> Plan:
+    """The Plan of a SearchProblem assignment (signatures, storages, role-named mesh axes)."""
+    sigs = form.signatures(assignment)
+    storage = {n.target: sigs.pop(n.name).outputs[0] for n in form.nodes if n.kind is NodeKind.PARAMETER}
+    roles = axis_roles(sigs, storage, len(form.mesh_shape))
+    return Plan(name=name, mesh=Mesh(form.mesh_shape, roles), signatures=sigs, param_storage=storage,
+                graph_hash=graph_hash, model=model_name, cluster=cluster.name, optimizer=optimizer,
+                training=training)
+
+
+def fit_recompute(graph: OpGraph, plan: Plan, cluster: Cluster, limit: float,
+                  levels: list[dict[str, str]]) -> tuple[Plan, CostBreakdown]:
+    """``plan`` (fixed signatures) at the first recompute level with which it fits (the last if none),
+    priced, with a note on the choice: how a baseline or a given configuration takes ``auto``."""
+    base = plan.training
+    first = with_training(plan, at_level(base, levels[0]))
+    bd = price(graph, first, cluster, limit)
+    if bd.fits_memory or len(levels) == 1:
+        first.notes.append(auto_note(first, graph, limit, None, True))
+        return first, bd
+    before = bd.memory_bytes_per_device
+    fits = lambda i: plan_memory(graph, with_training(plan, at_level(base, levels[i])), cluster) <= limit  # noqa: E731
+    level = first_level(fits, 1, len(levels) - 1)
+    chosen = with_training(plan, at_level(base, levels[len(levels) - 1 if level is None else level]))
+    bd = price(graph, chosen, cluster, limit)
+    chosen.notes.append(auto_note(chosen, graph, limit, before, True))
+    return chosen, bd
+
+
 def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tuple[int, ...] | None = None,
            memory_gb: float | None = None, optimizer: str = "adamw", cd_time_limit_s: float = 1.0,
-           progress: Callable[[str], None] | None = None) -> SearchOutcome:
-    """Search every mesh; return the found plan and each baseline, all priced by the full cost model."""
+           progress: Callable[[str], None] | None = None, training: Training | None = None) -> SearchOutcome:
+    """Search every mesh; return the found plan and each baseline, all priced by the full cost model
+    and all carrying ``training`` (module docstring; ``recompute="auto"`` chooses per block)."""
     t0 = time.perf_counter()
+    training = training or Training()
     say = progress or (lambda _msg: None)
     if memory_gb is not None and memory_gb <= 0:
         raise PlanningError(f"--memory-gb {memory_gb}: must be a positive number of GB per device")
     limit = (memory_gb if memory_gb is not None else cluster.device.memory_gb) * 1e9
     meshes = resolve_meshes(cluster, mesh)
     graph_hash = graph.fingerprint()
+    auto = training.recompute == "auto"
+    levels = recompute_levels(graph, training) if auto else [dict(training.recompute_blocks)]
+    top = len(levels) - 1
 
-    def make_plan(name: str, form: Formulation, assignment: np.ndarray) -> tuple[Plan, CostBreakdown]:
-        sigs = form.signatures(assignment)
-        storage = {n.target: sigs.pop(n.name).outputs[0] for n in form.nodes if n.kind is NodeKind.PARAMETER}
-        roles = axis_roles(sigs, storage, len(form.mesh_shape))
-        plan = Plan(name=name, mesh=Mesh(form.mesh_shape, roles),
-                    signatures=sigs, param_storage=storage, graph_hash=graph_hash, model=model_name,
-                    cluster=cluster.name, optimizer=optimizer)
-        bd = plan_cost(graph, plan, cluster)
-        bd.memory_limit_bytes = int(limit)
-        plan.cost, plan.op_costs = bd.report(), bd.op_rows()
-        return plan, bd
+    def make_plan(name: str, form: Formulation, assignment: np.ndarray, tr: Training) -> tuple[Plan, CostBreakdown]:
+        plan = assignment_plan(name, form, assignment, graph_hash, model_name, cluster, optimizer, tr)
+        return plan, price(graph, plan, cluster, limit)
+
+    def formulation(shape: tuple[int, ...], level: int) -> Formulation:
+        return formulate(graph, cluster, shape, optimizer=optimizer, memory_limit_bytes=limit,
+                         training=at_level(training, levels[level]))
+
+    def least(form: Formulation) -> float:
+        return form.problem.min_memory()
+
+    def can_fit(form: Formulation) -> bool:
+        return least(form) <= limit + memory_tolerance(limit)
 
     baselines: dict[str, Scheme] = {}
     candidates: list[tuple[Plan, CostBreakdown]] = []
     per_mesh: list[dict] = []
     formulations: dict[tuple[int, ...], Formulation] = {}
     min_memory = math.inf
-    descended: list[tuple[tuple[int, ...], Formulation, object]] = []
+    descended: list[tuple] = []     # (mesh, formulation, search result, level, priced plan or None, its breakdown)
     for shape in meshes:
         tm = time.perf_counter()
-        form = formulate(graph, cluster, shape, optimizer=optimizer, memory_limit_bytes=limit)
+        form = formulation(shape, 0)
         formulations[shape] = form
         starts: dict[str, np.ndarray] = {}
         for spec in baseline_specs(len(shape)):
@@ -145,28 +307,70 @@ def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tupl
             if base.applicable:
                 starts[spec.name] = base.assignment
                 if is_canonical:
-                    plan, bd = make_plan(spec.name, form, base.assignment)
+                    plan = assignment_plan(spec.name, form, base.assignment, graph_hash, model_name, cluster,
+                                           optimizer, at_level(training, levels[0]))
+                    plan, bd = fit_recompute(graph, plan, cluster, limit, levels) if auto else \
+                        (plan, price(graph, plan, cluster, limit))
                     baselines[spec.name] = Scheme(spec.name, plan, bd)
             elif is_canonical:
                 baselines[spec.name] = Scheme(spec.name, None, None, base.reason)
-        try:
+        level, before, exact = 0, None, True
+        outcome = None                     # (result, plan, breakdown) at ``level``
+        while True:
+            if not can_fit(form):
+                if not auto or level == top:
+                    outcome = None
+                    break
+                if before is None:
+                    before, exact = least(form), False
+                nxt = first_level(lambda i: can_fit(formulation(shape, i)), level + 1, top)
+                if nxt is None:
+                    form = formulation(shape, top)
+                    level = top
+                    break
+                level, form = nxt, formulation(shape, nxt)
             result = coordinate_descent(form.problem, starts, time_limit_s=cd_time_limit_s)
-        except NoFeasiblePlanError as exc:
-            min_memory = min(min_memory, exc.min_memory_bytes)
-            per_mesh.append({"mesh": shape, "fits": False, "min_memory_bytes": exc.min_memory_bytes,
+            starts = {**starts, "previous level": result.assignment}
+            if not auto:
+                outcome = (result, None, None)
+                break
+            plan, bd = make_plan("found", form, result.assignment, at_level(training, levels[level]))
+            outcome = (result, plan, bd)
+            if bd.fits_memory or level == top:
+                break
+            if before is None:
+                before, exact = bd.memory_bytes_per_device, True
+            fits = lambda i: plan_memory(graph, with_training(plan, at_level(training, levels[i])),  # noqa: E731
+                                         cluster) <= limit
+            nxt = first_level(fits, level + 1, top)
+            level = top if nxt is None else nxt
+            form = formulation(shape, level)
+        if outcome is None:
+            need = least(form)
+            min_memory = min(min_memory, need)
+            per_mesh.append({"mesh": shape, "fits": False, "min_memory_bytes": need,
                              "seconds": time.perf_counter() - tm})
-            say(f"mesh {'x'.join(map(str, shape))}: nothing fits {limit / 1e9:.1f} GB per device")
+            say(f"mesh {'x'.join(map(str, shape))}: nothing fits {limit / 1e9:.1f} GB per device"
+                + (" even with every block recomputed in full" if auto else ""))
             continue
-        descended.append((shape, form, result))
+        result, plan, bd = outcome
+        formulations[shape] = form
+        if plan is not None:
+            plan.notes.append(auto_note(plan, graph, limit, before, exact))
+        descended.append((shape, form, result, level, plan, bd))
         per_mesh.append({"mesh": shape, "fits": True, "objective_s": result.cost, "start": result.start,
-                         "seconds": time.perf_counter() - tm})
+                         "seconds": time.perf_counter() - tm,
+                         "recompute": recompute_summary(at_level(training, levels[level]), graph)})
         say(f"mesh {'x'.join(map(str, shape)):>6}: {result.cost * 1e3:10.3f} ms search objective "
-            f"(from {result.start}, {time.perf_counter() - tm:.2f} s)")
+            f"(from {result.start}, {time.perf_counter() - tm:.2f} s)"
+            + (f"; {recompute_summary(at_level(training, levels[level]), graph)}" if auto else ""))
     # Only meshes near the best objective are worth the full cost model (it can only be lower).
-    best_objective = min((r.cost for _, _, r in descended), default=math.inf)
-    for shape, form, result in descended:
-        if result.cost <= NEAR_BEST * best_objective:
-            candidates.append(make_plan("found", form, result.assignment))
+    best_objective = min((r.cost for _, _, r, *_ in descended), default=math.inf)
+    for shape, form, result, level, plan, bd in descended:
+        if plan is not None:                      # auto: priced already, to decide the level
+            candidates.append((plan, bd))
+        elif result.cost <= NEAR_BEST * best_objective:
+            candidates.append(make_plan("found", form, result.assignment, at_level(training, levels[level])))
     for scheme in baselines.values():
         if scheme.plan is not None:
             candidates.append((scheme.plan, scheme.breakdown))
@@ -184,3 +388,98 @@ def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tupl
     schemes = sorted(baselines.values(), key=lambda s: order.index(s.name))
     schemes.append(Scheme("found", best_plan, best_bd))
     return SearchOutcome(best_plan, best_bd, schemes, meshes, time.perf_counter() - t0, per_mesh, formulations)
+
+
+# -- a given configuration (--degrees) ------------------------------------------------------------
+
+DEGREE_ROLES = {"dp": "dp", "fsdp": "zero", "tp": "tp"}    # --degrees role -> baseline role
+_SPEC_NAMES = {("dp",): "dp", ("zero",): "zero3", ("tp",): "tp", ("dp", "tp"): "dp_tp", ("zero", "tp"): "fsdp_tp"}
+_ROLE_WORDS = {"dp": "data parallel", "fsdp": "ZeRO-3 / FSDP", "tp": "Megatron tensor parallel"}
+
+
+def parse_degrees(text: str) -> list[tuple[str, int]]:
+    """``"dp=4,tp=8"`` -> [("dp", 4), ("tp", 8)] (outer axis first); a clear error for anything else."""
+    out: list[tuple[str, int]] = []
+    for part in [p.strip() for p in str(text).split(",") if p.strip()]:
+        role, sep, value = part.partition("=")
+        role = role.strip().lower()
+        if not sep:
+            raise PlanningError(f"--degrees {text}: {part!r} is not ROLE=DEGREE; e.g. --degrees dp=4,tp=8")
+        if role not in DEGREE_ROLES:
+            raise PlanningError(f"--degrees {text}: unknown role {role!r}; the roles are "
+                                f"{', '.join(DEGREE_ROLES)} (e.g. --degrees fsdp=8 or dp=4,tp=8)")
+        try:
+            degree = int(value)
+        except ValueError:
+            degree = 0
+        if degree < 1:
+            raise PlanningError(f"--degrees {text}: {role}={value.strip()} is not a positive integer degree")
+        if role in dict(out):
+            raise PlanningError(f"--degrees {text}: role {role} is given twice; give each role once")
+        out.append((role, degree))
+    if not out:
+        raise PlanningError(f"--degrees {text!r}: give at least one ROLE=DEGREE, e.g. --degrees fsdp=8")
+    return out
+
+
+def degrees_text(degrees: list[tuple[str, int]]) -> str:
+    return ",".join(f"{r}={d}" for r, d in degrees)
+
+
+def data_parallel_degree(degrees: list[tuple[str, int]]) -> int:
+    """How many ways the batch is split: the product of the dp and fsdp degrees."""
+    return math.prod(d for r, d in degrees if r in ("dp", "fsdp"))
+
+
+def degrees_spec(degrees: list[tuple[str, int]], cluster: Cluster) -> tuple[BaselineSpec, tuple[int, ...]]:
+    """The expert plan and mesh of ``degrees`` on ``cluster``, after checking them (errors name the
+    degree and every device count involved). Degree-1 roles take no mesh axis."""
+    text = degrees_text(degrees)
+    n, per_node = cluster.num_devices, cluster.devices_per_node
+    for role, d in degrees:
+        if n % d:
+            raise PlanningError(f"--degrees {text}: {role}={d} does not divide the {n} devices of cluster "
+                                f"{cluster.name}; each degree must divide the device count")
+    if math.prod(d for _, d in degrees) != n:
+        product = " x ".join(f"{r}={d}" for r, d in degrees)
+        raise PlanningError(f"--degrees {text}: {product} = {math.prod(d for _, d in degrees)} devices, but cluster "
+                            f"{cluster.name} has {n}; give degrees whose product is {n} (or --devices "
+                            f"{math.prod(d for _, d in degrees)})")
+    axes = [(r, d) for r, d in degrees if d > 1] or [degrees[0]]
+    roles = [r for r, _ in axes]
+    if "tp" in roles and roles[-1] != "tp":
+        raise PlanningError(f"--degrees {text}: tp must be the innermost (last) degree, inside a node; "
+                            f"e.g. --degrees {','.join(f'{r}={d}' for r, d in axes if r != 'tp')},tp={dict(axes)['tp']}")
+    if len(axes) > 1 and per_node > 1 and per_node % axes[-1][1]:
+        raise PlanningError(f"--degrees {text}: the innermost degree {axes[-1][0]}={axes[-1][1]} must divide the "
+                            f"{per_node} devices of a node (it runs inside one); put the axis that spans nodes first")
+    base_roles = tuple(DEGREE_ROLES[r] for r in roles)
+    name = _SPEC_NAMES.get(base_roles, "_".join(roles))
+    words = ", ".join(f"{_ROLE_WORDS[r]} over {d}" for r, d in axes)
+    return BaselineSpec(name, base_roles, words), tuple(d for _, d in axes)
+
+
+def price_degrees(graph: OpGraph, cluster: Cluster, degrees: list[tuple[str, int]], *, model_name: str = "",
+                  memory_gb: float | None = None, optimizer: str = "adamw",
+                  training: Training | None = None) -> Scheme:
+    """The expert configuration ``degrees`` (``parse_degrees``) built as a baseline on its mesh and
+    priced under ``training`` by the full cost model (``recompute="auto"``: the first recompute level
+    at which it fits). Raises PlanningError when it does not apply, saying why."""
+    training = training or Training()
+    text = degrees_text(degrees)
+    spec, shape = degrees_spec(degrees, cluster)
+    limit = (memory_gb if memory_gb is not None else cluster.device.memory_gb) * 1e9
+    levels = recompute_levels(graph, training) if training.recompute == "auto" else [dict(training.recompute_blocks)]
+    form = formulate(graph, cluster, shape, optimizer=optimizer, memory_limit_bytes=limit,
+                     training=at_level(training, levels[0]))
+    base = build_baseline(form, spec)
+    if not base.applicable:
+        raise PlanningError(f"--degrees {text}: {spec.description} does not apply to "
+                            f"{graph.model_name or 'this model'}: {base.reason}")
+    plan = assignment_plan(spec.name, form, base.assignment, graph.fingerprint(), model_name, cluster, optimizer,
+                           at_level(training, levels[0]))
+    plan.notes.append(f"the configuration given by --degrees {text}: {spec.description}, priced as given "
+                      "(not searched)")
+    plan, bd = fit_recompute(graph, plan, cluster, limit, levels) if len(levels) > 1 else \
+        (plan, price(graph, plan, cluster, limit))
+    return Scheme(text, plan, bd)
