@@ -1,26 +1,42 @@
-"""``autoddl plan``, ``autoddl compare`` and ``autoddl explain``: the planner on the command line."""
+"""``autoddl plan``, ``autoddl compare`` and ``autoddl explain``: the planner on the command line.
+
+Training settings (``--precision``, ``--reduce-dtype``, ``--recompute``, ``--bucket-mb``, the batch
+sizes) go into the ``Training`` every plan carries; the model is traced under ``--precision`` at the
+micro-step batch ``--micro-batch-size`` x the data-parallel degree (every device for the search; the
+dp and fsdp degrees for ``--degrees``), and ``--global-batch-size`` / that batch micro-steps make
+one optimizer step.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import textwrap
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
+import pandas as pd
 
-from autoddl.api import schemes_frame, search_model
+from autoddl.api import schemes_frame
 from autoddl.cli import EXPECTED_ERRORS, add_model_options, common_options, model_overrides, register, table
 from autoddl.cluster import DEFAULT_CLUSTER_PATH, Cluster
-from autoddl.graph import NodeKind
-from autoddl.loader import load_model_file, trace_model_file
+from autoddl.graph import NodeKind, OpGraph
+from autoddl.loader import ModelFile, ModelFileError, load_for_plan, load_model_file
 from autoddl.ops import coverage_report
 from autoddl.plan import Mesh, Plan
-from autoddl.trace import trace
-from search.planner import SCHEMES, resolve_cluster
+from autoddl.training import DEFAULT_BUCKET_MB, DTYPES, RECOMPUTE_CHOICES, RECOMPUTE_POLICIES, Training
+from search.planner import (SCHEMES, Scheme, SearchOutcome, data_parallel_degree, degrees_spec, parse_degrees,
+                            price_degrees, recompute_blocks, resolve_cluster, search)
 from search.problem import NoFeasiblePlanError
 
 EXPECTED_ERRORS.append(NoFeasiblePlanError)
+
+PRECISIONS = tuple(DTYPES)                     # fp32, bf16, fp16
+VARIANT_PRECISIONS = ("fp32", "bf16")          # compare --variants: precision x recompute
+VARIANT_RECOMPUTE = RECOMPUTE_POLICIES         # none, selective, full
+NO_LIMIT_GB = 1e9                              # a variant nothing fits in is shown searched without a limit
 
 
 def _add_search_options(p: argparse.ArgumentParser) -> None:
@@ -31,37 +47,243 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", metavar="AxB", help="search only this mesh shape, e.g. 2x4")
     p.add_argument("--memory-gb", type=float, metavar="X", help="per-device memory limit (default: the device's)")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+    t = p.add_argument_group("training settings")
+    t.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="compute dtype of parameters and activations (FSDP2's param_dtype); bf16 / fp16 keep "
+                        "float32 master weights and optimizer states (default fp32)")
+    t.add_argument("--reduce-dtype", choices=PRECISIONS, help="dtype gradients are reduced in (default: --precision)")
+    t.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="none",
+                   help="activation recompute per repeated block: none, selective (recompute all but matmul "
+                        "outputs), full, or auto (the planner chooses per block under the memory limit)")
+    t.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB, metavar="MB",
+                   help=f"gradient-sync bucket size (default {DEFAULT_BUCKET_MB:g}, as DDP)")
+    t.add_argument("--micro-batch-size", type=int, metavar="M",
+                   help="samples per data-parallel rank per micro-step (sets the inputs' batch dim)")
+    t.add_argument("--global-batch-size", type=int, metavar="G",
+                   help="samples per optimizer step: G / (M x data-parallel degree) micro-steps")
+    t.add_argument("--degrees", metavar="ROLE=N,...",
+                   help="price this expert configuration beside the found plan, e.g. fsdp=8 or dp=4,tp=8 "
+                        "(roles dp, fsdp, tp; outer axis first, tp innermost)")
+    t.add_argument("--no-search", action="store_true", help="with --degrees: price the given configuration only")
+    p.add_argument("--memory-breakdown", action="store_true",
+                   help="memory per device by category: parameters (masters, working copies, gathered), "
+                        "gradients, optimizer states, activations (saved and recomputed), other")
 
 
-def _search(args: argparse.Namespace, progress):
-    t0 = time.perf_counter()
+def training_of(args: argparse.Namespace) -> Training:
+    """The Training of the command line's settings (one micro-step; the batch flags set micro_batches)."""
+    return Training(bucket_mb=args.bucket_mb, param_dtype=args.precision, reduce_dtype=args.reduce_dtype,
+                    recompute=args.recompute)
+
+
+def step_batch(micro_batch: int | None, global_batch: int | None, dp_degree: int) -> tuple[int | None, int]:
+    """(the traced micro-step's batch M x D, micro-steps G / (M x D)) for data-parallel degree D;
+    (None, 1) without the flags: the model file's own batch, one micro-step. Only G: M = G / D."""
+    for flag, value in (("--micro-batch-size", micro_batch), ("--global-batch-size", global_batch)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be a positive number of samples")
+    if micro_batch is None and global_batch is None:
+        return None, 1
+    if micro_batch is None:
+        if global_batch % dp_degree:
+            raise ValueError(f"--global-batch-size {global_batch} does not split over the data-parallel degree "
+                             f"{dp_degree}; give a multiple of {dp_degree}, or --micro-batch-size too")
+        return global_batch, 1
+    batch = micro_batch * dp_degree
+    if global_batch is None:
+        return batch, 1
+    if global_batch % batch:
+        raise ValueError(f"--global-batch-size {global_batch} / (--micro-batch-size {micro_batch} x data-parallel "
+                         f"degree {dp_degree} = {batch}) = {global_batch / batch:g} micro-steps, not a positive "
+                         f"integer; give a global batch that is a multiple of {batch}")
+    return batch, global_batch // batch
+
+
+@dataclass
+class Planned:
+    """What `plan` / `compare` computed: the search's outcome and the --degrees configuration."""
+
+    mf: ModelFile
+    cluster: Cluster                                   # as the file says
+    planned: Cluster                                   # resized to --devices
+    outcome: SearchOutcome | None
+    given: Scheme | None
+    graph: OpGraph                                     # the found plan's (else the given one's)
+    trace_s: float
+    search_error: str = ""                             # why the search found nothing (with --degrees)
+    graphs: dict = field(default_factory=dict)         # (batch, param_dtype) -> traced graph
+
+    @property
+    def schemes(self) -> list[Scheme]:
+        return (list(self.outcome.schemes) if self.outcome else []) + ([self.given] if self.given else [])
+
+
+class _Tracer:
+    """Traces the model file once per (micro-step batch, precision)."""
+
+    def __init__(self, args: argparse.Namespace, mf: ModelFile):
+        self.args, self.mf, self.graphs, self.seconds = args, mf, {}, 0.0
+
+    def __call__(self, dp_degree: int, training: Training) -> tuple[OpGraph, int | None, Training]:
+        batch, k = step_batch(self.args.micro_batch_size, self.args.global_batch_size, dp_degree)
+        key = (batch, training.param_dtype)
+        if key not in self.graphs:
+            t0 = time.perf_counter()
+            self.graphs[key] = (self.mf.with_batch_size(batch) if batch else self.mf).trace(training.param_dtype)
+            self.seconds += time.perf_counter() - t0
+        return self.graphs[key], batch, dataclasses.replace(training, micro_batches=k)
+
+
+def _provenance(scheme: Scheme | None, args: argparse.Namespace, overrides: dict, batch: int | None,
+                mf: ModelFile) -> None:
+    if scheme is not None and scheme.plan is not None:
+        scheme.plan.set_provenance(model_file=mf.path, model_args=overrides, cluster_file=args.cluster)
+        scheme.plan.batch_size = batch
+
+
+def _search(args: argparse.Namespace, progress, training: Training | None = None,
+            tracer: _Tracer | None = None) -> Planned:
     overrides = model_overrides(args)
-    mf, graph = trace_model_file(args.model_py, **overrides)
-    trace_s = time.perf_counter() - t0
+    training = training or training_of(args)
     cluster = Cluster.from_yaml(args.cluster)
+    planned = resolve_cluster(cluster, args.devices)
     mesh = Mesh.parse(args.mesh).shape if args.mesh else None
-    outcome = search_model(graph, cluster, devices=args.devices, mesh=mesh, memory_gb=args.memory_gb,
-                           optimizer=args.optimizer, progress=progress)
-    for scheme in outcome.schemes:
-        if scheme.plan is not None:
-            scheme.plan.set_provenance(model_file=mf.path, model_args=overrides, cluster_file=args.cluster)
-    return mf, graph, cluster, outcome, trace_s
+    degrees = parse_degrees(args.degrees) if args.degrees else None
+    if degrees:
+        degrees_spec(degrees, planned)                 # refuse bad degrees before tracing
+    elif args.no_search:
+        raise ValueError("--no-search prices only a given configuration: add --degrees, e.g. --degrees fsdp=8")
+    tracer = tracer or _Tracer(args, load_model_file(args.model_py, **overrides))
+    mf = tracer.mf
+    outcome, given, graph, error = None, None, None, ""
+    if not args.no_search:
+        graph, batch, tr = tracer(planned.num_devices, training)
+        try:
+            outcome = search(graph, planned, model_name=graph.model_name, mesh=mesh, memory_gb=args.memory_gb,
+                             optimizer=args.optimizer, progress=progress, training=tr)
+        except NoFeasiblePlanError as exc:
+            if not degrees:
+                raise
+            error = str(exc)
+        for scheme in outcome.schemes if outcome else ():
+            _provenance(scheme, args, overrides, batch, mf)
+    if degrees:
+        g2, batch2, tr2 = tracer(data_parallel_degree(degrees), training)
+        given = price_degrees(g2, planned, degrees, model_name=g2.model_name, memory_gb=args.memory_gb,
+                              optimizer=args.optimizer, training=tr2)
+        _provenance(given, args, overrides, batch2, mf)
+        graph = graph or g2
+    return Planned(mf, cluster, planned, outcome, given, graph, tracer.seconds, error, tracer.graphs)
 
 
-def _print_schemes(outcome) -> None:
-    df = schemes_frame(outcome)
+# -- tables ---------------------------------------------------------------------------------------
+
+MEMORY_PARTS = {            # --memory-breakdown column -> costmodel/memory.py categories
+    "params GB": ("parameters", "working_params", "gathered_params"),
+    "grads GB": ("gradients",),
+    "optim GB": ("optimizer_states",),
+    "activ GB": ("activations", "recomputed"),
+    "other GB": ("buffers", "boxing_buffer"),
+}
+
+
+def _recompute_label(plan: Plan, graph: OpGraph | None) -> str:
+    """``none`` / ``selective`` / ``full`` / ``30 sel + 2 full`` of the plan's blocks."""
+    blocks = recompute_blocks(graph) if graph is not None else list(plan.training.recompute_blocks)
+    policies = [plan.training.recompute_of(b) for b in blocks]
+    if not policies or all(p == "none" for p in policies):
+        return "none"
+    if len(set(policies)) == 1:
+        return policies[0]
+    counts = {p: policies.count(p) for p in ("selective", "full") if p in policies}
+    return " + ".join(f"{n} {'sel' if p == 'selective' else p}" for p, n in counts.items())
+
+
+def _rate_column(schemes: list[Scheme]) -> str:
+    costs = [s.plan.cost for s in schemes if s.plan is not None and s.plan.cost is not None]
+    return "tok/s/dev" if any(c.tokens_per_s is not None for c in costs) else "samples/s/dev"
+
+
+def _rate(plan: Plan) -> str:
+    c = plan.cost
+    rate = c.tokens_per_s if c.tokens_per_s is not None else c.samples_per_s
+    return f"{rate / plan.devices:,.0f}" if rate is not None else "-"
+
+
+def _memory_cells(bd, breakdown: bool) -> tuple[str, ...]:
+    if not breakdown:
+        return (f"{bd.memory_bytes_per_device / 1e9:.3f}",)
+    return tuple(f"{sum(bd.memory.get(c, 0) for c in cats) / 1e9:.3f}" for cats in MEMORY_PARTS.values()) + \
+        (f"{bd.memory_bytes_per_device / 1e9:.3f}",)
+
+
+def _memory_header(breakdown: bool) -> tuple[str, ...]:
+    return tuple(MEMORY_PARTS) + ("memory GB",) if breakdown else ("memory GB",)
+
+
+def _print_schemes(schemes: list[Scheme], graphs: dict[str, OpGraph | None], breakdown: bool = False) -> None:
+    """One row per scheme: step time, its parts, recompute (when any), throughput, memory."""
     rows, skipped = [], []
-    for r in df.to_dict("records"):
-        if not r["applicable"]:
-            skipped.append(f"{r['scheme']}: not applicable: {r['reason']}")
+    show_recompute = any(s.plan is not None and _recompute_label(s.plan, graphs.get(s.name)) != "none"
+                         for s in schemes)
+    for s in schemes:
+        if s.plan is None:
+            skipped.append(f"{s.name}: not applicable: {s.reason}")
             continue
-        rows.append((r["scheme"], r["mesh"], f"{r['step_ms']:.3f}", f"{r['compute_ms']:.3f}",
-                     f"{r['boxing_fwd_ms'] + r['boxing_bwd_ms']:.3f}", f"{r['grad_sync_ms']:.3f}",
-                     f"{r['optimizer_ms']:.3f}", f"{r['memory_gb']:.3f}", "yes" if r["fits_memory"] else "NO"))
-    print(table(("scheme", "mesh", "step ms", "compute ms", "boxing ms", "grad sync ms", "optimizer ms",
-                  "memory GB", "fits"), rows))
+        bd, c = s.breakdown, s.plan.cost
+        rows.append((s.name, str(s.plan.mesh), f"{bd.step_time_s * 1e3:.3f}", f"{bd.compute_s * 1e3:.3f}",
+                     f"{(bd.boxing_forward_s + bd.boxing_backward_s) * 1e3:.3f}", f"{bd.grad_sync_s * 1e3:.3f}",
+                     f"{bd.optimizer_s * 1e3:.3f}")
+                    + ((_recompute_label(s.plan, graphs.get(s.name)),) if show_recompute else ())
+                    + (_rate(s.plan), f"{c.model_tflops_per_device:.1f}" if c.model_tflops_per_device else "-")
+                    + _memory_cells(bd, breakdown) + ("yes" if bd.fits_memory else "NO",))
+    header = (("scheme", "mesh", "step ms", "compute ms", "boxing ms", "grad sync ms", "optimizer ms")
+              + (("recompute",) if show_recompute else ()) + (_rate_column(schemes), "TFLOP/s/dev")
+              + _memory_header(breakdown) + ("fits",))
+    numeric = [i for i, h in enumerate(header) if h not in ("scheme", "mesh", "recompute", "fits")]
+    print(table(header, rows, numeric=numeric))
     for line in skipped:
         print(line)
+
+
+def _graphs_by_scheme(result: Planned) -> dict[str, OpGraph | None]:
+    out: dict[str, OpGraph | None] = {s.name: result.graph for s in (result.outcome.schemes if result.outcome else [])}
+    if result.given is not None:
+        p = result.given.plan
+        out[result.given.name] = result.graphs.get((p.batch_size, p.training.param_dtype), result.graph)
+    return out
+
+
+def _training_line(training: Training, result: Planned, args: argparse.Namespace) -> str:
+    reduce = training.grad_reduce_dtype
+    precision = next(k for k, v in DTYPES.items() if v == training.param_dtype)
+    text = (f"training: {precision}" + (f" (gradients reduced in {next(k for k, v in DTYPES.items() if v == reduce)})"
+                                        if reduce != training.param_dtype else "")
+            + f", recompute {args.recompute}, buckets {training.bucket_mb:g} MB")
+    plan = result.outcome.found if result.outcome else result.given.plan if result.given else None
+    if plan is not None and plan.batch_size:
+        k = plan.training.micro_batches
+        text += (f", micro-step batch {plan.batch_size} (all data-parallel ranks), {k} micro-step{'s' * (k != 1)}, "
+                 f"global batch {plan.batch_size * k}")
+    else:
+        try:
+            text += f", the model file's batch ({result.mf.batch_size}), 1 micro-step"
+        except ModelFileError:
+            text += ", the model file's batch, 1 micro-step"
+    return text
+
+
+def _plan_line(label: str, plan: Plan, bd) -> str:
+    c = plan.cost
+    line = (f"{label}: mesh {plan.mesh}, predicted {bd.step_time_s * 1e3:.3f} ms per step, "
+            f"{bd.memory_bytes_per_device / 1e9:.3f} GB per device")
+    if c.tokens_per_s is not None:
+        line += f", {c.tokens_per_s / plan.devices:,.0f} tokens/s per device"
+    elif c.samples_per_s is not None:
+        line += f", {c.samples_per_s / plan.devices:,.1f} samples/s per device"
+    if c.model_tflops_per_device:
+        line += f", {c.model_tflops_per_device:.1f} model TFLOP/s per device"
+    return line + ("" if bd.fits_memory else " (does NOT fit)")
 
 
 @register
@@ -72,47 +294,62 @@ def add_plan(subparsers) -> None:
     _add_search_options(p)
     p.add_argument("--out", default="plan.json", metavar="PLAN_JSON", help="where to write the plan")
     p.add_argument("--scheme", default="found", choices=SCHEMES,
-                   help="which plan to write: found (default) or a baseline")
+                   help="which plan to write: found (default) or a baseline (with --degrees: the given one)")
     p.add_argument("--verbose", action="store_true", help="print the per-op table of the found plan")
     p.set_defaults(func=run_plan)
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    mf, graph, cluster, outcome, trace_s = _search(args, progress=lambda m: print("  " + m, file=sys.stderr))
-    found, bd = outcome.found, outcome.found_breakdown
+    result = _search(args, progress=lambda m: print("  " + m, file=sys.stderr))
+    mf, graph, cluster, outcome, given = result.mf, result.graph, result.cluster, result.outcome, result.given
     print(f"model:    {mf.name} ({mf.path}) {graph.parameter_count / 1e6:,.1f}M parameters, "
-          f"{len(graph.ops())} ops, traced in {trace_s:.2f} s")
-    planned = resolve_cluster(cluster, args.devices)
+          f"{len(graph.ops())} ops, traced in {result.trace_s:.2f} s")
+    planned = result.planned
     print(f"cluster:  {cluster.summary()}")
     if planned.num_devices != cluster.num_devices:
         print(f"planned:  {planned.nodes}x{planned.devices_per_node} of {cluster.name} (--devices {args.devices})")
-    print(f"searched: meshes {', '.join('x'.join(map(str, m)) for m in outcome.meshes)} "
-          f"in {outcome.search_s:.2f} s")
+    print(_training_line(training_of(args), result, args))
+    if outcome is not None:
+        print(f"searched: meshes {', '.join('x'.join(map(str, m)) for m in outcome.meshes)} "
+              f"in {outcome.search_s:.2f} s")
     print()
-    _print_schemes(outcome)
+    _print_schemes(result.schemes, _graphs_by_scheme(result), args.memory_breakdown)
     print()
-    best = outcome.best_baseline
-    line = f"found plan: mesh {found.mesh}, predicted {bd.step_time_s * 1e3:.3f} ms per step, " \
-           f"{bd.memory_bytes_per_device / 1e9:.3f} GB per device"
-    if best is not None:
-        line += f"; {best.step_time_s / bd.step_time_s:.2f}x the speed of the best baseline " \
-                f"({best.name}, {best.step_time_s * 1e3:.3f} ms)"
-    print(line)
-    for note in found.notes:
-        print(f"note: {note}")
+    if outcome is not None:
+        found, bd = outcome.found, outcome.found_breakdown
+        line = _plan_line("found plan", found, bd)
+        best = outcome.best_baseline
+        if best is not None:
+            line += f"; {best.step_time_s / bd.step_time_s:.2f}x the speed of the best baseline " \
+                    f"({best.name}, {best.step_time_s * 1e3:.3f} ms)"
+        print(line)
+        for note in found.notes:
+            print(f"note: {note}")
+    elif result.search_error:
+        print(f"search: {result.search_error}")
+    if given is not None:
+        line = _plan_line(f"given {given.name}", given.plan, given.breakdown)
+        if outcome is not None:
+            line += f"; the found plan is {given.step_time_s / outcome.found_breakdown.step_time_s:.2f}x its speed"
+        print(line)
+        for note in given.plan.notes:
+            print(f"note: {note}")
     for line in coverage_report(graph).lines():
         print(f"warning: {line}")
-    chosen = next((s for s in outcome.schemes if s.name == args.scheme), None)
-    if chosen is None or chosen.plan is None:
-        why = chosen.reason if chosen is not None else "no such scheme"
-        raise ValueError(f"--scheme {args.scheme}: {why}; choose one of "
-                         f"{', '.join(s.name for s in outcome.schemes if s.plan is not None)}")
+    if given is not None:
+        chosen = given
+    else:
+        chosen = next((s for s in outcome.schemes if s.name == args.scheme), None)
+        if chosen is None or chosen.plan is None:
+            why = chosen.reason if chosen is not None else "no such scheme"
+            raise ValueError(f"--scheme {args.scheme}: {why}; choose one of "
+                             f"{', '.join(s.name for s in outcome.schemes if s.plan is not None)}")
     if args.verbose:
         print()
         print(chosen.plan.summary().to_string(index=False))
     chosen.plan.save(args.out)
-    print(f"wrote {args.out} ({chosen.name} plan)")
-    _print_next(args.out, chosen.plan, resolve_cluster(cluster, args.devices))
+    print(f"wrote {args.out} ({chosen.plan.name} plan{' given by --degrees ' + chosen.name if given else ''})")
+    _print_next(args.out, chosen.plan, planned)
     return 0
 
 
@@ -134,23 +371,105 @@ def add_compare(subparsers) -> None:
     p = subparsers.add_parser("compare", parents=[common_options()],
                               help="every scheme's predicted breakdown, as a table and a chart")
     _add_search_options(p)
+    p.add_argument("--variants", action="store_true",
+                   help="also each precision x recompute variant (fp32/bf16 x none/selective/full) of the found "
+                        "plan and the baselines: step time and memory")
     p.add_argument("--plot", metavar="PNG", help="write a stacked bar chart of the breakdowns")
     p.add_argument("--csv", metavar="CSV", help="write the table as CSV")
     p.set_defaults(func=run_compare)
 
 
+def _frame(schemes: list[Scheme]) -> pd.DataFrame:
+    """schemes_frame's columns, plus throughput and the memory categories (GB)."""
+    df = schemes_frame(SearchOutcome(None, None, schemes, [], 0.0))
+    extra = []
+    for s in schemes:
+        row: dict = {}
+        if s.plan is not None and s.plan.cost is not None:
+            c = s.plan.cost
+            row = {"tokens_per_s": c.tokens_per_s, "samples_per_s": c.samples_per_s,
+                   "model_tflops_per_device": c.model_tflops_per_device,
+                   "precision": s.plan.training.param_dtype, "recompute": _recompute_label(s.plan, None),
+                   "micro_batches": s.plan.training.micro_batches}
+            row.update({name.replace(" GB", "_gb"): sum(s.breakdown.memory.get(k, 0) for k in cats) / 1e9
+                        for name, cats in MEMORY_PARTS.items()})
+        extra.append(row)
+    return pd.concat([df, pd.DataFrame(extra)], axis=1)
+
+
 def run_compare(args: argparse.Namespace) -> int:
-    mf, graph, cluster, outcome, _ = _search(args, progress=None)
-    print(f"{mf.name} on {cluster.name}:")
-    _print_schemes(outcome)
-    df = schemes_frame(outcome)
+    if args.variants:
+        return _run_variants(args)
+    result = _search(args, progress=None)
+    print(f"{result.mf.name} on {result.cluster.name}:")
+    _print_schemes(result.schemes, _graphs_by_scheme(result), args.memory_breakdown)
+    if result.search_error:
+        print(f"search: {result.search_error}")
+    df = _frame(result.schemes)
+    _write_outputs(args, df, f"{result.mf.name} on {result.cluster.name}")
+    return 0
+
+
+def _write_outputs(args: argparse.Namespace, df: pd.DataFrame, title: str) -> None:
     if args.csv:
         df.to_csv(args.csv, index=False)
         print(f"wrote {args.csv}")
     if args.plot:
         from autoddl.charts import breakdown_chart
 
-        breakdown_chart(df, f"{mf.name} on {cluster.name}", args.plot)
+        breakdown_chart(df, title, args.plot)
+        print(f"wrote {args.plot}")
+
+
+def _run_variants(args: argparse.Namespace) -> int:
+    """Each precision x recompute variant: the search (found plan and baselines) under it. A variant
+    in which nothing fits is searched without the limit, to show what it would need."""
+    overrides = model_overrides(args)
+    tracer = _Tracer(args, load_model_file(args.model_py, **overrides))
+    frames, rows = [], []
+    title = ""
+    for precision in VARIANT_PRECISIONS:
+        for recompute in VARIANT_RECOMPUTE:
+            label = f"{precision}/{recompute}"
+            training = dataclasses.replace(training_of(args), param_dtype=precision, recompute=recompute)
+            try:
+                result = _search(args, progress=None, training=training, tracer=tracer)
+                note = ""
+            except NoFeasiblePlanError as exc:
+                unlimited = argparse.Namespace(**{**vars(args), "memory_gb": NO_LIMIT_GB})
+                result = _search(unlimited, progress=None, training=training, tracer=tracer)
+                limit = exc.memory_limit_bytes
+                for s in result.schemes:
+                    if s.breakdown is not None:
+                        s.breakdown.memory_limit_bytes = int(limit)
+                note = "nothing fits: searched without the memory limit"
+            title = f"{result.mf.name} on {result.cluster.name}"
+            for s in result.schemes:
+                if s.plan is None:
+                    continue
+                bd = s.breakdown
+                rows.append((label, s.name + (" *" if note and s.name == "found" else ""), str(s.plan.mesh),
+                             f"{bd.step_time_s * 1e3:.3f}", _rate(s.plan))
+                            + _memory_cells(bd, args.memory_breakdown) + ("yes" if bd.fits_memory else "NO",))
+            df = _frame(result.schemes)
+            df.insert(0, "variant", label)
+            frames.append(df)
+    header = ("variant", "scheme", "mesh", "step ms", _rate_column(result.schemes)) + \
+        _memory_header(args.memory_breakdown) + ("fits",)
+    numeric = [i for i, h in enumerate(header) if h not in ("variant", "scheme", "mesh", "fits")]
+    print(f"{title}: precision x recompute variants")
+    print(table(header, rows, numeric=numeric))
+    if any(r[1].endswith(" *") for r in rows):
+        print("* nothing fits this variant's memory limit: the plan shown was searched without it")
+    df = pd.concat(frames, ignore_index=True)
+    plot = df.assign(scheme=df["variant"] + " " + df["scheme"])
+    if args.csv:
+        df.to_csv(args.csv, index=False)
+        print(f"wrote {args.csv}")
+    if args.plot:
+        from autoddl.charts import breakdown_chart
+
+        breakdown_chart(plot, f"{title}: precision x recompute", args.plot)
         print(f"wrote {args.plot}")
     return 0
 
@@ -188,7 +507,7 @@ def run_explain(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan_json)
     mf, graph = _traced_for(plan, args.plan_json)
     cluster = Cluster.from_yaml(plan.cluster_file or DEFAULT_CLUSTER_PATH).resized(plan.mesh.size)
-    form = formulate(graph, cluster, plan.mesh.shape, optimizer=plan.optimizer)
+    form = formulate(graph, cluster, plan.mesh.shape, optimizer=plan.optimizer, training=plan.training)
     picked = [i for i, n in enumerate(form.nodes) if n.kind is NodeKind.OP and (not args.op or _matches(n, args.op))]
     if args.op and not picked:
         raise ValueError(f"--op {args.op}: no op, module path or parameter of {mf.name} is called that; see "
@@ -217,8 +536,8 @@ def _traced_for(plan: Plan, path: str):
     """The model file the plan was made for, traced; refuses a graph the plan was not made for."""
     if not plan.model:
         raise ValueError(f"{path}: the plan names no model file; re-run `autoddl plan MODEL_PY`")
-    mf = load_model_file(plan.model, **plan.model_args)
-    graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name)
+    mf = load_for_plan(plan)
+    graph = mf.trace(plan.training.param_dtype)
     if graph.fingerprint() != plan.graph_hash:
         raise ValueError(f"{path} was made for another graph of {plan.model} (hash {plan.graph_hash}, "
                          f"now {graph.fingerprint()}); re-run `autoddl plan`")
