@@ -25,9 +25,9 @@ collectives of the edges they box (``full``; ``selective`` keeps matmul and coll
 it recomputes element-wise work only). A resharded ZeRO-3 group is gathered again before.
 
 Micro-steps (``Training.micro_batches`` = k): the one-micro-step program runs k times; the
-micro-steps before the last skip the gradient all-reduces (DDP's ``no_sync``: gradients accumulate
-locally) but keep reduce-scatters (sharded gradients are reduced every micro-step, as FSDP does);
-the optimizer runs once, after the last.
+micro-steps before the last skip the gradient syncs that are not reduce-scatters alone (DDP's
+``no_sync``: gradients accumulate locally) but keep reduce-scatters (sharded gradients are reduced
+every micro-step, as FSDP does): ``syncs_every_micro_step``; the optimizer runs once, after the last.
 
 Mixed precision: gradients cross the network in ``Training.grad_reduce_dtype``; the graph (traced
 under the policy) already holds activations and parameter working copies in ``param_dtype``.
@@ -51,7 +51,7 @@ from autoddl.plan import Plan
 from autoddl.precision import itemsize
 from autoddl.program import (COMPUTE, BoxKey, Bucket, EdgeBox, GatherGroup, InputSource, ParamUse, StepProgram,
                              Task, block_of, comm_stream, layer_group, layout_of, recomputed_ops, requires_grad, signature_of,
-                             storage_of, work_divisor)
+                             storage_of, syncs_every_micro_step, work_divisor)
 from autoddl.sbp import NdSbp, Partial, Signature
 
 def consumer_grad(sig: Signature, slot: int, deferred: frozenset[int]) -> NdSbp:
@@ -122,6 +122,7 @@ class _Lowering:
         self.gather_task: dict[int, int] = {}              # gather group -> its task
         self.wait_for: list[int] = []                      # prefetched gathers the next op waits for
         self.deferred: dict[str, frozenset[int]] = {}      # op -> axes its output gradient arrives P on
+        self.deferred_syncs: set[int] = set()              # sync tasks only the last micro-step runs
 
     def run(self) -> StepProgram:
         ops = self.graph.ops()
@@ -140,7 +141,8 @@ class _Lowering:
         self.loss_output()
         self.pack_buckets(ops)
         self.backward(ops)
-        self.prog.tasks, ids = repeat_micro_steps(self.prog.tasks, self.plan.training.micro_batches, self.last)
+        self.prog.tasks, ids = repeat_micro_steps(self.prog.tasks, self.plan.training.micro_batches, self.last,
+                                                      self.deferred_syncs)
         self.async_tasks = [new for step in ids for old in self.async_tasks for new in step[old]]
         self.last = ids[-1][self.last][-1] if self.last is not None and ids[-1][self.last] else self.last
         self.optimizer()
@@ -369,7 +371,10 @@ class _Lowering:
                     self.launch_ready_buckets(remaining, node.name)
         for use in self.prog.param_uses:              # the rest, at the end of backward
             if use.grad is not None and use.bucket < 0:
+                first = len(self.prog.tasks)
                 self.emit_moves(use.grad_sync, "grad_sync", use.fqn, use.fqn)
+                if not syncs_every_micro_step([use]):
+                    self.deferred_syncs.update(range(first, len(self.prog.tasks)))
 
     def recompute(self, block_ops: list[OpNode]) -> None:
         """The block's recomputed ops forward again (module docstring), each after the forward
@@ -395,6 +400,8 @@ class _Lowering:
             task = self.emit(host=False, deps=deps, phase="grad_sync", stream=comm_stream(b.axis), op=op,
                              collective=b.kind, axis=b.axis, nbytes=b.nbytes, tensor=f"bucket{b.index}")
             self.bucket_tasks.append(task.id)
+            if not syncs_every_micro_step([self.prog.param_uses[i] for i in b.uses]):
+                self.deferred_syncs.add(task.id)
 
     def optimizer(self) -> None:
         syncs = tuple(t.id for t in self.prog.tasks if t.phase == "grad_sync") + tuple(self.async_tasks)
@@ -406,15 +413,11 @@ def _with_bucket(use: ParamUse, bucket: int) -> ParamUse:
     return replace(use, bucket=bucket)
 
 
-def skipped_before_last(task: Task) -> bool:
-    """A task the micro-steps before the last do not run: a gradient all-reduce (``no_sync``)."""
-    return task.phase == "grad_sync" and task.collective is CollectiveKind.ALL_REDUCE
-
-
-def repeat_micro_steps(tasks: list[Task], k: int, last_host: int | None
+def repeat_micro_steps(tasks: list[Task], k: int, last_host: int | None, deferred_syncs: set[int]
                        ) -> tuple[list[Task], list[dict[int, tuple[int, ...]]]]:
     """``tasks`` (one micro-step, no optimizer) run ``k`` times (module docstring): each earlier
-    micro-step without its gradient all-reduces, each micro-step's first task after the previous
+    micro-step without the ``deferred_syncs`` (gradient syncs that are not reduce-scatters alone:
+    ``syncs_every_micro_step``), each micro-step's first task after the previous
     one's last host task. A dependency on a skipped task becomes the skipped task's own. Returns
     the tasks and, per micro-step, each old task id's new ids (none or its deps when skipped)."""
     out: list[Task] = []
@@ -427,7 +430,7 @@ def repeat_micro_steps(tasks: list[Task], k: int, last_host: int | None
             deps = tuple(sorted({d for old in t.deps for d in new_id[old]}))
             if not deps and previous_last is not None:
                 deps = (previous_last,)
-            if not last and skipped_before_last(t):
+            if not last and t.id in deferred_syncs:
                 new_id[t.id] = deps
                 continue
             out.append(replace(t, id=len(out), deps=deps, micro_step=step))

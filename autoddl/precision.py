@@ -18,6 +18,19 @@ import torch
 MASTER_DTYPE = "float32"      # what parameters, their gradients and optimizer states are kept in
 MASTER_ITEMSIZE = 4
 
+# `--check` bound on max |distributed - single process| / max |single process| per tensor, by
+# param_dtype. float32: sums taken in another order differ by a few ulp (2^-24) per rounding;
+# 1e-4 leaves room for the ~1e3 roundings a gradient goes through. bfloat16 / float16 keep 8 / 11
+# significant bits (unit roundoff u = 2^-8 / 2^-11): a sharded run rounds partial sums (each rank's
+# share of a batch, reduced across ranks in reduce_dtype) that the single process does not, and the
+# differences compound through every layer's backward; the bound is 16 u (2^-4 / 2^-7). Measured
+# worst case, gpt / llama tiny on 2 ranks, bf16: 7.5 u (tests/test_training_runs.py).
+CHECK_RTOL = {"float32": 1e-4, "bfloat16": 2.0 ** -4, "float16": 2.0 ** -7}
+
+
+def check_rtol(param_dtype: str) -> float:
+    return CHECK_RTOL[param_dtype]
+
 
 def torch_dtype(name: str) -> torch.dtype:
     """``"bfloat16"`` -> ``torch.bfloat16``."""

@@ -148,6 +148,12 @@ def work_divisor(sig: Signature, mesh_shape: Sequence[int]) -> int:
     return math.prod(n for axis, n in enumerate(mesh_shape) if any(nd[axis].is_split() for nd in nds))
 
 
+def syncs_every_micro_step(uses: Sequence["ParamUse"]) -> bool:
+    """Whether these uses' gradient sync runs on every micro-step: only when it is reduce-scatters
+    alone (sharded gradients, as FSDP); any other sync waits for the last micro-step (``no_sync``)."""
+    return all(m.kind is CollectiveKind.REDUCE_SCATTER for u in uses for m in u.grad_sync if m.kind is not None)
+
+
 # -- the program ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

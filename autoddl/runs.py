@@ -29,8 +29,7 @@ from autoddl.trace import trace
 from executor.launch import LaunchResult, LaunchSpec, launch
 from executor.measure import StepStats, git_commit, run_row
 
-CHECK_RTOL = 1e-4
-PHASE_ORDER = {"setup": 0, "forward": 1, "backward": 2, "grad_sync": 3, "optimizer": 4}
+PHASE_ORDER = {"setup": 0, "forward": 1, "recompute": 2, "backward": 3, "grad_sync": 4, "optimizer": 5}
 BREAKDOWN = (("compute_s", "compute"), ("boxing_forward_s", "boxing forward"),
              ("boxing_backward_s", "boxing backward"), ("grad_sync_s", "grad sync"), ("optimizer_s", "optimizer"))
 
@@ -59,7 +58,7 @@ def check_plan_matches(plan: Plan, plan_path: str, model_py: str):
     from executor.runtime import validate_plan
 
     mf = load_model_file(model_py, **plan.model_args)
-    graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name)
+    graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name, param_dtype=plan.training.param_dtype)
     got = graph.fingerprint()
     if plan.graph_hash != got:
         args = " ".join(f"--set {k}={v}" if k != "preset" else f"--preset {v}" for k, v in plan.model_args.items())

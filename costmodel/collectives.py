@@ -41,9 +41,7 @@ import numpy as np
 
 from autoddl.cluster import Backend, Cluster, LinkSpec
 from autoddl.collective_kinds import BACKENDS, BackendCollectives, CollectiveKind, carried_out_as  # noqa: F401
-
-
-PHASES = ("forward", "backward", "grad_sync", "optimizer")
+from autoddl.program import PHASES
 
 
 @dataclass(frozen=True)

@@ -183,7 +183,9 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         B, T = tokens.shape
         h = self.tok_embeddings(tokens)                  # (B, T, C)
-        cos, sin = self.rope_cos[:T].to(h.dtype), self.rope_sin[:T].to(h.dtype)  # (T, hd) each, in the compute dtype
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, hd) each
+        if cos.dtype != h.dtype:                         # computing in bf16 / fp16 (mixed precision)
+            cos, sin = cos.to(h.dtype), sin.to(h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin)                       # (B, T, C)
         return self.output(self.norm(h))                 # (B, T, vocab)

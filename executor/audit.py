@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
-PHASES = ("setup", "forward", "backward", "grad_sync", "optimizer")
+PHASES = ("setup", "forward", "recompute", "backward", "grad_sync", "optimizer")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,11 @@ the backward moves of its gradient), and each parameter use one call of
 ``LocalStep.param_use``, which makes the use's leaf (gathered if its storage is
 sharded) and hooks its gradient into the gradient sync. Nothing is dispatched
 through DTensor at run time; autograd runs the backward of the local ops.
+
+Under a mixed-precision policy a use's leaf is a working copy of the float32 master in
+``param_dtype``, cast before it is moved (an FSDP gather moves the cast shards). A block the
+plan recomputes becomes a submodule of the program run under non-reentrant
+``torch.utils.checkpoint`` (executor/recompute.py); its parameter uses are made outside it.
 """
 
 from __future__ import annotations
@@ -25,22 +30,25 @@ from autoddl import ops
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorRef
 from autoddl.plan import Plan
-from autoddl.program import BoxKey, InputSource, StepProgram, signature_of
+from autoddl.precision import working_copy
+from autoddl.program import BoxKey, InputSource, StepProgram, block_of, signature_of
 from autoddl.sbp import NdSbp
 from executor.gradsync import GradSync
 from executor.moves import Boxer, BoxFunction, place_local, wait
+from executor.recompute import OP_META, outline_blocks
 
 
 class LocalStep:
     """What the compiled graph calls at run time: parameter uses, boxes, and local placement."""
 
     def __init__(self, program: StepProgram, boxer: Boxer, local_params: dict[str, torch.Tensor],
-                 grad_sync: GradSync):
+                 grad_sync: GradSync, param_dtype: str = "float32"):
         self.program, self.boxer, self.local_params, self.grad_sync = program, boxer, local_params, grad_sync
+        self.param_dtype = param_dtype
         self.edges = list(program.edges.values())
         self.edge_index = {e.key: i for i, e in enumerate(self.edges)}
         self.standing = {u.index: self._leaf(u.index, local_params[u.fqn]) for u in program.param_uses
-                         if not u.forward}
+                         if not u.forward and self._working(local_params[u.fqn]) is local_params[u.fqn]}
         self.slot = {i: n for g in program.gathers for n, i in enumerate(g.uses)}   # use -> place in its group
         self.start_step()
 
@@ -56,10 +64,14 @@ class LocalStep:
             leaf.register_post_accumulate_grad_hook(lambda t, i=index: self.grad_sync.on_grad_ready(i, t))
         return leaf
 
+    def _working(self, master: torch.Tensor) -> torch.Tensor:
+        """The working copy of a local master under the precision policy (the master itself in fp32)."""
+        return working_copy(master, self.param_dtype)
+
     def param_use(self, index: int) -> torch.Tensor:
         """Parameter use ``index`` in its use layout, as a leaf whose gradient is hooked: a standing
-        leaf sharing the parameter's storage when the use needs no move (made once), else a fresh
-        leaf of the moved value (e.g. a ZeRO-3 all-gather) each step."""
+        leaf sharing the parameter's storage when the use needs no move nor cast (made once), else
+        a fresh leaf of the moved (or cast) value each step (e.g. a ZeRO-3 all-gather)."""
         leaf = self.standing.get(index)
         if leaf is not None:
             return leaf
@@ -68,7 +80,7 @@ class LocalStep:
             if use.gather >= 0:
                 value = self._gathered(use.gather)[self.slot[index]]
             else:
-                value = self.boxer.run(use.forward, self.local_params[use.fqn], use.meta.shape, use.fqn)
+                value = self.boxer.run(use.forward, self._working(self.local_params[use.fqn]), use.meta.shape, use.fqn)
         return self._leaf(index, value)
 
     # -- ZeRO-3 / FSDP: one all-gather per layer group, the next group prefetched ----------------------
@@ -85,7 +97,8 @@ class LocalStep:
 
     def _launch_gather(self, group: int, label: str = "gather") -> torch.Tensor:
         g = self.program.gathers[group]
-        flat = torch.cat([self.local_params[self.program.param_uses[i].fqn].reshape(-1) for i in g.uses])
+        flat = torch.cat([self._working(self.local_params[self.program.param_uses[i].fqn]).reshape(-1)
+                          for i in g.uses])
         if self.boxer.on_collective is not None:
             self.boxer.on_collective(CollectiveKind.ALL_GATHER, g.axis, g.nbytes, f"{label} {g.group}")
         self.launched[group] = funcol.all_gather_single(flat, 0, self.boxer.groups[g.axis])
@@ -171,18 +184,31 @@ class ProgramCompiler:
                 self.env[node.name] = self.fx.placeholder(node.name)
             elif node.kind is NodeKind.OP:
                 self.env[node.name] = self.op(node)
+                self.tag(node.name)
                 done = tuple(g.index for g in self.step.program.gathers if g.reshard and g.last_consumer == node.name)
                 if done:
                     self.env[node.name] = self.fx.call_function(self.step.reshard_after, (self.env[node.name], done))
+                    self.env[node.name].meta[OP_META] = ""       # outside any recomputed block
         loss = self.step.program.loss
         if self.step.program.loss_async:     # the local share goes out; its all-reduce is in flight
             value = self.fx.call_function(self.step.report_loss, (self.output_node(TensorRef(loss.node, loss.index)),))
         else:
             value = self.source_node(TensorRef(loss.node, loss.index), loss)
         self.fx.output(value)
-        module = torch.fx.GraphModule(torch.nn.Module(), self.fx, class_name="LocalProgram")
+        root = torch.nn.Module()
+        blocks = {n.name: block_of(n) for n in self.graph.ops()}
+        outline_blocks(self.fx, root, blocks, self.plan.training, self.step.param_use,
+                       self.step.grad_sync.set_phase)
+        module = torch.fx.GraphModule(root, self.fx, class_name="LocalProgram")
         module.graph.lint()
         return module
+
+    def tag(self, op: str) -> None:
+        """Mark the fx nodes made for graph op ``op`` (the newest untagged ones) with it."""
+        for fx_node in reversed(self.fx.nodes):
+            if OP_META in fx_node.meta or fx_node.op == "placeholder":
+                break
+            fx_node.meta[OP_META] = op
 
     def op(self, node: OpNode) -> torch.fx.Node:
         sig = signature_of(self.plan, node)

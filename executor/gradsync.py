@@ -13,6 +13,14 @@ gradient, in its storage layout, is added to its local ``.grad``.
 A reduce-scatter bucket lays its gradients out as FSDP2 does: each gradient's
 scatter dim first, cut into one row per rank, the rows of all gradients side by
 side, so rank r's slice of the flat result is its piece of every gradient.
+
+Mixed precision: gradients (of the working copies, in ``param_dtype``) cross the
+network in ``reduce_dtype`` and are added to the float32 masters' ``.grad``.
+
+Micro-steps: on every micro-step but the last (``last_micro_step`` False) only the
+uses whose sync is reduce-scatters alone are synced (FSDP reduces sharded gradients
+every micro-step); the others keep their gradient, summed in float32, for the last
+micro-step's sync (DDP's ``no_sync``), as the program's ``deferred_syncs`` say.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from autoddl.collective_kinds import CollectiveKind, carried_out_as
-from autoddl.program import Bucket, ParamUse, StepProgram
+from autoddl.program import Bucket, ParamUse, StepProgram, syncs_every_micro_step
+from autoddl.precision import torch_dtype
 from executor.moves import Boxer, wait
 
 
@@ -32,9 +41,12 @@ class GradSync:
     """One step's gradient sync over ``program``'s uses and buckets; ``local_params`` by fqn."""
 
     def __init__(self, program: StepProgram, boxer: Boxer, local_params: dict[str, torch.Tensor],
-                 set_phase: Callable[[str], None]):
+                 set_phase: Callable[[str], None], reduce_dtype: str = "float32"):
         self.program, self.boxer, self.local_params, self.set_phase = program, boxer, local_params, set_phase
+        self.reduce_dtype = torch_dtype(reduce_dtype)
         self.layouts = [self._layout(b) for b in program.buckets]   # per bucket, per use: fixed for the run
+        self.carried: dict[int, torch.Tensor] = {}    # use -> gradient kept from earlier micro-steps (fp32)
+        self.last_micro_step = True
         self.start_step()
 
     def _layout(self, bucket: Bucket) -> list[tuple[tuple[int, ...], int | None]]:
@@ -50,7 +62,10 @@ class GradSync:
     def start_step(self) -> None:
         self.grads: dict[int, torch.Tensor] = {}
         self.remaining = [len(b.uses) for b in self.program.buckets]
-        self.in_flight: list[torch.Tensor] = []      # one result per launched bucket, in bucket order
+        self.in_flight: list[torch.Tensor | None] = []   # per bucket in order: its result, None when not synced now
+
+    def _syncs_now(self, uses) -> bool:
+        return self.last_micro_step or syncs_every_micro_step(uses)
 
     def on_grad_ready(self, use_index: int, leaf: torch.Tensor) -> None:
         """Post-accumulate-grad hook of a use's leaf."""
@@ -63,11 +78,13 @@ class GradSync:
 
     def _launch_ready(self) -> None:
         while len(self.in_flight) < len(self.program.buckets) and self.remaining[len(self.in_flight)] == 0:
-            self.in_flight.append(self._launch(self.program.buckets[len(self.in_flight)]))
+            bucket = self.program.buckets[len(self.in_flight)]
+            uses = [self.program.param_uses[i] for i in bucket.uses]
+            self.in_flight.append(self._launch(bucket) if self._syncs_now(uses) else None)
 
     def _launch(self, bucket: Bucket) -> torch.Tensor:
         uses = [self.program.param_uses[i] for i in bucket.uses]
-        grads = [self._grad(u) for u in uses]
+        grads = [self._grad(u).to(self.reduce_dtype) for u in uses]
         self.set_phase("grad_sync")
         try:
             if self.boxer.on_collective is not None:
@@ -83,13 +100,16 @@ class GradSync:
             self.set_phase("backward")
 
     def _grad(self, use: ParamUse) -> torch.Tensor:
-        """The use's gradient; zeros when autograd never reached it (the parameter did not
-        contribute to the loss this step), so that every rank still issues the same buckets."""
+        """The use's gradient (plus what earlier micro-steps kept); zeros when autograd never reached
+        it (the parameter did not contribute to the loss), so that every rank issues the same buckets."""
         g = self.grads.get(use.index)
         if g is None:
             g = torch.zeros(use.dst.local_shape(use.meta.shape, self.boxer.mesh_shape),
                             dtype=self.local_params[use.fqn].dtype, device=self.local_params[use.fqn].device)
-            self.grads[use.index] = g
+        carried = self.carried.pop(use.index, None)
+        if carried is not None:
+            g = carried + g
+        self.grads[use.index] = g
         return g
 
     def finish(self) -> None:
@@ -100,17 +120,30 @@ class GradSync:
         self._launch_ready()
         synced: dict[str, torch.Tensor] = {}
         for bucket, result in zip(self.program.buckets, self.in_flight):
-            for use, g in zip((self.program.param_uses[i] for i in bucket.uses), self._unpack(bucket, wait(result))):
+            uses = [self.program.param_uses[i] for i in bucket.uses]
+            if result is None:
+                self._carry(uses)
+                continue
+            for use, g in zip(uses, self._unpack(bucket, wait(result))):
                 synced[use.fqn] = g if use.fqn not in synced else synced[use.fqn] + g
         for use in self.program.param_uses:
             if use.grad is None or use.bucket >= 0:
                 continue
-            g = self.boxer.run(use.grad_sync, self._grad(use), use.meta.shape, use.fqn)
+            if not self._syncs_now([use]):
+                self._carry([use])
+                continue
+            g = self.boxer.run(use.grad_sync, self._grad(use).to(self.reduce_dtype), use.meta.shape, use.fqn)
             synced[use.fqn] = g if use.fqn not in synced else synced[use.fqn] + g
         for fqn, g in synced.items():
             local = self.local_params[fqn]
-            local.grad = g.view_as(local) if local.grad is None else local.grad + g.view_as(local)
+            g = g.to(local.dtype).view_as(local)
+            local.grad = g if local.grad is None else local.grad + g
         self.start_step()
+
+    def _carry(self, uses: list[ParamUse]) -> None:
+        """Keep the uses' gradients, in float32, for the last micro-step's sync."""
+        for use in uses:
+            self.carried[use.index] = self._grad(use).float()
 
     def _unpack(self, bucket: Bucket, flat: torch.Tensor) -> list[torch.Tensor]:
         """The bucket's gradients, each in its storage layout, from the collective's flat result."""

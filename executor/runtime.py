@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.plan import Plan
+from autoddl.precision import cast_forward_inputs, torch_dtype, working_copy
 from autoddl.program import lower
 from autoddl.sbp import NdSbp
 from executor.audit import CommRecord, CommRecorder
@@ -127,8 +128,10 @@ class DistributedModel(nn.Module):
         boxer = Boxer(tuple(plan.mesh.shape), tuple(mesh.get_coordinate()),
                       [mesh.get_group(a) for a in range(mesh.ndim)], dist.get_backend(), self._on_collective)
         self.local_params = self._place_parameters(boxer)
-        self.grad_sync = GradSync(self.program, boxer, self.local_params, self._set_phase)
-        self.step = LocalStep(self.program, boxer, self.local_params, self.grad_sync)
+        training = plan.training
+        self.grad_sync = GradSync(self.program, boxer, self.local_params, self._set_phase,
+                                  reduce_dtype=training.grad_reduce_dtype)
+        self.step = LocalStep(self.program, boxer, self.local_params, self.grad_sync, param_dtype=training.param_dtype)
         fx_targets = {n.name: n.target for n in graph.exported.graph_module.graph.nodes if n.op == "call_function"}
         self.local_program = ProgramCompiler(graph, plan, self.step, self.device, fx_targets).compile()
         self.run_program: Callable[..., torch.Tensor] = self.local_program
@@ -178,8 +181,25 @@ class DistributedModel(nn.Module):
             else:
                 full = inputs[self._user_inputs.index(node.name)]
             nd = self.plan.signatures[node.name].outputs[0]
+            if isinstance(full, torch.Tensor) and full.is_floating_point():   # as traced: the policy's dtype
+                full = full.to(torch_dtype(node.outputs[0].dtype))
             values.append(self.step.place(full.to(self.device), nd) if isinstance(full, torch.Tensor) else full)
         return values
+
+    def micro_batches(self, inputs: Sequence[torch.Tensor]) -> list[Sequence[torch.Tensor]]:
+        """``inputs`` (one optimizer step's batch) cut along dim 0 into ``training.micro_batches``
+        micro-steps of the traced batch each."""
+        k = self.plan.training.micro_batches
+        if k == 1:
+            return [inputs]
+        graph_inputs = {n.name: n.outputs[0] for n in self.graph.nodes_of(NodeKind.INPUT)}
+        for name, t in zip(self._user_inputs, inputs):
+            want = graph_inputs[name].shape[0] if graph_inputs[name].shape else None
+            if want is None or t.dim() == 0 or t.shape[0] != want * k:
+                raise PlanExecutionError(f"input {name}: {k} micro-steps of the traced batch "
+                                         f"{want} need {k * (want or 0)} samples on dim 0, got shape "
+                                         f"{tuple(t.shape)}; pass the whole optimizer step's batch")
+        return split_micro_batches(inputs, k)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Run the compiled program; the gradient sync finishes at the end of the loss's backward.
@@ -281,13 +301,38 @@ def build_optimizer(name: str, params, lr: float = 1e-2):
     return torch_optimizer(name, params, lr)
 
 
+def split_micro_batches(inputs: Sequence[torch.Tensor], k: int) -> list[Sequence[torch.Tensor]]:
+    """``inputs`` cut into ``k`` equal micro-batches along dim 0 (a model file's ``StepInputs``
+    stay ``StepInputs``, with their forward / target split)."""
+    if k == 1:
+        return [inputs]
+    columns = [t.chunk(k, dim=0) for t in inputs]
+    chunks = [[c[i] for c in columns] for i in range(k)]
+    if not hasattr(inputs, "split"):
+        return chunks
+    from autoddl.trace import StepInputs
+
+    out = []
+    for values in chunks:
+        args, kwargs, targets = inputs.split(values)
+        out.append(StepInputs(args, kwargs, targets if inputs.has_targets else None))
+    return out
+
+
 def train_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> float:
-    """forward, backward (the gradient sync finishes inside it), optimizer step; returns the loss."""
+    """One optimizer step over ``inputs``: forward and backward per micro-step (the gradient sync
+    finishes inside the last backward; losses scaled by 1 / micro-steps, so the gradient is the
+    whole batch's mean), optimizer step; returns the loss (mean over the micro-steps)."""
     optimizer.zero_grad(set_to_none=True)
-    loss = dmodel(*inputs)
-    loss.backward()
+    micro = dmodel.micro_batches(inputs)
+    total = 0.0
+    for i, chunk in enumerate(micro):
+        dmodel.grad_sync.last_micro_step = i == len(micro) - 1
+        loss = dmodel(*chunk)
+        (loss / len(micro) if len(micro) > 1 else loss).backward()
+        total += dmodel.loss_value(loss)
     optimizer.step()
-    return dmodel.loss_value(loss)
+    return total / len(micro)
 
 
 def audit_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor],
@@ -311,12 +356,32 @@ def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
 
 
-def reference_loss(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callable) -> torch.Tensor:
-    """One eager step's loss on one process: a model file's inputs know their forward / loss split
-    (``StepInputs.step_loss``: keyword inputs, targets); a plain tuple is ``loss_fn(model(*x), *x)``."""
+class _PolicyModel(nn.Module):
+    """``model`` run with working copies of its parameters in ``param_dtype`` (gradients flow back
+    to the float32 masters through the casts)."""
+
+    def __init__(self, model: nn.Module, param_dtype: str):
+        super().__init__()
+        self.model, self.param_dtype = model, param_dtype
+
+    def forward(self, *args, **kwargs):
+        params = {k: working_copy(p, self.param_dtype) for k, p in self.model.named_parameters()}
+        return torch.func.functional_call(self.model, params, args, kwargs, tie_weights=True)
+
+
+def reference_loss(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callable,
+                   param_dtype: str = "float32") -> torch.Tensor:
+    """One eager step's loss on one process, under the precision policy: a model file's inputs know
+    their forward / loss split (``StepInputs.step_loss``: keyword inputs, targets); a plain tuple
+    is ``loss_fn(model(*x), *x)``."""
+    values = tuple(inputs)
+    if param_dtype != "float32":       # as autoddl.trace traces it: autoddl/precision.py
+        model = _PolicyModel(model, param_dtype)
+        n_forward = inputs.n_args + len(inputs.kwarg_names) if hasattr(inputs, "n_args") else len(values)
+        values = cast_forward_inputs(values, n_forward, param_dtype)
     if hasattr(inputs, "step_loss"):
-        return inputs.step_loss(model, loss_fn)
-    return loss_fn(model(*inputs), *inputs)
+        return inputs.step_loss(model, loss_fn, values)
+    return loss_fn(model(*values), *values)
 
 
 def run_check(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callable, graph: OpGraph,
@@ -335,8 +400,12 @@ def run_check(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callabl
     for _ in range(steps):
         d_loss = train_step(dmodel, inputs, d_opt)
         r_opt.zero_grad(set_to_none=True)
-        r_loss = reference_loss(ref, inputs, loss_fn)
-        r_loss.backward()
+        micro = split_micro_batches(inputs, plan.training.micro_batches)    # the same micro-steps
+        r_loss = 0.0
+        for chunk in micro:
+            loss = reference_loss(ref, chunk, loss_fn, plan.training.param_dtype)
+            (loss / len(micro)).backward()
+            r_loss = r_loss + loss.detach().float() / len(micro)
         r_grads = {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
         r_opt.step()
         errors["loss"] = max(errors["loss"], max_rel_error(torch.tensor(d_loss), r_loss))
@@ -423,7 +492,7 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
         loss_fn = mf.loss_fn if loss_fn is None else loss_fn
     from autoddl.trace import trace
 
-    graph = trace(model, example_inputs, loss_fn, name=type(model).__name__)
+    graph = trace(model, example_inputs, loss_fn, name=type(model).__name__, param_dtype=plan.training.param_dtype)
     if not dist.is_initialized():       # ours to start, so ours to shut down when the script ends
         atexit.register(_destroy_process_group)
     mesh = init_mesh(plan, device, timeout_s=timeout_s)

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from autoddl.atomic import write_text_atomic
 from autoddl.loader import ModelFile, load_model_file
 from autoddl.plan import Plan
+from autoddl.precision import check_rtol
 from autoddl.trace import trace
 from executor.audit import summarize
 from executor.measure import PeakMemory, time_steps
@@ -56,7 +57,6 @@ from executor.references import REFERENCES, build_reference
 from executor.runtime import (DistributedModel, audit_step, build_optimizer, init_mesh, run_check, torch_optimizer,
                               train_step)
 
-CHECK_RTOL = 1e-4  # fp32
 FAIL_RANK_ENV = "AUTODDL_TEST_FAIL_RANK"
 FAIL_MODE_ENV = "AUTODDL_TEST_FAIL_MODE"
 
@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = Plan.load(args.plan)
     torch.manual_seed(args.seed)
     mf = load_model_file(args.model, device="cpu", **_overrides(args.set))
-    graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name)
+    graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name, param_dtype=plan.training.param_dtype)
     mesh = init_mesh(plan, args.device, timeout_s=args.pg_timeout_s)
     rank = dist.get_rank()
     optimizer = args.optimizer or plan.optimizer
@@ -229,7 +229,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.check and not args.reference_only:
         errors = run_check(mf.model, mf.example_inputs, mf.loss_fn, graph, plan, mesh,
                            optimizer=args.check_optimizer, lr=args.lr, steps=args.check_steps)
-        result["check"] = {"rtol": CHECK_RTOL, "ok": all(v <= CHECK_RTOL for v in errors.values()),
+        rtol = check_rtol(plan.training.param_dtype)
+        result["check"] = {"rtol": rtol, "ok": all(v <= rtol for v in errors.values()),
                            "optimizer": args.check_optimizer, "steps": args.check_steps, "max_rel_error": errors}
         gc.collect()
     if not args.reference_only:
@@ -247,9 +248,13 @@ def run_many(args: argparse.Namespace) -> list[dict[str, Any]]:
     plans = [(Path(path), Plan.load(path)) for path in args.plans]
     torch.manual_seed(args.seed)
     mf = load_model_file(args.model, device="cpu", **_overrides(args.set))
-    graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name)
+    graphs: dict[str, Any] = {}      # by the plans' param_dtype (traced under each policy once)
     results = []
     for path, plan in plans:
+        dtype = plan.training.param_dtype
+        if dtype not in graphs:
+            graphs[dtype] = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name, param_dtype=dtype)
+        graph = graphs[dtype]
         mesh = init_mesh(plan, args.device, timeout_s=args.pg_timeout_s)
         rank = dist.get_rank()
         optimizer = args.optimizer or plan.optimizer

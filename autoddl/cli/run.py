@@ -111,7 +111,7 @@ def print_summary(plan: Plan, result: dict[str, Any], cost: dict[str, Any], pred
         print(line)
     if "check" in result:
         worst = runs.check_worst(result["check"]["max_rel_error"])
-        verdict = "OK" if result["check"]["ok"] else f"FAILED (above {runs.CHECK_RTOL:g})"
+        verdict = "OK" if result["check"]["ok"] else f"FAILED (above {result['check']['rtol']:g})"
         print(f"check against one process ({result['check']['steps']} step, {result['check']['optimizer']}): "
               + "; ".join(f"{kind} {v:.2e}" + (f" ({k})" if kind != "loss" else "") for kind, (v, k) in worst.items())
               + f" -> {verdict}")
@@ -185,6 +185,6 @@ def run_run(args: argparse.Namespace) -> int:
             append_row(args.out, row)
         print(f"appended to {args.out}")
     if "check" in result and not result["check"]["ok"]:
-        print(f"autoddl run: check failed: relative error above {runs.CHECK_RTOL:g}", file=sys.stderr)
+        print(f"autoddl run: check failed: relative error above {result['check']['rtol']:g}", file=sys.stderr)
         return 1
     return 0
