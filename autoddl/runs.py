@@ -20,12 +20,11 @@ import json
 import tempfile
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from autoddl.cluster import DEFAULT_CLUSTER_PATH, Backend, Cluster
-from autoddl.loader import load_model_file
+from autoddl.loader import load_for_plan
 from autoddl.plan import Plan
-from autoddl.trace import trace
 from executor.launch import LaunchResult, LaunchSpec, launch
 from executor.measure import StepStats, git_commit, run_row
 
@@ -57,8 +56,8 @@ def check_plan_matches(plan: Plan, plan_path: str, model_py: str):
     """Trace the model file as the plan says (meta device); refuse a plan made for another graph."""
     from executor.runtime import validate_plan
 
-    mf = load_model_file(model_py, **plan.model_args)
-    graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name, param_dtype=plan.training.param_dtype)
+    mf = load_for_plan(plan, path=model_py)
+    graph = mf.trace(plan.training.param_dtype)
     got = graph.fingerprint()
     if plan.graph_hash != got:
         args = " ".join(f"--set {k}={v}" if k != "preset" else f"--preset {v}" for k, v in plan.model_args.items())

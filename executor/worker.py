@@ -213,11 +213,23 @@ def time_reference(kind: str, mf: ModelFile, args: argparse.Namespace, optimizer
     return out
 
 
+def traced_for(mf: ModelFile, plan: Plan) -> tuple[ModelFile, Any]:
+    """``mf`` at the plan's micro-step batch, and its graph traced under the plan's precision."""
+    if plan.batch_size:
+        mf = mf.with_batch_size(plan.batch_size)
+    return mf, trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name, param_dtype=plan.training.param_dtype)
+
+
+def optimizer_step_batch(mf: ModelFile, plan: Plan) -> ModelFile:
+    """``mf`` (at the traced micro-step batch) with one optimizer step's batch: every micro-step's."""
+    return mf.with_batch_size(mf.batch_size * plan.training.micro_batches)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = Plan.load(args.plan)
     torch.manual_seed(args.seed)
-    mf = load_model_file(args.model, device="cpu", **_overrides(args.set))
-    graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name, param_dtype=plan.training.param_dtype)
+    mf, graph = traced_for(load_model_file(args.model, device="cpu", **_overrides(args.set)), plan)
+    mf = optimizer_step_batch(mf, plan)
     mesh = init_mesh(plan, args.device, timeout_s=args.pg_timeout_s)
     rank = dist.get_rank()
     optimizer = args.optimizer or plan.optimizer
@@ -248,13 +260,14 @@ def run_many(args: argparse.Namespace) -> list[dict[str, Any]]:
     plans = [(Path(path), Plan.load(path)) for path in args.plans]
     torch.manual_seed(args.seed)
     mf = load_model_file(args.model, device="cpu", **_overrides(args.set))
-    graphs: dict[str, Any] = {}      # by the plans' param_dtype (traced under each policy once)
+    graphs: dict[tuple, tuple[ModelFile, Any]] = {}   # by the plans' precision and batch: traced once each
     results = []
     for path, plan in plans:
-        dtype = plan.training.param_dtype
-        if dtype not in graphs:
-            graphs[dtype] = trace(mf.model, mf.example_inputs, mf.loss_fn, name=mf.name, param_dtype=dtype)
-        graph = graphs[dtype]
+        key = (plan.training.param_dtype, plan.batch_size)
+        if key not in graphs:
+            graphs[key] = traced_for(mf, plan)
+        graph = graphs[key][1]
+        mf = optimizer_step_batch(graphs[key][0], plan)
         mesh = init_mesh(plan, args.device, timeout_s=args.pg_timeout_s)
         rank = dist.get_rank()
         optimizer = args.optimizer or plan.optimizer
