@@ -373,3 +373,24 @@ def test_parallelize_in_a_users_torchrun_script(setup, tmp_path):
             assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert r["losses"][1][0] < r["losses"][0][0]  # it trains
         assert r["grad_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
+
+
+def test_plan_and_run_bf16_selective_recompute_micro_steps(tmp_path, capsys):
+    """Issue 10's CPU setting end to end: ``autoddl plan`` with bf16, selective recompute and 4
+    micro-steps (micro-batch 2 per rank x 2 ranks, global batch 16), then ``autoddl run --check``:
+    the check passes under bf16's bound, the audited collectives are the predicted ones (one
+    loss all-reduce per micro-step), and the plan records the batch it was traced at."""
+    model = Path(__file__).resolve().parents[1] / "examples" / "llama.py"
+    plan_json = tmp_path / "plan.json"
+    assert cli_main("plan", model, "--preset", "tiny", "--cluster", CLUSTER, "--devices", 2, "--scheme", "dp",
+                    "--precision", "bf16", "--recompute", "selective", "--micro-batch-size", 2,
+                    "--global-batch-size", 16, "--out", plan_json) == 0
+    plan = Plan.load(plan_json)
+    assert (plan.batch_size, plan.training.micro_batches, plan.training.param_dtype) == (4, 4, "bfloat16")
+    capsys.readouterr()
+    assert cli_main("run", plan_json, "--steps", 2, "--warmup", 1, "--check") == 0
+    text = capsys.readouterr().out
+    assert "-> OK" in text
+    forward = next(line for line in text.splitlines() if line.startswith("forward    all_reduce"))
+    assert forward.split()[3] == forward.split()[5] == "4" and forward.split()[-1] == "ok"
+    assert all(line.split()[-1] == "ok" for line in text.splitlines() if line.startswith(("forward ", "grad_sync ")))
