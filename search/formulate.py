@@ -68,6 +68,7 @@ class Formulation:
     nodes: list[OpNode]
     mesh_shape: tuple[int, ...]
     index: dict[str, int] = field(default_factory=dict)
+    cache: "FormulationCache | None" = None          # pass to formulate() for the same graph and mesh
 
     def signatures(self, assignment: np.ndarray) -> dict[str, Signature]:
         return {n.name: self.problem.choices[i][int(a)] for i, (n, a) in enumerate(zip(self.nodes, assignment))}
@@ -110,56 +111,93 @@ def _args_key(value: Any) -> Any:
     return repr(value)
 
 
+@dataclass
+class FormulationCache:
+    """What formulations of one graph on one mesh share across training settings (the planner's
+    recompute levels): candidates, node vectors, edge matrices and the transition pricer, keyed by
+    structure plus the settings they depend on. Pass the same one to ``formulate`` for the same
+    graph, cluster, mesh and optimizer."""
+
+    graph: OpGraph
+    cluster: Cluster
+    mesh: tuple[int, ...]
+    optimizer: str
+    nodes: list[OpNode] = field(default_factory=list)
+    index: dict[str, int] = field(default_factory=dict)
+    keys: list[tuple] = field(default_factory=list)
+    rg: set[str] = field(default_factory=set)
+    choices: list[list[Signature]] = field(default_factory=list)
+    links: list[tuple[int, int, tuple]] = field(default_factory=list)     # (u, v, refs) per graph edge
+    saved: dict[tuple[str, bool], tuple[bool, ...]] = field(default_factory=dict)
+    costs: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    edges: dict[tuple, np.ndarray] = field(default_factory=dict)
+    pair: Any = None
+
+    def __post_init__(self) -> None:
+        graph = self.graph
+        self.nodes = [n for n in graph.topo() if n.kind is not NodeKind.OUTPUT]
+        self.index = {n.name: i for i, n in enumerate(self.nodes)}
+        self.keys = [structural_key(n) for n in self.nodes]
+        self.rg = requires_grad(graph)
+        cand_cache: dict[tuple, list[Signature]] = {}
+        for n, key in zip(self.nodes, self.keys):
+            if key not in cand_cache:
+                cand_cache[key] = ops.candidate_signatures(n, self.mesh)
+            self.choices.append(cand_cache[key])
+        for u in self.nodes:
+            for v_name in graph.nx.successors(u.name):
+                if graph[v_name].kind is not NodeKind.OUTPUT:
+                    self.links.append((self.index[u.name], self.index[v_name],
+                                       tuple(graph.nx.edges[u.name, v_name]["refs"])))
+        self.pair = _pair_pricer(self.mesh, self.cluster)
+
+    def serves(self, graph: OpGraph, cluster: Cluster, mesh: tuple[int, ...], optimizer: str) -> bool:
+        return (self.graph is graph and self.cluster is cluster and self.mesh == mesh
+                and self.optimizer == optimizer)
+
+    def saved_outputs(self, node: OpNode, recomputed: bool) -> tuple[bool, ...]:
+        key = (node.name, recomputed)
+        if key not in self.saved:
+            self.saved[key] = _saved_outputs(self.graph, node, recomputed)
+        return self.saved[key]
+
+
 def formulate(graph: OpGraph, cluster: Cluster, mesh_shape: Sequence[int], *, optimizer: str = "adamw",
-              memory_limit_bytes: float | None = None, training: Training | None = None) -> Formulation:
+              memory_limit_bytes: float | None = None, training: Training | None = None,
+              cache: FormulationCache | None = None) -> Formulation:
     """The SearchProblem of ``graph`` on ``mesh_shape`` for one optimizer step under ``training``
-    (default ``Training()``; its ``recompute`` "auto" counts as none: the planner decides)."""
+    (default ``Training()``; its ``recompute`` "auto" counts as none: the planner decides).
+    ``cache``: shared by formulations of the same graph, cluster, mesh and optimizer."""
     training = training or Training()
     mesh = tuple(int(s) for s in mesh_shape)
-    nodes = [n for n in graph.topo() if n.kind is not NodeKind.OUTPUT]
-    index = {n.name: i for i, n in enumerate(nodes)}
-    keys = [structural_key(n) for n in nodes]
-    rg = requires_grad(graph)
+    if cache is None or not cache.serves(graph, cluster, mesh, optimizer):
+        cache = FormulationCache(graph, cluster, mesh, optimizer)
+    nodes, index, keys, rg, choices = cache.nodes, cache.index, cache.keys, cache.rg, cache.choices
     recomputed = recomputed_names(graph, training)
     k = training.micro_batches
-
-    cand_cache: dict[tuple, list[Signature]] = {}
-    choices = []
-    for n, key in zip(nodes, keys):
-        if key not in cand_cache:
-            cand_cache[key] = ops.candidate_signatures(n, mesh)
-        choices.append(cand_cache[key])
-
-    cost_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    setting = (k, training.param_dtype)                  # what node vectors depend on besides recompute
 
     def node_vectors(i: int) -> tuple[np.ndarray, np.ndarray]:
         n, key = nodes[i], keys[i]
         policy = recomputed.get(n.name, "none")
-        saved = _saved_outputs(graph, n, policy != "none")
-        ck = (key, n.name in rg, policy, saved)
-        if ck not in cost_cache:
-            cost_cache[ck] = _node_vectors(n, choices[i], mesh, cluster, optimizer, n.name in rg, training,
-                                           policy != "none", saved)
-        return cost_cache[ck]
+        saved = cache.saved_outputs(n, policy != "none")
+        ck = (key, n.name in rg, policy, saved, setting)
+        if ck not in cache.costs:
+            cache.costs[ck] = _node_vectors(n, choices[i], mesh, cluster, optimizer, n.name in rg, training,
+                                            policy != "none", saved)
+        return cache.costs[ck]
 
     vectors = [node_vectors(i) for i in range(len(nodes))]
 
-    edge_cache: dict[tuple, np.ndarray] = {}
-    pair = _pair_pricer(mesh, cluster)
     grad_itemsize = itemsize(training.grad_reduce_dtype)
     edges = []
-    for u in nodes:
-        for v_name in graph.nx.successors(u.name):
-            v = graph[v_name]
-            if v.kind is NodeKind.OUTPUT:
-                continue
-            refs = tuple(graph.nx.edges[u.name, v_name]["refs"])
-            reboxed = recomputed.get(v_name) == "full"        # a full block boxes its inputs again
-            ek = (keys[index[u.name]], keys[index[v_name]], refs, u.name in rg, reboxed)
-            if ek not in edge_cache:
-                edge_cache[ek] = _edge_matrix(u, v, refs, choices[index[u.name]], choices[index[v_name]],
-                                              u.name in rg, pair, k, 1 + reboxed, grad_itemsize)
-            edges.append((index[u.name], index[v_name], edge_cache[ek]))
+    for u, v, refs in cache.links:
+        reboxed = recomputed.get(nodes[v].name) == "full"        # a full block boxes its inputs again
+        ek = (keys[u], keys[v], refs, nodes[u].name in rg, reboxed, k, grad_itemsize)
+        if ek not in cache.edges:
+            cache.edges[ek] = _edge_matrix(nodes[u], nodes[v], refs, choices[u], choices[v],
+                                           nodes[u].name in rg, cache.pair, k, 1 + reboxed, grad_itemsize)
+        edges.append((u, v, cache.edges[ek]))
 
     policy_keys = [(key, recomputed.get(n.name, "none")) for n, key in zip(nodes, keys)]
     problem = SearchProblem(
@@ -167,7 +205,7 @@ def formulate(graph: OpGraph, cluster: Cluster, mesh_shape: Sequence[int], *, op
         node_cost=[c for c, _ in vectors], node_mem=[m for _, m in vectors], edges=edges,
         memory_limit_bytes=memory_limit_bytes, groups=layer_groups(nodes, policy_keys),
     )
-    return Formulation(problem, nodes, mesh, index)
+    return Formulation(problem, nodes, mesh, index, cache)
 
 
 def _saved_outputs(graph: OpGraph, node: OpNode, recomputed: bool) -> tuple[bool, ...]:

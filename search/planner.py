@@ -36,10 +36,10 @@ from autoddl.plan import Mesh, Plan, axis_roles
 from autoddl.program import block_of, lower
 from autoddl.training import Training
 from costmodel.breakdown import CostBreakdown, plan_cost, predicted_collectives
-from costmodel.memory import memory_bytes
+from costmodel.memory import activation_bytes, memory_bytes, recomputed_bytes
 from search.baselines import BaselineSpec, baseline_specs, build_baseline
 from search.coordinate_descent import coordinate_descent
-from search.formulate import Formulation, formulate
+from search.formulate import Formulation, FormulationCache, formulate
 from search.meshes import mesh_shapes
 from search.problem import NoFeasiblePlanError, memory_tolerance
 
@@ -196,6 +196,22 @@ def plan_memory(graph: OpGraph, plan: Plan, cluster: Cluster) -> int:
     return memory_bytes(graph, plan, predicted_collectives(graph, plan, cluster, program), program)["total"]
 
 
+def memory_at_levels(graph: OpGraph, plan: Plan, cluster: Cluster) -> Callable[[Training], int]:
+    """``training -> plan_memory(graph, plan under training, cluster)`` for trainings that differ from
+    ``plan.training`` in recompute only: of the cost model's categories (costmodel/memory.py) only
+    ``activations`` and ``recomputed`` depend on what is recomputed (the parameters and their gathers
+    do not, and a recomputed forward boxes no larger tensor than forward did), so the program is
+    lowered once and only those two are counted again."""
+    program = lower(graph, plan)
+    mem = memory_bytes(graph, plan, predicted_collectives(graph, plan, cluster, program), program)
+    fixed = mem["total"] - mem["activations"] - mem["recomputed"]
+
+    def at(training: Training) -> int:
+        other = dataclasses.replace(plan, training=training)
+        return fixed + sum(activation_bytes(graph, other).values()) + recomputed_bytes(graph, other)
+    return at
+
+
 def first_level(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
     """The smallest level in ``lo..hi`` that ``fits`` (levels save memory in order: bisection), or
     None when even ``hi`` does not."""
@@ -246,13 +262,13 @@ def fit_recompute(graph: OpGraph, plan: Plan, cluster: Cluster, limit: float,
     priced, with a note on the choice: how a baseline or a given configuration takes ``auto``."""
     base = plan.training
     first = with_training(plan, at_level(base, levels[0]))
-    bd = price(graph, first, cluster, limit)
-    if bd.fits_memory or len(levels) == 1:
+    memory = memory_at_levels(graph, first, cluster)
+    before = memory(first.training)
+    if before <= limit or len(levels) == 1:
+        bd = price(graph, first, cluster, limit)
         first.notes.append(auto_note(first, graph, limit, None, True))
         return first, bd
-    before = bd.memory_bytes_per_device
-    fits = lambda i: plan_memory(graph, with_training(plan, at_level(base, levels[i])), cluster) <= limit  # noqa: E731
-    level = first_level(fits, 1, len(levels) - 1)
+    level = first_level(lambda i: memory(at_level(base, levels[i])) <= limit, 1, len(levels) - 1)
     chosen = with_training(plan, at_level(base, levels[len(levels) - 1 if level is None else level]))
     bd = price(graph, chosen, cluster, limit)
     chosen.notes.append(auto_note(chosen, graph, limit, before, True))
@@ -280,10 +296,6 @@ def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tupl
         plan = assignment_plan(name, form, assignment, graph_hash, model_name, cluster, optimizer, tr)
         return plan, price(graph, plan, cluster, limit)
 
-    def formulation(shape: tuple[int, ...], level: int) -> Formulation:
-        return formulate(graph, cluster, shape, optimizer=optimizer, memory_limit_bytes=limit,
-                         training=at_level(training, levels[level]))
-
     def least(form: Formulation) -> float:
         return form.problem.min_memory()
 
@@ -298,8 +310,16 @@ def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tupl
     descended: list[tuple] = []     # (mesh, formulation, search result, level, priced plan or None, its breakdown)
     for shape in meshes:
         tm = time.perf_counter()
-        form = formulation(shape, 0)
-        formulations[shape] = form
+        memo: dict[int, Formulation] = {}
+        cache = FormulationCache(graph, cluster, shape, optimizer)
+
+        def form_at(i: int) -> Formulation:
+            if i not in memo:
+                memo[i] = formulate(graph, cluster, shape, optimizer=optimizer, memory_limit_bytes=limit,
+                                    training=at_level(training, levels[i]), cache=cache)
+            return memo[i]
+
+        form = formulations[shape] = form_at(0)
         starts: dict[str, np.ndarray] = {}
         for spec in baseline_specs(len(shape)):
             base = build_baseline(form, spec)
@@ -317,34 +337,35 @@ def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tupl
         level, before, exact = 0, None, True
         outcome = None                     # (result, plan, breakdown) at ``level``
         while True:
-            if not can_fit(form):
+            form = form_at(level)
+            if not can_fit(form):          # the search's own estimate: nothing fits at this level
+                outcome = None
                 if not auto or level == top:
-                    outcome = None
                     break
                 if before is None:
                     before, exact = least(form), False
-                nxt = first_level(lambda i: can_fit(formulation(shape, i)), level + 1, top)
+                nxt = first_level(lambda i: can_fit(form_at(i)), level + 1, top)
+                level = top if nxt is None else nxt
                 if nxt is None:
-                    form = formulation(shape, top)
-                    level = top
+                    form = form_at(top)
                     break
-                level, form = nxt, formulation(shape, nxt)
+                continue
             result = coordinate_descent(form.problem, starts, time_limit_s=cd_time_limit_s)
             starts = {**starts, "previous level": result.assignment}
             if not auto:
                 outcome = (result, None, None)
                 break
-            plan, bd = make_plan("found", form, result.assignment, at_level(training, levels[level]))
-            outcome = (result, plan, bd)
-            if bd.fits_memory or level == top:
+            plan = assignment_plan("found", form, result.assignment, graph_hash, model_name, cluster, optimizer,
+                                   at_level(training, levels[level]))
+            memory = memory_at_levels(graph, plan, cluster)
+            here = memory(plan.training)
+            if here <= limit or level == top:
+                outcome = (result, plan, price(graph, plan, cluster, limit))
                 break
             if before is None:
-                before, exact = bd.memory_bytes_per_device, True
-            fits = lambda i: plan_memory(graph, with_training(plan, at_level(training, levels[i])),  # noqa: E731
-                                         cluster) <= limit
-            nxt = first_level(fits, level + 1, top)
+                before, exact = here, True
+            nxt = first_level(lambda i: memory(at_level(training, levels[i])) <= limit, level + 1, top)  # noqa: B023
             level = top if nxt is None else nxt
-            form = formulation(shape, level)
         if outcome is None:
             need = least(form)
             min_memory = min(min_memory, need)
@@ -358,7 +379,8 @@ def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tupl
         if plan is not None:
             plan.notes.append(auto_note(plan, graph, limit, before, exact))
         descended.append((shape, form, result, level, plan, bd))
-        per_mesh.append({"mesh": shape, "fits": True, "objective_s": result.cost, "start": result.start,
+        per_mesh.append({"mesh": shape, "fits": bd.fits_memory if bd is not None else True,
+                         "objective_s": result.cost, "start": result.start,
                          "seconds": time.perf_counter() - tm,
                          "recompute": recompute_summary(at_level(training, levels[level]), graph)})
         say(f"mesh {'x'.join(map(str, shape)):>6}: {result.cost * 1e3:10.3f} ms search objective "

@@ -23,8 +23,8 @@ from autoddl.training import Training
 from costmodel.breakdown import plan_cost
 from costmodel.compute import op_compute_time_s, op_forward_time_s, optimizer_state_bytes
 from search.formulate import formulate, param_state_bytes
-from search.planner import (PlanningError, parse_degrees, plan_memory, price_degrees, recompute_levels, search,
-                            with_training)
+from search.planner import (PlanningError, at_level, memory_at_levels, parse_degrees, plan_memory, price_degrees,
+                            recompute_levels, search, with_training)
 
 ROOT = Path(__file__).resolve().parents[1]
 DGX = ROOT / "configs" / "dgx-a100-8.yaml"
@@ -159,6 +159,21 @@ def test_recompute_levels_go_selective_then_full_in_block_order(gpt4):
     assert set(levels[8].values()) == {"full"}
     pinned = recompute_levels(graph, Training(recompute="auto", recompute_blocks={blocks[0]: "none"}))
     assert len(pinned) == 7 and all(level[blocks[0]] == "none" for level in pinned)
+
+
+def test_memory_by_recompute_level_is_the_full_cost_models(gpt4):
+    """auto's bisection lowers a plan once and recounts only activations and recomputed bytes per
+    level: the same bytes as lowering and counting everything again."""
+    _, graph = gpt4
+    cluster = _cluster(4)
+    outcome = _found(graph, cluster, Training(param_dtype="bf16"), mesh=(4,))
+    levels = recompute_levels(graph, Training(recompute="auto"))
+    for scheme in ("zero3", "tp", "found"):
+        plan = next(s for s in outcome.schemes if s.name == scheme).plan
+        memory = memory_at_levels(graph, plan, cluster)
+        for level in levels[::2]:
+            training = at_level(plan.training, level)
+            assert memory(training) == plan_memory(graph, with_training(plan, training), cluster)
 
 
 def test_auto_recomputes_the_fewest_blocks_that_fit_the_memory_limit(gpt4, one):
