@@ -73,9 +73,11 @@ def compute_efficiency(op_flops: float, cluster: Cluster) -> float:
 
 def compute_dtype(node: OpNode) -> str:
     """The dtype an op computes in, whose peak it runs at: its first floating input's (a matmul of
-    bfloat16 operands), else its first floating output's, else float32."""
+    bfloat16 operands), else its first floating output's; float32 for anything else (float64,
+    complex: priced at the float32 peak, the nearest one cluster files give)."""
     metas = list(node.input_metas) + list(node.outputs)
-    return next((m.dtype for m in metas if m.is_floating), "float32")
+    dtype = next((m.dtype for m in metas if m.is_floating), "float32")
+    return dtype if dtype in ("bfloat16", "float16") else "float32"
 
 
 def roofline_time_s(flops: float, nbytes: float, cluster: Cluster, op_flops: float | None = None,

@@ -34,7 +34,7 @@ class PlanRecomputeError(RuntimeError):
     """A block cannot be recomputed as one region; the message names the ops in the way."""
 
 
-def _selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     """Keep matmul-like and collective outputs; recompute everything else."""
     if getattr(func, "namespace", "") in ("_c10d_functional", "_c10d_functional_autograd"):
         return CheckpointPolicy.MUST_SAVE
@@ -50,7 +50,7 @@ class Checkpointed(torch.nn.Module):
         self.body, self.policy, self.set_phase = body, policy, set_phase
 
     def forward(self, *inputs):
-        context = (partial(create_selective_checkpoint_contexts, _selective_policy) if self.policy == "selective"
+        context = (partial(create_selective_checkpoint_contexts, selective_policy) if self.policy == "selective"
                    else None)
         kwargs = {"context_fn": context} if context is not None else {}
         with set_checkpoint_early_stop(False):     # recompute the whole block, as the program says

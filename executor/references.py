@@ -11,6 +11,12 @@
 
 Each builder returns the module to step and this rank's flat step values (in
 ``ModelFile.example_inputs`` order); the worker times them with the plan's optimizer.
+
+Under the plan's training settings, as a user of each would write them: blocks (each child of
+an ``nn.ModuleList``) wrapped in ``checkpoint_wrapper`` for recompute (selective: the same op
+policy as autoddl's executor/recompute.py), then DDP / FSDP2 / TP applied; mixed precision by
+FSDP2's ``MixedPrecisionPolicy`` and by ``torch.autocast`` for DDP and tensor parallel;
+micro-steps by accumulating gradients, under DDP's ``no_sync`` but the last (``reference_step``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from typing import TYPE_CHECKING, Sequence
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads the names below at start-up
     import torch
     from torch import nn
+
+    from autoddl.training import Training
 
 REFERENCES = ("ddp", "fsdp2", "dtensor_tp")
 REFERENCE_NAMES = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP2 (fully_shard)",
@@ -42,12 +50,13 @@ def batch_shard(values: Sequence[torch.Tensor], world: int, rank: int, kind: str
 
 
 def build_reference(kind: str, model: nn.Module, values: Sequence[torch.Tensor],
-                    device: torch.device) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+                    device: torch.device, training: Training | None = None
+                    ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """(module to train, this rank's step values) for reference ``kind`` (module docstring)."""
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = copy.deepcopy(model).to(device)
+    model = _recomputed(copy.deepcopy(model).to(device), training)
     values = tuple(t.to(device) for t in values)
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -55,23 +64,81 @@ def build_reference(kind: str, model: nn.Module, values: Sequence[torch.Tensor],
         ids = [device.index] if device.type == "cuda" else None
         return DDP(model, device_ids=ids), batch_shard(values, world, rank, kind)
     if kind == "fsdp2":
-        return _fully_sharded(model, device, world), batch_shard(values, world, rank, kind)
+        return _fully_sharded(model, device, world, training), batch_shard(values, world, rank, kind)
     if kind == "dtensor_tp":
         return _tensor_parallel(model, device, world), values
     raise ValueError(f"unknown reference {kind!r}; choose one of {', '.join(REFERENCES)}")
 
 
-def _fully_sharded(model: nn.Module, device: torch.device, world: int) -> nn.Module:
+def _blocks(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """(ModuleList, index) of every repeated block."""
     from torch import nn
+
+    return [(blocks, i) for blocks in [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+            for i in range(len(blocks))]
+
+
+def _recomputed(model: nn.Module, training: Training | None) -> nn.Module:
+    """Each block wrapped in ``checkpoint_wrapper`` under the training's recompute policy."""
+    if training is None or training.recompute == "none":
+        return model
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from executor.recompute import selective_policy
+
+    for blocks, i in _blocks(model):
+        if training.recompute_of(f"block{i}") == "selective":
+            blocks[i] = checkpoint_wrapper(blocks[i], context_fn=partial(create_selective_checkpoint_contexts,
+                                                                         selective_policy))
+        elif training.recompute_of(f"block{i}") == "full":
+            blocks[i] = checkpoint_wrapper(blocks[i])
+    return model
+
+
+def _fully_sharded(model: nn.Module, device: torch.device, world: int, training: Training | None = None
+                   ) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
-    for blocks in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
-        for block in blocks:
-            fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    policy = MixedPrecisionPolicy()
+    if training is not None and training.mixed:
+        from autoddl.precision import torch_dtype
+
+        policy = MixedPrecisionPolicy(param_dtype=torch_dtype(training.param_dtype),
+                                      reduce_dtype=torch_dtype(training.grad_reduce_dtype))
+    for blocks, i in _blocks(model):
+        fully_shard(blocks[i], mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def reference_step(kind: str, module: nn.Module, step_loss, values: Sequence[torch.Tensor], opt,
+                   training: Training | None) -> float:
+    """One optimizer step of a reference over this rank's ``values`` under ``training`` (module
+    docstring); returns the loss (mean over micro-steps). ``step_loss(module, values)`` is one
+    micro-step's eager loss."""
+    import contextlib
+
+    import torch
+
+    k = training.micro_batches if training is not None else 1
+    autocast = (kind != "fsdp2" and training is not None and training.mixed)
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for i, chunk in enumerate(zip(*(t.chunk(k, dim=0) for t in values))):
+        skip_sync = kind == "ddp" and i < k - 1
+        with (module.no_sync() if skip_sync else contextlib.nullcontext()):
+            with (torch.autocast(chunk[0].device.type, dtype=getattr(torch, training.param_dtype))
+                  if autocast else contextlib.nullcontext()):
+                loss = step_loss(module, chunk)
+            (loss / k).backward()
+        total += float(loss.detach())
+    opt.step()
+    return total / k
 
 
 def tp_pairs(model: nn.Module) -> dict[str, str]:

@@ -53,7 +53,7 @@ from autoddl.precision import check_rtol
 from autoddl.trace import trace
 from executor.audit import summarize
 from executor.measure import PeakMemory, time_steps
-from executor.references import REFERENCES, build_reference
+from executor.references import REFERENCES, build_reference, reference_step
 from executor.runtime import (DistributedModel, audit_step, build_optimizer, init_mesh, run_check, torch_optimizer,
                               train_step)
 
@@ -185,28 +185,25 @@ def _profile_step(step: Callable[[], Any], out_dir: str, rank: int) -> str:
     return str(path)
 
 
-def _step_fn(module, mf: ModelFile, values, opt, losses: list[float]) -> Callable[[], None]:
+def _step_fn(kind: str, module, mf: ModelFile, values, opt, losses: list[float], training) -> Callable[[], None]:
     def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss = mf.step_loss(module, values)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(reference_step(kind, module, mf.step_loss, values, opt, training))
 
     return step
 
 
-def time_reference(kind: str, mf: ModelFile, args: argparse.Namespace, optimizer: str, rank: int) -> dict[str, Any]:
+def time_reference(kind: str, mf: ModelFile, args: argparse.Namespace, optimizer: str, rank: int,
+                   training=None) -> dict[str, Any]:
     """The same steps with PyTorch's own implementation ``kind`` (executor/references.py), with the
     torch optimizer a user would pass it."""
     cuda = args.device == "cuda" and torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     memory = PeakMemory(args.device)
     memory.start()
-    module, values = build_reference(kind, mf.model, tuple(mf.example_inputs), device)
+    module, values = build_reference(kind, mf.model, tuple(mf.example_inputs), device, training)
     opt = torch_optimizer(optimizer, module.parameters(), args.lr)
     losses: list[float] = []
-    times = time_steps(_step_fn(module, mf, values, opt, losses), args.steps, args.warmup, barrier=dist.barrier,
+    times = time_steps(_step_fn(kind, module, mf, values, opt, losses, training), args.steps, args.warmup, barrier=dist.barrier,
                        sync=_sync_fn(args.device), progress=_progress(rank, kind, args.quiet))
     out = _gather_timing(times, memory.peak_mb())
     out["losses"] = losses  # rank 0's loss (its batch shard for ddp / fsdp2)
@@ -250,7 +247,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gc.collect()
     result["references"] = {}
     for kind in args.reference:
-        result["references"][kind] = time_reference(kind, mf, args, optimizer, rank)
+        result["references"][kind] = time_reference(kind, mf, args, optimizer, rank, plan.training)
         gc.collect()
     return result
 
