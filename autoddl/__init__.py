@@ -9,10 +9,11 @@ from autoddl.loader import ModelFile, ModelFileError, default_loss, load_model_f
 from autoddl.sbp import B, P, S, Broadcast, NdSbp, Partial, Signature, Split, parse_sbp
 from autoddl.trace import TraceError, trace
 from autoddl.plan import Mesh, Plan
+from autoddl.training import Training
 from autoddl.api import compare, parallelize, plan
 
 __all__ = [
-    "Mesh", "Plan", "compare", "parallelize", "plan",
+    "Mesh", "Plan", "Training", "compare", "parallelize", "plan",
     "ModelFile", "ModelFileError", "default_loss", "load_model_file", "trace_model_file",
     "Backend", "Cluster", "ClusterConfigError", "DeviceSpec", "Efficiency", "LinkSpec",
     "DEFAULT_CLUSTER_PATH", "bundled_config",

@@ -20,6 +20,7 @@ from autoddl.cluster import DEFAULT_CLUSTER_PATH, Cluster
 from autoddl.graph import OpGraph
 from autoddl.plan import Mesh, Plan
 from autoddl.trace import trace
+from autoddl.training import Training
 
 
 def _cluster(cluster: Cluster | str | os.PathLike | None) -> Cluster:
@@ -41,30 +42,39 @@ def _mesh(mesh: str | Sequence[int] | Mesh | None) -> tuple[int, ...] | None:
 
 
 def search_model(graph: OpGraph, cluster: Cluster | str | None = None, *, devices: int | None = None,
-                 mesh=None, memory_gb: float | None = None, optimizer: str = "adamw", progress=None):
-    """Search a traced graph; returns search.planner.SearchOutcome (found plan and every baseline)."""
+                 mesh=None, memory_gb: float | None = None, optimizer: str = "adamw", progress=None,
+                 training: Training | None = None):
+    """Search a traced graph (traced under ``training.param_dtype``); returns
+    search.planner.SearchOutcome (found plan and every baseline), every plan with ``training``."""
     from search.planner import resolve_cluster, search
 
     resolved = resolve_cluster(_cluster(cluster), devices)
     return search(graph, resolved, model_name=graph.model_name, mesh=_mesh(mesh), memory_gb=memory_gb,
-                  optimizer=optimizer, progress=progress)
+                  optimizer=optimizer, progress=progress, training=training or Training())
 
 
 def plan(model: nn.Module, example_inputs: Sequence[torch.Tensor], cluster: Cluster | str | None = None, *,
          devices: int | None = None, mesh=None, memory_gb: float | None = None,
-         loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: str = "adamw") -> Plan:
-    """Trace ``model`` on the meta device and return the cheapest plan found for ``cluster``."""
-    graph = trace(model, example_inputs, loss_fn, name=type(model).__name__)
-    found = search_model(graph, cluster, devices=devices, mesh=mesh, memory_gb=memory_gb, optimizer=optimizer).found
+         loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: str = "adamw",
+         training: Training | None = None) -> Plan:
+    """Trace ``model`` on the meta device (under ``training``'s precision; ``example_inputs`` are one
+    micro-step's batch) and return the cheapest plan found for ``cluster``."""
+    training = training or Training()
+    graph = trace(model, example_inputs, loss_fn, name=type(model).__name__, param_dtype=training.param_dtype)
+    found = search_model(graph, cluster, devices=devices, mesh=mesh, memory_gb=memory_gb, optimizer=optimizer,
+                         training=training).found
     return found.set_provenance(cluster_file=cluster if isinstance(cluster, (str, os.PathLike)) else "")
 
 
 def compare(model: nn.Module, example_inputs: Sequence[torch.Tensor], cluster: Cluster | str | None = None, *,
             devices: int | None = None, mesh=None, memory_gb: float | None = None,
-            loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: str = "adamw") -> pd.DataFrame:
+            loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: str = "adamw",
+            training: Training | None = None) -> pd.DataFrame:
     """Every scheme (each baseline and the found plan) with its predicted breakdown, one row each."""
-    graph = trace(model, example_inputs, loss_fn, name=type(model).__name__)
-    outcome = search_model(graph, cluster, devices=devices, mesh=mesh, memory_gb=memory_gb, optimizer=optimizer)
+    training = training or Training()
+    graph = trace(model, example_inputs, loss_fn, name=type(model).__name__, param_dtype=training.param_dtype)
+    outcome = search_model(graph, cluster, devices=devices, mesh=mesh, memory_gb=memory_gb, optimizer=optimizer,
+                           training=training)
     return schemes_frame(outcome)
 
 

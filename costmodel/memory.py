@@ -29,9 +29,10 @@ from typing import Sequence
 
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.plan import Plan
-from autoddl.precision import MASTER_ITEMSIZE
+from autoddl.precision import MASTER_ITEMSIZE, itemsize
 from autoddl.program import StepProgram, block_of, recomputed_ops, signature_of, storage_of, used_parameters
 from autoddl.sbp import NdSbp
+from autoddl.training import Training
 from costmodel.collectives import Collective, CollectiveKind
 from costmodel.compute import ZERO_COST, optimizer_state_bytes
 
@@ -55,6 +56,16 @@ def local_parameters(graph: OpGraph, plan: Plan) -> tuple[int, int]:
         nbytes += int(round(meta.numel * (MASTER_ITEMSIZE if meta.is_floating else meta.itemsize) * frac))
         numel += int(round(meta.numel * frac))
     return nbytes, numel
+
+
+def param_state_bytes(numel_local: float, training: Training, optimizer: str) -> float:
+    """Bytes one device keeps for ``numel_local`` elements of a floating parameter between and during
+    steps: the float32 master and its float32 gradient (4 + 4 bytes each), the optimizer's states
+    (AdamW: 8), and, under a mixed-precision policy, the working copy in ``param_dtype``.
+    (``memory_bytes``'s parameters + gradients + optimizer_states + working_params, per element: what
+    the search charges a parameter's storage choice.)"""
+    working = itemsize(training.param_dtype) if training.mixed else 0
+    return numel_local * (2 * MASTER_ITEMSIZE + working) + optimizer_state_bytes(numel_local, optimizer)
 
 
 def working_param_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None = None) -> int:

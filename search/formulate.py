@@ -54,7 +54,8 @@ from autoddl.sbp import NdSbp, Signature
 from autoddl.training import Training
 from costmodel.boxing import (edge_backward_transitions, grad_ndsbp, needed_grad_ndsbp, transitions_of,
                               transitions_time_s)
-from costmodel.compute import op_compute_time_s, op_forward_time_s, optimizer_state_bytes, optimizer_time_s
+from costmodel.compute import op_compute_time_s, op_forward_time_s, optimizer_time_s
+from costmodel.memory import param_state_bytes
 from search.problem import SearchProblem
 
 _PLACEHOLDERS = (NodeKind.INPUT, NodeKind.PARAMETER, NodeKind.BUFFER)
@@ -72,15 +73,6 @@ class Formulation:
 
     def signatures(self, assignment: np.ndarray) -> dict[str, Signature]:
         return {n.name: self.problem.choices[i][int(a)] for i, (n, a) in enumerate(zip(self.nodes, assignment))}
-
-
-def param_state_bytes(numel_local: float, training: Training, optimizer: str) -> float:
-    """Bytes one device keeps for ``numel_local`` elements of a floating parameter between and during
-    steps: the float32 master and its float32 gradient (4 + 4 bytes each), the optimizer's states
-    (AdamW: 8), and, under a mixed-precision policy, the working copy in ``param_dtype``.
-    (costmodel/memory.py's parameters + gradients + optimizer_states + working_params, per element.)"""
-    working = itemsize(training.param_dtype) if training.mixed else 0
-    return numel_local * (2 * MASTER_ITEMSIZE + working) + optimizer_state_bytes(numel_local, optimizer)
 
 
 def recompute_plan(training: Training, mesh_shape: Sequence[int] = (1,)) -> Plan:

@@ -38,7 +38,7 @@ EXTRA = {(4,): [("gpt", "dgx-a100-8"), ("llama", "dgx-a100-8")]}   # found plans
 # On these clusters the tiny models' found plans replicate everything (a collective costs more than
 # the compute it saves); under a memory limit below what replication needs, the found plan shards.
 TIGHT, TIGHT_FRACTION = ("gpt", "llama"), 0.7
-SCHEMES = {1: ("dp", "zero3", "tp", "sp", "found"), 2: ("dp", "zero3", "dp_tp", "found")}
+SCHEMES = {1: ("dp", "zero3", "tp", "sp", "found"), 2: ("dp", "zero3", "dp_tp", "fsdp_tp", "found")}
 # Baselines the planner reports as not applicable, with the start of its reason; a scheme that
 # is neither run here nor listed fails the test.
 NOT_APPLICABLE = {
@@ -47,6 +47,7 @@ NOT_APPLICABLE = {
     ("resnet", "tp"): "no column -> row parallel linear pair",
     ("resnet", "sp"): "no user input has a sequence dim",
     ("resnet", "dp_tp"): "no column -> row parallel linear pair",
+    ("resnet", "fsdp_tp"): "no column -> row parallel linear pair",
 }
 
 
