@@ -22,7 +22,11 @@ A third, ``executor``, holds the fixed costs of autoddl's own executor (Python,
 DTensor wrapping, per-parameter bookkeeping) that ``autoddl calibrate`` measures
 by timing the executor itself: per op forward / backward, per op input, per
 parameter use and per collective beyond its latency (all microseconds; 0 when
-left out, e.g. for clusters whose plans run under a compiled runtime).
+left out, e.g. for clusters whose plans run under a compiled runtime); per op family
+and compute dtype (``op_us: {dtype: {family: [forward_us, backward_us]}}``, the whole
+fixed cost of one op of that family, and ``op_work``, the multiple of the roofline
+time its kernels take), measured on synthetic inputs; and per recompute policy what
+activation checkpointing adds per op and per block (``recompute``).
 ``cores_per_node`` (CPU clusters) is how many ranks a node runs at full speed at
 once (its cores / threads per rank): a mesh with more ranks than that on a node
 time-shares the cores, and the cost model slows that mesh's compute and
@@ -52,6 +56,8 @@ from typing import Any
 import yaml
 
 from autoddl.atomic import write_text_atomic
+from autoddl.op_families import (CAST_OPS, CONV_OPS, COPY_OPS, MATMUL_OPS, NORMS, REDUCTIONS, SDPA_OPS,
+                                  VIEW_OPS)
 from autoddl.training import DTYPES
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -219,6 +225,60 @@ class CollectiveFits:
         return bool(self.items())
 
 
+# Op families: an op without a measured cost of its own uses its family's representative (the op
+# ``autoddl calibrate`` times for the family); in-place variants (``add_``) use their op's.
+FAMILY_REPRESENTATIVE = {
+    **{op: "view" for op in VIEW_OPS - {"getitem"}},
+    **{op: "linear" for op in MATMUL_OPS | {"baddbmm"}},
+    **{op: "scaled_dot_product_attention" for op in SDPA_OPS},
+    **{op: "conv2d" for op in CONV_OPS},
+    **{op: "layer_norm" for op in NORMS - {"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                                             "_native_batch_norm_legit_no_training",
+                                             "_native_batch_norm_legit_functional"}},
+    **{op: "batch_norm" for op in ("native_batch_norm", "_native_batch_norm_legit",
+                                   "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional")},
+    **{op: "contiguous" for op in COPY_OPS - {"cat", "stack"}},
+    "stack": "cat",
+    **{op: "to" for op in CAST_OPS},
+    **{op: "mean" for op in REDUCTIONS},
+}
+RECOMPUTE_POLICIES = ("selective", "full")
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One op family's measured cost through the executor, in one compute dtype.
+
+    An op of the family takes ``forward_us + forward_work * roofline`` forward and
+    ``backward_us + backward_work * backward roofline`` backward: the fixed part is the whole
+    per-op cost (dispatch, autograd node, the executor's call) in place of ``op_overhead_us`` and
+    the scalar per-op / per-input fields; the work scale is how many times the roofline time the
+    family's kernels really take (softmax-like ops below it when their data sits in cache, an
+    attention kernel above it when it runs a slow path)."""
+
+    forward_us: float = 0.0
+    backward_us: float = 0.0
+    forward_work: float = 1.0
+    backward_work: float = 1.0
+
+
+@dataclass(frozen=True)
+class RecomputeCost:
+    """What activation checkpointing under one policy adds (microseconds), as the executor runs a
+    recomputed block (non-reentrant ``torch.utils.checkpoint``; selective: a dispatch mode calling
+    the op policy per op): per op in forward (saved-tensor hooks, the policy), per op in backward
+    (an op run again: beyond its forward; an op whose output is kept: its cached output's lookup),
+    each for matmul-like ops (kept by selective recompute) and the others; and per block, forward
+    (entering the checkpoint) and backward (setting up its recompute)."""
+
+    op_forward_us: float = 0.0
+    op_backward_us: float = 0.0
+    matmul_forward_us: float = 0.0
+    matmul_backward_us: float = 0.0
+    block_forward_us: float = 0.0
+    block_backward_us: float = 0.0
+
+
 @dataclass(frozen=True)
 class ExecutorOverheads:
     """Fixed costs of autoddl's executor beyond the roofline, ``op_overhead_us`` and alpha-beta.
@@ -226,7 +286,11 @@ class ExecutorOverheads:
     The executor runs every op (views included) as one call of a compiled local program,
     makes every parameter use a leaf whose gradient it syncs to the storage layout, and
     issues each collective as a functional collective it waits for. ``autoddl calibrate``
-    measures these by timing the executor on chains of tiny ops.
+    measures these by timing the executor on chains of tiny ops (the scalar fields) and
+    each op family on synthetic inputs of a few sizes, per compute dtype (``op_us`` and
+    ``op_work``: ``{dtype: {family: (forward, backward)}}``, see :class:`OpCost`); the scalar
+    per-op fields price the ops of families without a measurement. ``recompute`` holds, per
+    recompute policy, what checkpointing adds per op and per block (:class:`RecomputeCost`).
     """
 
     op_forward_us: float = 0.0      # per op the executor runs (views included), forward
@@ -236,9 +300,66 @@ class ExecutorOverheads:
     param_us: float = 0.0           # per parameter use: leaf, grad sync to storage, optimizer share
     collective_us: float = 0.0      # per collective, beyond its latency (the call and its wait)
     step_us: float = 0.0            # per training step: input placement, loss read-out, zero_grad
+    op_us: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)    # dtype -> family
+    op_work: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)  # dtype -> family
+    recompute: Mapping[str, RecomputeCost] = field(default_factory=dict)   # policy -> what checkpointing adds
+
+    def __post_init__(self) -> None:
+        def pairs(m: Any) -> dict:
+            return {str(dt): {str(f): tuple(float(x) for x in v) for f, v in (fams or {}).items()}
+                    for dt, fams in (m or {}).items()}
+        object.__setattr__(self, "op_us", pairs(self.op_us))
+        object.__setattr__(self, "op_work", pairs(self.op_work))
+        object.__setattr__(self, "recompute", {str(p): v if isinstance(v, RecomputeCost) else RecomputeCost(**v)
+                                               for p, v in (self.recompute or {}).items()})
+
+    def __hash__(self) -> int:            # the tables are dicts: hash a frozen copy
+        def frozen(table: Mapping) -> tuple:
+            return tuple(sorted((k, frozen(v) if isinstance(v, Mapping) else v) for k, v in table.items()))
+        return hash((tuple(self.scalars().items()), frozen(self.op_us), frozen(self.op_work),
+                     frozen(self.recompute)))
 
     def __bool__(self) -> bool:
-        return any(v for v in dataclasses.astuple(self))
+        return any(bool(v) for v in self.scalars().values()) or bool(self.op_us or self.op_work or self.recompute)
+
+    def scalars(self) -> dict[str, float]:
+        """The scalar fields (the fallback per-op costs, per input, parameter use, collective, step)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _EXECUTOR_FIELDS}
+
+    def family_of(self, op_name: str, dtype: str = "float32") -> str | None:
+        """The family whose measured cost an op of ``op_name`` computing in ``dtype`` pays: its own,
+        its in-place op's (``add_`` -> ``add``), else its family's representative; None when none of
+        them was measured (in ``dtype``, else in float32)."""
+        tables = [self.op_us.get(dtype, {})] + ([self.op_us.get("float32", {})] if dtype != "float32" else [])
+        for name in dict.fromkeys((op_name, op_name.rstrip("_"), FAMILY_REPRESENTATIVE.get(op_name.rstrip("_"), ""))):
+            if name and any(name in t for t in tables):
+                return name
+        return None
+
+    def op_cost(self, op_name: str, dtype: str = "float32") -> OpCost | None:
+        """The measured :class:`OpCost` of an op (its family's, in ``dtype`` or else float32), or None."""
+        family = self.family_of(op_name, dtype)
+        if family is None:
+            return None
+        dt = dtype if family in self.op_us.get(dtype, {}) else "float32"
+        fixed = self.op_us[dt][family]
+        work = self.op_work.get(dt, {}).get(family, (1.0, 1.0))
+        return OpCost(fixed[0], fixed[1], work[0], work[1])
+
+    def recompute_cost(self, policy: str) -> RecomputeCost:
+        """What checkpointing under ``policy`` adds (zeros when not measured, or policy none)."""
+        return self.recompute.get(policy) or RecomputeCost()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML section: the scalar fields, then the measured tables (left out when empty)."""
+        out: dict[str, Any] = dict(self.scalars())
+        for name in ("op_us", "op_work"):
+            table = getattr(self, name)
+            if table:
+                out[name] = {dt: {f: list(v) for f, v in fams.items()} for dt, fams in table.items()}
+        if self.recompute:
+            out["recompute"] = {p: dataclasses.asdict(v) for p, v in self.recompute.items()}
+        return out
 
 
 # -- schema -------------------------------------------------------------------
@@ -518,10 +639,109 @@ def _parse(d: Any, src: str) -> tuple[dict[str, Any], list[str]]:
     if d.get("compute_curve") is not None:
         kw["compute_curve"] = _compute_curve(src, d["compute_curve"], errors)
     if d.get("executor") is not None:
-        ex = _section(src, "executor", d["executor"], _EXECUTOR_FIELDS, errors,
-                      defaults=dataclasses.asdict(ExecutorOverheads()))
-        kw["executor"] = ExecutorOverheads(**ex) if ex else None
+        kw["executor"] = _executor(src, d["executor"], errors)
     return kw, errors
+
+
+def _number_list(src: str, dotted: str, value: Any, names: tuple[str, ...], what: tuple[str, str], kind: str,
+                 errors: list[str]) -> tuple[float, ...] | None:
+    """``[x, y, ...]``: one number per name in ``names``, each checked as ``kind``; ``what``: (the numbers,
+    one number) in words, for the errors (None on error)."""
+    if not isinstance(value, (list, tuple)) or len(value) != len(names):
+        errors.append(f"{src}: {dotted}: expected [{', '.join(names)}], {what[0]}, got {value!r}")
+        return None
+    n_before = len(errors)
+    out = tuple(_number(src, f"{dotted}[{i}]", v, f"{names[i]}, {what[1]}", kind, errors) for i, v in enumerate(value))
+    return out if len(errors) == n_before else None
+
+
+_OP_TABLES = {   # executor table -> (numbers per family, what they are (all, one), check)
+    "op_us": (("forward_us", "backward_us"), ("non-negative numbers of microseconds per op of the family",
+                                              "a non-negative number of microseconds per op"), "nonneg"),
+    "op_work": (("forward_work", "backward_work"), ("positive multiples of the roofline time",
+                                                    "a positive multiple of the roofline time"), "pos"),
+}
+_RECOMPUTE_FIELDS = {k: (f"a non-negative number of microseconds {what}", "nonneg") for k, what in (
+    ("op_forward_us", "per op of the block but matmul-like ones, forward"),
+    ("op_backward_us", "per op of the block but matmul-like ones, backward (beyond running its forward again)"),
+    ("matmul_forward_us", "per matmul-like op of the block, forward"),
+    ("matmul_backward_us", "per matmul-like op of the block, backward (beyond running its forward again)"),
+    ("block_forward_us", "per recomputed block, forward"),
+    ("block_backward_us", "per recomputed block, backward"))}
+
+
+def _op_table(src: str, name: str, value: Any, errors: list[str]) -> dict | None:
+    """``executor.op_us`` / ``op_work``: ``{dtype: {family: [forward, backward]}}`` (None on error)."""
+    names, what, kind = _OP_TABLES[name]
+    expected = (f"a mapping from compute dtype ({', '.join(PEAK_DTYPES)}) to {{op family (an aten op name, e.g. "
+                f"linear): [{', '.join(names)}]}}")
+    if not isinstance(value, dict):
+        errors.append(f"{src}: executor.{name}: expected {expected}, got {value!r}")
+        return None
+    n_before = len(errors)
+    out: dict[str, dict[str, tuple[float, ...]]] = {}
+    for key, fams in value.items():
+        dtype = peak_dtype(key) if isinstance(key, str) else None
+        if dtype is None:
+            close = difflib.get_close_matches(str(key), PEAK_DTYPES + tuple(DTYPES), n=1)
+            hint = f"did you mean {peak_dtype(close[0])!r}? " if close else ""
+            errors.append(f"{src}: executor.{name}.{key}: unknown dtype; {hint}known dtypes: {', '.join(PEAK_DTYPES)}")
+            continue
+        if dtype in out:
+            errors.append(f"{src}: executor.{name}.{key}: {dtype} given twice; keep one")
+            continue
+        if not isinstance(fams, dict):
+            errors.append(f"{src}: executor.{name}.{key}: expected a mapping from op family to "
+                          f"[{', '.join(names)}], got {fams!r}")
+            continue
+        out[dtype] = {}
+        for fam, numbers in fams.items():
+            if not isinstance(fam, str) or not fam.strip():
+                errors.append(f"{src}: executor.{name}.{key}: op family names must be non-empty strings, got {fam!r}")
+                continue
+            parsed = _number_list(src, f"executor.{name}.{key}.{fam}", numbers, names, what, kind, errors)
+            if parsed is not None:
+                out[dtype][fam] = parsed
+    return out if len(errors) == n_before else None
+
+
+def _executor(src: str, value: Any, errors: list[str]) -> ExecutorOverheads | None:
+    """The ``executor`` section: scalar fields (default 0), the per-family tables and ``recompute``."""
+    tables = ("op_us", "op_work", "recompute")
+    if not isinstance(value, dict):
+        errors.append(f"{src}: executor: expected a mapping with keys {', '.join(tuple(_EXECUTOR_FIELDS) + tables)}, "
+                      f"got {value!r}")
+        return None
+    n_before = len(errors)
+    scalars = {k: v for k, v in value.items() if k not in tables}
+    ex = _section(src, "executor", scalars, {**_EXECUTOR_FIELDS, **{t: ("", "") for t in tables}}, errors,
+                  defaults={**ExecutorOverheads().scalars(), **{t: {} for t in tables}})
+    kw: dict[str, Any] = {k: v for k, v in (ex or {}).items() if k not in tables}
+    for name in ("op_us", "op_work"):
+        if value.get(name) is not None:
+            kw[name] = _op_table(src, name, value[name], errors)
+    if isinstance(kw.get("op_work"), dict):
+        for dtype, fams in kw["op_work"].items():
+            for fam in fams:
+                if fam not in (kw.get("op_us") or {}).get(dtype, {}):
+                    errors.append(f"{src}: executor.op_work.{dtype}.{fam}: no executor.op_us.{dtype}.{fam} beside it; "
+                                  "a family's work scale goes with its fixed cost (give both, or neither)")
+    rec = value.get("recompute")
+    if rec is not None:
+        if not isinstance(rec, dict):
+            errors.append(f"{src}: executor.recompute: expected a mapping from recompute policy "
+                          f"({', '.join(RECOMPUTE_POLICIES)}) to {{{', '.join(_RECOMPUTE_FIELDS)}}}, got {rec!r}")
+        else:
+            kw["recompute"] = {}
+            for policy, spec in rec.items():
+                if policy not in RECOMPUTE_POLICIES:
+                    errors.append(_unknown_key(src, "executor.recompute.", policy, RECOMPUTE_POLICIES))
+                    continue
+                parsed = _section(src, f"executor.recompute.{policy}", spec, _RECOMPUTE_FIELDS, errors,
+                                  defaults=dataclasses.asdict(RecomputeCost()))
+                if parsed is not None:
+                    kw["recompute"][policy] = RecomputeCost(**parsed)
+    return ExecutorOverheads(**kw) if len(errors) == n_before else None
 
 
 # -- YAML writing ---------------------------------------------------------------
@@ -643,7 +863,7 @@ class Cluster:
             **({"collectives": {k: dataclasses.asdict(v) for k, v in self.collectives.items()}}
                if self.collectives else {}),
             **({"compute_curve": [list(p) for p in self.compute_curve]} if self.compute_curve else {}),
-            **({"executor": dataclasses.asdict(self.executor)} if self.executor else {}),
+            **({"executor": self.executor.to_dict()} if self.executor else {}),
             **({"cores_per_node": self.cores_per_node} if self.cores_per_node else {}),
         }
 
@@ -663,6 +883,8 @@ class Cluster:
                 if isinstance(value, dict):
                     lines.append((dotted, f"{pad}{key}:"))
                     emit(value, dotted + ".", indent + 1)
+                elif isinstance(value, list) and all(not isinstance(x, (list, tuple, dict)) for x in value):
+                    lines.append((dotted, f"{pad}{key}: [{', '.join(_scalar(x) for x in value)}]"))
                 elif isinstance(value, list):            # compute_curve: one "- [x, y]" line per point
                     lines.append((dotted, f"{pad}{key}:"))
                     for i, item in enumerate(value):
@@ -737,8 +959,12 @@ class Cluster:
                 + (f" | fitted collectives: {', '.join(k for k, _ in self.collectives.items())}"
                    if self.collectives else "")
                 + (f" | compute curve: {len(self.compute_curve)} points" if self.compute_curve else "")
-                + (" | executor overheads: " + ", ".join(f"{k} {v:g}" for k, v in dataclasses.asdict(
-                    self.executor).items() if v) if self.executor else "")
+                + (" | executor overheads: " + ", ".join(f"{k} {v:g}" for k, v in self.executor.scalars().items()
+                                                         if v) if self.executor else "")
+                + (" | op families measured: " + ", ".join(f"{len(f)} {dt}" for dt, f in self.executor.op_us.items())
+                   if self.executor.op_us else "")
+                + (" | recompute costs: " + ", ".join(self.executor.recompute) if self.executor.recompute
+                   else "")
                 + (f" | {self.cores_per_node} ranks per node at once" if self.cores_per_node else ""))
 
     def __str__(self) -> str:

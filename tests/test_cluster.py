@@ -462,11 +462,81 @@ def test_executor_section_round_trip_defaults_and_errors(tmp_path):
                                                            "collective_us": "2 ms"}))
     assert errors == [
         f"{path}: executor.op_forwrd_us: unknown key; did you mean 'op_forward_us'? known keys: op_forward_us, "
-        "op_backward_us, input_forward_us, input_backward_us, param_us, collective_us, step_us",
+        "op_backward_us, input_forward_us, input_backward_us, param_us, collective_us, step_us, op_us, op_work, "
+        "recompute",
         f"{path}: executor.param_us: expected a non-negative number of microseconds per parameter use (leaf, "
         "grad sync, optimizer), got -3",
         f"{path}: executor.collective_us: expected a non-negative number of microseconds per collective beyond "
         "its latency, got '2 ms': wrong unit, drop the unit 'ms' and give the bare number in microseconds"]
     _, errors, _ = errors_of(tmp_path, edited(executor=[1, 2]))
     assert errors[0].endswith("executor: expected a mapping with keys op_forward_us, op_backward_us, "
-                              "input_forward_us, input_backward_us, param_us, collective_us, step_us, got [1, 2]")
+                              "input_forward_us, input_backward_us, param_us, collective_us, step_us, op_us, op_work, "
+                              "recompute, got [1, 2]")
+
+
+def test_executor_op_families_and_recompute_round_trip_and_look_up(tmp_path):
+    from autoddl.cluster import ExecutorOverheads, OpCost, RecomputeCost
+
+    c = Cluster.from_dict(edited(executor={
+        "op_forward_us": 6, "op_us": {"float32": {"linear": [12, 30.5], "view": [9, 8], "add": [8, 7]},
+                                      "bf16": {"scaled_dot_product_attention": [18, 300]}},
+        "op_work": {"float32": {"linear": [0.8, 1.5]}},
+        "recompute": {"selective": {"op_forward_us": 10, "op_backward_us": 36, "block_forward_us": 220}}}))
+    ex = c.executor
+    assert ex.op_us == {"float32": {"linear": (12.0, 30.5), "view": (9.0, 8.0), "add": (8.0, 7.0)},
+                        "bfloat16": {"scaled_dot_product_attention": (18.0, 300.0)}}     # bf16 read as bfloat16
+    assert ex.recompute == {"selective": RecomputeCost(op_forward_us=10, op_backward_us=36, block_forward_us=220)}
+    assert ex.recompute_cost("full") == RecomputeCost() and ex.recompute_cost("none") == RecomputeCost()
+    # an op's own family, its in-place op's, its family's representative; another dtype falls back to float32's
+    assert ex.op_cost("linear") == OpCost(12, 30.5, 0.8, 1.5)
+    assert ex.op_cost("addmm") == ex.op_cost("mm") == ex.op_cost("linear", "bfloat16") == OpCost(12, 30.5, 0.8, 1.5)
+    assert ex.op_cost("add_") == OpCost(8, 7, 1, 1) and ex.op_cost("transpose") == OpCost(9, 8, 1, 1)
+    assert ex.op_cost("_scaled_dot_product_flash_attention_for_cpu", "bfloat16") == OpCost(18, 300, 1, 1)
+    assert ex.op_cost("scaled_dot_product_attention") is None and ex.op_cost("gelu") is None
+    assert ex.family_of("unsqueeze") == "view" and ex.family_of("getitem") is None
+    assert "op families measured: 3 float32, 1 bfloat16 | recompute costs: selective" in c.summary()
+    comments = {"executor.op_us.float32.linear": "sizes tiny, small", "executor.recompute.selective": "measured"}
+    c.to_yaml(tmp_path / "c.yaml", comments=comments)
+    text = (tmp_path / "c.yaml").read_text()
+    assert "      linear: [12, 30.5]  # sizes tiny, small\n" in text and "    selective:  # measured\n" in text
+    assert "      op_forward_us: 10\n" in text
+    back = Cluster.from_yaml(tmp_path / "c.yaml")
+    assert back == c and hash(back.executor) == hash(c.executor)
+    assert ExecutorOverheads(op_us={"float32": {"add": [1, 2]}})          # measured tables alone make it non-empty
+    with pytest.raises(ClusterConfigError, match="executor.op_work.float32.linear: no executor.op_us.float32.linear"):
+        dataclasses.replace(c, executor=dataclasses.replace(ex, op_us={}))      # work scales without fixed costs
+
+
+def test_executor_op_families_and_recompute_errors(tmp_path):
+    path, errors, _ = errors_of(tmp_path, edited(executor={
+        "op_us": {"bf61": {"linear": [1, 2]}, "float32": {"linear": [1, -2], "gelu": [3], "": [1, 1]},
+                  "float16": [1, 2]},
+        "op_work": {"float32": {"linear": [0, 1]}},
+        "recompute": {"selectiv": {}, "full": {"op_forward_us": "3 ms", "block_us": 1}}}))
+    assert errors == [                                    # (the YAML file lists keys sorted)
+        f"{path}: executor.op_us.bf61: unknown dtype; did you mean 'bfloat16'? known dtypes: float32, bfloat16, "
+        "float16",
+        f"{path}: executor.op_us.float16: expected a mapping from op family to [forward_us, backward_us], got [1, 2]",
+        f"{path}: executor.op_us.float32: op family names must be non-empty strings, got ''",
+        f"{path}: executor.op_us.float32.gelu: expected [forward_us, backward_us], non-negative numbers of "
+        "microseconds per op of the family, got [3]",
+        f"{path}: executor.op_us.float32.linear[1]: expected backward_us, a non-negative number of microseconds "
+        "per op, got -2",
+        f"{path}: executor.op_work.float32.linear[0]: expected forward_work, a positive multiple of the roofline "
+        "time, got 0",
+        f"{path}: executor.recompute.full.block_us: unknown key; did you mean 'block_forward_us'? known keys: "
+        "op_forward_us, op_backward_us, matmul_forward_us, matmul_backward_us, block_forward_us, block_backward_us",
+        f"{path}: executor.recompute.full.op_forward_us: expected a non-negative number of microseconds per op of "
+        "the block but matmul-like ones, forward, got '3 ms': wrong unit, drop the unit 'ms' and give the bare "
+        "number in microseconds",
+        f"{path}: executor.recompute.selectiv: unknown key; did you mean 'selective'? known keys: selective, full"]
+    _, errors, _ = errors_of(tmp_path, edited(executor={"op_us": {"float32": {"add": [1, 2]}},
+                                                        "op_work": {"float32": {"gelu": [1, 2]}}}))
+    assert errors == [f"{path}: executor.op_work.float32.gelu: no executor.op_us.float32.gelu beside it; a family's "
+                      "work scale goes with its fixed cost (give both, or neither)"]
+    _, errors, _ = errors_of(tmp_path, edited(executor={"op_us": [1], "recompute": 3}))
+    assert errors == [
+        f"{path}: executor.op_us: expected a mapping from compute dtype (float32, bfloat16, float16) to {{op family "
+        "(an aten op name, e.g. linear): [forward_us, backward_us]}, got [1]",
+        f"{path}: executor.recompute: expected a mapping from recompute policy (selective, full) to {{op_forward_us, "
+        "op_backward_us, matmul_forward_us, matmul_backward_us, block_forward_us, block_backward_us}, got 3"]
