@@ -21,11 +21,23 @@ backward, no launch overhead either. An op none of whose inputs needs a
 gradient has no backward (``needs_backward=False``).
 
 Executor overheads (``cluster.executor``, 0 unless calibrated): autoddl's executor runs
-every op, views included, as box -> to_local -> aten op -> from_local, so each op
-pays ``op_forward_us + input_forward_us * inputs`` forward and, when it has a
-backward, ``op_backward_us + input_backward_us * inputs + param_us * parameters read``
-backward (a parameter use's leaf, its grad sync to storage and its optimizer share).
-``getitem`` runs no op and pays nothing.
+every op, views included, as one call of its compiled local program. An op whose family
+``autoddl calibrate`` measured (``executor.op_us`` / ``op_work`` for the op's compute dtype, else
+float32: the op itself, its in-place op's, or its family's representative, e.g. ``mm`` ->
+``linear``; ``ExecutorOverheads.op_cost``) takes ``forward_us + forward_work * roofline``
+forward and ``backward_us + backward_work * backward roofline + param_us * parameters read``
+backward: the family's measured fixed cost replaces ``op_overhead_us`` and the scalar per-op and
+per-input fields, and its work scale says how many times the roofline its kernels really take
+(views: the fixed cost alone). Any other op pays the roofline, ``op_overhead_us`` and
+``op_forward_us + input_forward_us * inputs`` forward and, when it has a backward,
+``op_backward_us + input_backward_us * inputs + param_us * parameters read`` backward (a
+parameter use's leaf, its grad sync to storage and its optimizer share). ``getitem`` runs no
+op and pays nothing.
+
+Activation recompute (``executor.recompute`` per policy, :func:`recompute_overhead_s`): an op of a
+checkpointed block pays the checkpoint's per-op forward cost, a recomputed op its per-op cost beyond
+running its forward again, an op whose output selective recompute keeps its lookup, and each block
+its own cost once forward and once when its recompute starts.
 
 Time-sharing: on a CPU cluster whose nodes run fewer ranks at once than a mesh puts on
 them (``cluster.cores_per_node``), every op's time is multiplied by
@@ -37,7 +49,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from autoddl.cluster import Cluster
+from autoddl.cluster import Cluster, OpCost
 from autoddl.op_families import MATMUL_LIKE, ZERO_COST  # noqa: F401  (read from here too)
 from autoddl.graph import OpNode
 from autoddl.program import work_divisor  # noqa: F401  (re-exported: the search prices with it)
@@ -93,20 +105,65 @@ def roofline_time_s(flops: float, nbytes: float, cluster: Cluster, op_flops: flo
                nbytes / (dev.memory_bandwidth_gbps * 1e9 * eff.memory))
 
 
+def executor_cost(node: OpNode, cluster: Cluster) -> OpCost | None:
+    """The measured cost of ``node``'s op family in its compute dtype (module docstring), or None."""
+    if not cluster.executor.op_us:
+        return None
+    return cluster.executor.op_cost(node.op_name, compute_dtype(node))
+
+
 def executor_forward_s(node: OpNode, cluster: Cluster) -> float:
-    """The executor's fixed forward cost of one op: per op plus per tensor input (0 for getitem)."""
+    """The executor's fixed forward cost of one op: its family's measured one, else per op plus per
+    tensor input (0 for getitem)."""
     if not node.is_op or node.op_name == "getitem":
         return 0.0
+    fam = executor_cost(node, cluster)
+    if fam is not None:
+        return fam.forward_us * 1e-6
     ex = cluster.executor
     return (ex.op_forward_us + ex.input_forward_us * len(node.inputs)) * 1e-6
 
 
 def executor_backward_s(node: OpNode, cluster: Cluster) -> float:
-    """The executor's fixed backward cost of one op: per op, per tensor input, per parameter read."""
+    """The executor's fixed backward cost of one op: its family's measured one, else per op and per
+    tensor input; plus per parameter read (0 for getitem)."""
     if not node.is_op or node.op_name == "getitem":
         return 0.0
     ex = cluster.executor
-    return (ex.op_backward_us + ex.input_backward_us * len(node.inputs) + ex.param_us * len(node.params)) * 1e-6
+    fam = executor_cost(node, cluster)
+    fixed = fam.backward_us if fam is not None else ex.op_backward_us + ex.input_backward_us * len(node.inputs)
+    return (fixed + ex.param_us * len(node.params)) * 1e-6
+
+
+def recompute_overhead_s(node: OpNode, policy: str, phase: str, recomputed: bool, cluster: Cluster,
+                         first_in_block: bool = False) -> float:
+    """What checkpointing under ``policy`` adds to one task of an op in a checkpointed block
+    (``executor.recompute``, per matmul-like op or other op): ``forward``: its forward share;
+    ``recompute``: its backward share beyond the forward it runs again; ``backward`` of an op the
+    block does not recompute (``recomputed`` False): a kept (matmul-like) output's backward share, a
+    view's forward fixed cost and backward share (selective recompute runs views again all the
+    same). ``first_in_block``: the block's first forward task / first recompute task, which also pays
+    the block's own cost. 0 outside a block (policy none), for getitem, and for the backward task of
+    a recomputed op (its recompute task pays). Seconds on one rank running alone (the caller applies
+    ``cluster.time_sharing``)."""
+    if policy == "none" or not node.is_op:
+        return 0.0
+    cost = cluster.executor.recompute_cost(policy)
+    matmul = node.op_name in MATMUL_LIKE
+    block = 0.0
+    if phase == "forward":
+        block = cost.block_forward_us if first_in_block else 0.0
+        per_op = cost.matmul_forward_us if matmul else cost.op_forward_us
+    elif phase == "recompute":
+        block = cost.block_backward_us if first_in_block else 0.0
+        per_op = cost.matmul_backward_us if matmul else cost.op_backward_us
+    elif recomputed:
+        per_op = 0.0
+    elif node.op_name in ZERO_COST:
+        return (0.0 if node.op_name == "getitem" else executor_forward_s(node, cluster) + cost.op_backward_us * 1e-6)
+    else:
+        per_op = cost.matmul_backward_us if matmul else cost.op_backward_us
+    return (block + (0.0 if node.op_name == "getitem" else per_op)) * 1e-6
 
 
 def op_forward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster) -> float:
@@ -116,9 +173,12 @@ def op_forward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], c
     if node.op_name in ZERO_COST:
         return executor_forward_s(node, cluster) * share
     d = work_divisor(sig, mesh_shape)
-    return (roofline_time_s(node.flops / d, (node.bytes_read + node.bytes_written) / d, cluster,
-                            dtype=compute_dtype(node))
-            + cluster.op_overhead_us * 1e-6 + executor_forward_s(node, cluster)) * share
+    work = roofline_time_s(node.flops / d, (node.bytes_read + node.bytes_written) / d, cluster,
+                           dtype=compute_dtype(node))
+    fam = executor_cost(node, cluster)
+    if fam is not None:
+        return (fam.forward_work * work + fam.forward_us * 1e-6) * share
+    return (work + cluster.op_overhead_us * 1e-6 + executor_forward_s(node, cluster)) * share
 
 
 def op_backward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster) -> float:
@@ -129,9 +189,12 @@ def op_backward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], 
     if factor == 0:
         return executor_backward_s(node, cluster) * share
     d = work_divisor(sig, mesh_shape)
-    return (roofline_time_s(factor * node.flops / d, factor * (node.bytes_read + node.bytes_written) / d,
-                            cluster, op_flops=node.flops / d, dtype=compute_dtype(node)) + cluster.op_overhead_us * 1e-6
-            + executor_backward_s(node, cluster)) * share
+    work = roofline_time_s(factor * node.flops / d, factor * (node.bytes_read + node.bytes_written) / d,
+                           cluster, op_flops=node.flops / d, dtype=compute_dtype(node))
+    fam = executor_cost(node, cluster)
+    if fam is not None:
+        return (fam.backward_work * work + executor_backward_s(node, cluster)) * share
+    return (work + cluster.op_overhead_us * 1e-6 + executor_backward_s(node, cluster)) * share
 
 
 def op_compute_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster,

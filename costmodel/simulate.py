@@ -8,7 +8,8 @@ while backward goes on, and is exposed only where the optimizer (or the next
 bucket) has to wait for it. Durations:
 
 - compute: the roofline of the op's local share (costmodel.compute), forward (again, when
-  recomputed in backward) or backward;
+  recomputed in backward) or backward; an op of a checkpointed block also pays what the
+  checkpoint adds per op (``costmodel.compute.recompute_overhead_s``);
 - collective: alpha-beta on the link of its mesh axis, as the backend carries it out
   (costmodel.collectives);
 - optimizer: the memory-bound step over the local parameters, plus the executor's fixed
@@ -22,10 +23,10 @@ from dataclasses import dataclass
 from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph
 from autoddl.plan import Plan
-from autoddl.program import COMPUTE, StepProgram, Task, signature_of
+from autoddl.program import COMPUTE, StepProgram, Task, block_of, recomputed_ops, signature_of
 from costmodel.collectives import cluster_collective_time_s
-from costmodel.compute import op_backward_time_s, op_forward_time_s, optimizer_time_s
 from costmodel.memory import local_parameters
+from costmodel.compute import op_backward_time_s, op_forward_time_s, optimizer_time_s, recompute_overhead_s
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,30 @@ class Timeline:
         return max(0.0, self.step_time_s - self.busy_s(stream=COMPUTE))
 
 
-def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster) -> float:
-    """Duration of one task (module docstring)."""
+@dataclass(frozen=True)
+class RecomputeInfo:
+    """What pricing the checkpoint's costs needs of a plan: the recomputed ops, each recomputed
+    block's first op (its forward pays the block's cost) and first recomputed op (its recompute
+    task does)."""
+
+    recomputed: frozenset[str]
+    forward_firsts: frozenset[str]
+    recompute_firsts: frozenset[str]
+
+    @classmethod
+    def of(cls, graph: OpGraph, plan: Plan) -> "RecomputeInfo":
+        blocks = recomputed_ops(graph, plan)
+        firsts: dict[str, str] = {}
+        for node in graph.ops():
+            firsts.setdefault(block_of(node), node.name)
+        return cls(frozenset(n.name for ops in blocks.values() for n in ops),
+                   frozenset(firsts[b] for b in blocks), frozenset(ops[0].name for ops in blocks.values()))
+
+
+def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recompute: RecomputeInfo | None = None
+                ) -> float:
+    """Duration of one task (module docstring); ``recompute``: :meth:`RecomputeInfo.of` the plan
+    (found when not given)."""
     mesh = tuple(plan.mesh.shape)
     if task.is_collective:
         return cluster_collective_time_s(task.collective, task.nbytes, mesh, task.axis, cluster)
@@ -71,8 +94,16 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster) -> flo
     node = graph[task.op]
     sig = signature_of(plan, node)
     if task.phase in ("forward", "recompute"):
-        return op_forward_time_s(node, sig, mesh, cluster)
-    return op_backward_time_s(node, sig, mesh, cluster)
+        t = op_forward_time_s(node, sig, mesh, cluster)
+    else:
+        t = op_backward_time_s(node, sig, mesh, cluster)
+    policy = plan.training.recompute_of(block_of(node))
+    if policy != "none" and cluster.executor.recompute:
+        recompute = recompute or RecomputeInfo.of(graph, plan)
+        first = node.name in (recompute.forward_firsts if task.phase == "forward" else recompute.recompute_firsts)
+        t += recompute_overhead_s(node, policy, task.phase, node.name in recompute.recomputed, cluster,
+                                  first_in_block=first) * cluster.time_sharing(mesh)
+    return t
 
 
 def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster) -> Timeline:
@@ -80,9 +111,10 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
     end: list[float] = []
     stream_free: dict[str, float] = {}
     timed: list[TimedTask] = []
+    recompute = RecomputeInfo.of(graph, plan)
     for task in program.tasks:
         start = max([end[d] for d in task.deps] + [stream_free.get(task.stream, 0.0)])
-        finish = start + task_time_s(task, graph, plan, cluster)
+        finish = start + task_time_s(task, graph, plan, cluster, recompute)
         end.append(finish)
         stream_free[task.stream] = finish
         timed.append(TimedTask(task, start, finish))

@@ -320,6 +320,114 @@ def test_executor_overheads_per_op_input_param_and_collective(a100):
     assert cluster_collective_time_s(K.ALL_REDUCE, M, (1, 8), 0, slow) == 0.0
 
 
+def test_op_family_costs_replace_the_scalar_fixed_costs_and_scale_the_roofline(a100):
+    from autoddl.cluster import ExecutorOverheads
+    from costmodel.compute import roofline_time_s
+
+    ex = ExecutorOverheads(op_forward_us=200.0, op_backward_us=50.0, input_forward_us=30.0, input_backward_us=70.0,
+                           param_us=400.0, op_us={"float32": {"linear": (12.0, 30.0), "view": (9.0, 8.0)},
+                                                  "bfloat16": {"linear": (15.0, 40.0)}},
+                           op_work={"float32": {"linear": (0.8, 1.5)}})
+    fam = dataclasses.replace(a100, executor=ex)
+    sig = Signature((nd(B), nd(B), nd(B)), (nd(B),))
+    for dtype, fixed, work in (("float32", (12.0, 30.0), (0.8, 1.5)), ("bfloat16", (15.0, 40.0), (1.0, 1.0))):
+        x = TensorMeta((1024, 1024), dtype)
+        linear = OpNode(name="linear", kind=NodeKind.OP, target="aten.linear.default",
+                        inputs=tuple(TensorRef(n) for n in ("x", "w", "b")), input_metas=(x, x, x), outputs=(x,),
+                        flops=2 * 1024**3, bytes_read=3 * x.nbytes, bytes_written=x.nbytes,
+                        params=("fc.bias", "fc.weight"))
+        nbytes = 4 * x.nbytes
+        # forward: work scale x roofline + the family's fixed cost (no op_overhead_us, no per-op / per-input scalars)
+        fwd = work[0] * roofline_time_s(2 * 1024**3, nbytes, a100, dtype=dtype) + fixed[0] * 1e-6
+        # backward: 2x the work (matmul-like), the curve read at one product's FLOPs; plus 400 us per parameter read
+        bwd = (work[1] * roofline_time_s(4 * 1024**3, 2 * nbytes, a100, op_flops=2 * 1024**3, dtype=dtype)
+               + (fixed[1] + 2 * 400) * 1e-6)
+        assert op_forward_time_s(linear, sig, (8,), fam) == pytest.approx(fwd, rel=1e-12)
+        assert op_backward_time_s(linear, sig, (8,), fam) == pytest.approx(bwd, rel=1e-12)
+        mm = dataclasses.replace(linear, name="mm", target="aten.mm.default", params=())   # linear's family
+        assert op_forward_time_s(mm, sig, (8,), fam) == pytest.approx(fwd, rel=1e-12)
+    # a view pays its family's fixed costs; an op of no measured family the scalars, as before
+    x = TensorMeta((1024, 1024), "float32")
+    s1 = Signature((nd(B),), (nd(B),))
+    transpose = OpNode(name="t", kind=NodeKind.OP, target="aten.transpose.int", inputs=(TensorRef("x"),),
+                       input_metas=(x,), outputs=(x,))
+    assert op_compute_time_s(transpose, s1, (8,), fam) == pytest.approx((9 + 8) * 1e-6, rel=1e-12)
+    gelu = dataclasses.replace(_op("aten.gelu.default", [x], [x], 8 * x.numel, x.nbytes, x.nbytes),
+                               inputs=(TensorRef("x"),))
+    work = roofline_time_s(8 * x.numel, 2 * x.nbytes, a100)
+    assert op_forward_time_s(gelu, s1, (8,), fam) == pytest.approx(work + (a100.op_overhead_us + 200 + 30) * 1e-6,
+                                                                   rel=1e-12)
+    assert op_backward_time_s(gelu, s1, (8,), fam) == pytest.approx(work + (a100.op_overhead_us + 50 + 70) * 1e-6,
+                                                                    rel=1e-12)
+
+
+def test_recompute_overheads_per_op_and_per_block(a100):
+    from autoddl.cluster import ExecutorOverheads, RecomputeCost
+    from costmodel.compute import recompute_overhead_s
+
+    cost = RecomputeCost(op_forward_us=10, op_backward_us=36, matmul_forward_us=25, matmul_backward_us=30,
+                         block_forward_us=220, block_backward_us=100)
+    c = dataclasses.replace(a100, executor=ExecutorOverheads(op_us={"float32": {"view": (9.0, 8.0)}},
+                                                             recompute={"selective": cost}))
+    x = TensorMeta((64, 64), "float32")
+    mul = _op("aten.mul.Tensor", [x, x], [x], x.numel, 3 * x.nbytes, x.nbytes)
+    mm = _op("aten.mm.default", [x, x], [x], 2 * 64**3, 2 * x.nbytes, x.nbytes)
+    view = _op("aten.view.default", [x], [x], 0, 0, 0)
+    us = 1e-6
+    assert recompute_overhead_s(mul, "selective", "forward", True, c) == pytest.approx(10 * us)
+    assert recompute_overhead_s(mul, "selective", "forward", True, c, first_in_block=True) == pytest.approx(230 * us)
+    assert recompute_overhead_s(mm, "selective", "forward", False, c) == pytest.approx(25 * us)
+    assert recompute_overhead_s(mul, "selective", "recompute", True, c) == pytest.approx(36 * us)
+    assert recompute_overhead_s(mul, "selective", "recompute", True, c, first_in_block=True) == pytest.approx(136 * us)
+    assert recompute_overhead_s(mul, "selective", "backward", True, c) == 0.0     # its recompute task pays
+    assert recompute_overhead_s(mm, "selective", "backward", False, c) == pytest.approx(30 * us)   # kept output
+    assert recompute_overhead_s(view, "selective", "backward", False, c) == pytest.approx((9 + 36) * us)  # run again
+    assert recompute_overhead_s(mul, "none", "forward", True, c) == 0.0
+    assert recompute_overhead_s(mul, "full", "forward", True, c) == 0.0            # full not measured: nothing
+
+
+def test_simulated_step_adds_the_checkpoint_costs_of_every_task_of_a_recomputed_block(a100):
+    from autoddl.cluster import ExecutorOverheads, RecomputeCost
+    from autoddl.loader import load_model_file
+    from autoddl.op_families import MATMUL_LIKE, ZERO_COST
+    from autoddl.program import block_of, lower, recomputed_ops
+    from autoddl.training import Training
+    from costmodel.breakdown import plan_cost
+    from executor.calibrate import broadcast_plan
+    from search.planner import with_training
+
+    graph = load_model_file("examples/gpt.py", preset="tiny").trace("bfloat16")
+    plan = with_training(broadcast_plan(graph, (1,)), Training(param_dtype="bf16", recompute="selective"))
+    cost = RecomputeCost(op_forward_us=10, op_backward_us=36, matmul_forward_us=25, matmul_backward_us=30,
+                         block_forward_us=220, block_backward_us=100)
+    one = a100.resized(1)
+    ex = ExecutorOverheads(op_forward_us=6, op_backward_us=4, param_us=40)
+    plain = dataclasses.replace(one, executor=ex)
+    ckpt = dataclasses.replace(one, executor=dataclasses.replace(ex, recompute={"selective": cost}))
+    recomputed = {n.name for ops in recomputed_ops(graph, plan).values() for n in ops}
+    first = {}
+    for node in graph.ops():
+        first.setdefault(block_of(node), node.name)
+    first_recomputed = {ops[0].name for ops in recomputed_ops(graph, plan).values()}
+    want = 0.0
+    for task in lower(graph, plan).tasks:             # hand-priced from the rules
+        if task.is_collective or task.phase == "optimizer" or block_of(graph[task.op]) == "root":
+            continue
+        node = graph[task.op]
+        if node.op_name == "getitem":
+            continue
+        mat = node.op_name in MATMUL_LIKE
+        if task.phase == "forward":
+            want += (25 if mat else 10) + (220 if node.name == first[block_of(node)] else 0)
+        elif task.phase == "recompute":
+            want += 36 + (100 if node.name in first_recomputed else 0)
+        elif node.name not in recomputed:
+            want += 30 if mat else (6 + 36 if node.op_name in ZERO_COST else 36)
+    assert want > 2 * (220 + 100)                      # two blocks, each op priced
+    got = plan_cost(graph, plan, ckpt).step_time_s - plan_cost(graph, plan, plain).step_time_s
+    assert got == pytest.approx(want * 1e-6, rel=1e-9)
+
+
 def test_time_sharing_slows_compute_and_collectives_beyond_cores(a100):
     from costmodel.collectives import cluster_collective_time_s
 
