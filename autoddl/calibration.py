@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from autoddl.cluster import CONFIG_DIR, Backend, Cluster, CollectiveFits, Efficiency, LinkSpec
+from autoddl.cluster import CONFIG_DIR, Backend, Cluster, CollectiveFits, Efficiency, LinkSpec, RecomputeCost
 from costmodel.collectives import CollectiveFit, CollectiveKind, fit_collective
-from executor.calibrate import (LARGE_MATMUL_FLOPS, CollectiveTiming, ComputeSummary, Measurements, Settings,
-                                compute_summary, measure, with_executor_overheads)
+from executor.calibrate import (CHAIN_WIDTH, LARGE_MATMUL_FLOPS, PROBE_SIZES, CollectiveTiming, ComputeSummary,
+                                Measurements, Settings, compute_summary, measure, with_executor_overheads)
 
 DEFAULT_BASE = CONFIG_DIR / "local-cpu.yaml"
 DISAGREEMENT = 0.20          # a kind whose fit differs from the link by more than this gets its own entry
@@ -225,7 +225,117 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
         lines.append(f"devices_per_node {dpn} > {s.nproc} calibrated ranks: with more ranks than "
                      f"{s.nproc} they share cores, so compute and collectives run slower than these numbers.")
     cluster, comments = with_executor_overheads(cluster, comments, meas)
+    cluster, comments = with_op_families(cluster, comments, meas)
     return Calibration(cluster=cluster, comments=comments, header="\n".join(lines), fits=fits, compute=comp)
+
+
+# -- op families and recompute: what the executor's ops really cost ---------------------------------
+MIN_WORK = 0.1     # a family's work scale is at least this (its sizes may be too small to show the work)
+RESIDUAL_FLOOR_US = 1.0   # relative errors of the family fits are taken against at least this many microseconds
+
+
+@dataclass(frozen=True)
+class FamilyFit:
+    """One family in one dtype: ``t = fixed + work * roofline`` forward and backward (microseconds)."""
+
+    family: str
+    dtype: str
+    forward: tuple[float, float]          # (fixed us, work scale)
+    backward: tuple[float, float]
+    sizes: tuple[str, ...]
+    max_rel_residual: float
+
+
+def _fit_line(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float, float]:
+    """(a, s, max relative residual) of ``t = a + s x`` (microseconds) by non-negative least squares in
+    relative error (against at least RESIDUAL_FLOOR_US); x all 0 (a view: no roofline): the median of t,
+    s = 1; s at least MIN_WORK."""
+    if all(x <= 0 for x in xs) or len(ts) < 2:
+        a = statistics.median(ts)
+        return a, 1.0, max(abs(a - t) / max(t, RESIDUAL_FLOOR_US) for t in ts)
+    import numpy as np
+    from scipy.optimize import nnls
+
+    t = np.array(ts)
+    w = 1.0 / np.maximum(t, RESIDUAL_FLOOR_US)
+    (a, sc), _ = nnls(np.array([[1.0, x] for x in xs]) * w[:, None], t * w)
+    sc = max(MIN_WORK, sc)
+    pred = a + sc * np.array(xs)
+    return float(a), float(sc), float(np.max(np.abs(pred - t) * w))
+
+
+def fit_op_families(meas: Measurements, cluster: Cluster) -> list[FamilyFit]:
+    """Per (dtype, family): its forward and backward times over the sizes against the cost model's
+    roofline of the traced op on ``cluster`` (the calibrated device), ``t = fixed + work * roofline``
+    (:func:`_fit_line`). Times in microseconds of the op alone (the executor's own cost is added by
+    :func:`with_op_families`)."""
+    from autoddl.op_families import ZERO_COST
+    from costmodel.compute import backward_factor, roofline_time_s
+
+    groups: dict[tuple[str, str], list] = {}
+    for ft in meas.families:
+        groups.setdefault((ft.dtype, ft.family), []).append(ft)
+    out = []
+    for (dtype, family), fts in groups.items():
+        if family in ZERO_COST:
+            xf = xb = [0.0] * len(fts)
+        else:
+            k = backward_factor(family)
+            xf = [roofline_time_s(f.flops, f.nbytes, cluster, dtype=dtype) * 1e6 for f in fts]
+            xb = [roofline_time_s(k * f.flops, k * f.nbytes, cluster, op_flops=f.flops, dtype=dtype) * 1e6
+                  for f in fts]
+        af, sf, rf = _fit_line(xf, [f.forward_s * 1e6 for f in fts])
+        ab, sb, rb = _fit_line(xb, [f.backward_s * 1e6 for f in fts])
+        out.append(FamilyFit(family, dtype, (af, sf), (ab, sb), tuple(f.size for f in fts), max(rf, rb)))
+    return out
+
+
+def with_op_families(cluster: Cluster, comments: dict[str, str], meas: Measurements) -> tuple[Cluster, dict[str, str]]:
+    """``cluster`` with ``executor.op_us`` / ``op_work`` (each family's fit, its fixed part plus what the
+    executor adds to an op beyond the op itself: the chain fit's per-op cost less the chain ops' own,
+    timed like the families) and ``executor.recompute`` (``executor.calibrate.fit_recompute``);
+    comments to match. Unchanged when neither was timed."""
+    from executor.calibrate import fit_recompute
+
+    if not meas.families and not meas.recompute:
+        return cluster, comments
+    ex, out = cluster.executor, dict(comments)
+    op_us: dict[str, dict[str, tuple[float, float]]] = {}
+    op_work: dict[str, dict[str, tuple[float, float]]] = {}
+    if meas.families:
+        ref_f, ref_b = meas.family_reference.get("float32", (0.0, 0.0))
+        glue_f = max(0.0, ex.op_forward_us - ref_f * 1e6)
+        glue_b = max(0.0, ex.op_backward_us - ref_b * 1e6)
+        fits = fit_op_families(meas, cluster)
+        for f in fits:
+            op_us.setdefault(f.dtype, {})[f.family] = (_sig(f.forward[0] + glue_f, 3), _sig(f.backward[0] + glue_b, 3))
+            op_work.setdefault(f.dtype, {})[f.family] = (_sig(f.forward[1], 3), _sig(f.backward[1], 3))
+            out[f"executor.op_us.{f.dtype}.{f.family}"] = (
+                f"sizes {', '.join(f.sizes)}: max rel residual {f.max_rel_residual:.0%}")
+        sizes = sorted({ft.size for ft in meas.families}, key=list(PROBE_SIZES).index)
+        dtypes = list(dict.fromkeys(ft.dtype for ft in meas.families))
+        out["executor.op_us"] = (
+            f"measured: per op family and compute dtype ({', '.join(dtypes)}), [forward_us, backward_us] fixed "
+            f"per op: each family's op (executor.calibrate Probe) on synthetic inputs at sizes "
+            f"{', '.join(sizes)}, forward with autograd recording, backward of its autograd node, median of "
+            f"{meas.settings.family_reps} batches, fitted t = fixed + work x roofline; plus the executor's own "
+            f"per-op cost beyond the op ({glue_f:.1f} us forward, {glue_b:.1f} us backward: the chains' per-op "
+            f"cost less their ops' own, {ref_f * 1e6:.1f} / {ref_b * 1e6:.1f} us)")
+        out["executor.op_work"] = ("measured: per op family and dtype, [forward, backward] multiple of the roofline "
+                                   "time its kernels take (the fit's slope, at least "
+                                   f"{MIN_WORK:g})")
+    recompute = {}
+    if meas.recompute:
+        recompute = {p: RecomputeCost(**{k: _sig(v, 3) for k, v in dataclasses.asdict(c).items()})
+                     for p, c in fit_recompute(meas.recompute).items()}
+        lengths = sorted({t.ops for t in meas.recompute})
+        out["executor.recompute"] = (
+            f"measured: blocks of {' and '.join(map(str, lengths))} element-wise ops and of as many matmuls "
+            f"({CHAIN_WIDTH}x{CHAIN_WIDTH}) run plainly and under the executor's checkpoint (full, selective); per op "
+            "the slopes' differences (backward: beyond running the op again), per block the intercepts'")
+    ex = dataclasses.replace(ex, op_us=op_us or ex.op_us, op_work=op_work or ex.op_work,
+                             recompute=recompute or ex.recompute)
+    return dataclasses.replace(cluster, executor=ex), out
 
 
 def _fit_text(f: CollectiveFit, meas: Measurements) -> str:
@@ -250,6 +360,12 @@ def write_raw(meas: Measurements, path: str | os.PathLike) -> None:
             w.writerow(["memory_gbps", k, 1, meas.settings.memory_bytes, v])
         w.writerow(["overhead_us", "tiny add", 1, 0, meas.dispatch_us])
         w.writerow(["overhead_us", "tiny add with grad", 1, 0, meas.tiny_op_us])
+        for ft in meas.families:            # one row per direction; bytes_or_flops: the op's FLOPs
+            w.writerow(["family", f"{ft.dtype} {ft.family} {ft.size} forward", 1, ft.flops, ft.forward_s])
+            w.writerow(["family", f"{ft.dtype} {ft.family} {ft.size} backward", 1, ft.flops, ft.backward_s])
+        for rt in meas.recompute:
+            w.writerow(["recompute", f"{rt.kind} {rt.policy} {rt.ops} ops forward", 1, 0, rt.forward_s])
+            w.writerow(["recompute", f"{rt.kind} {rt.policy} {rt.ops} ops step", 1, 0, rt.step_s])
 
 
 def calibrate(base: Cluster, settings: Settings, devices_per_node: int | None = None,

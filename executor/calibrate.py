@@ -41,12 +41,13 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from autoddl.cluster import COLLECTIVE_KINDS, PEAK_DTYPES, ExecutorOverheads
+from autoddl.cluster import COLLECTIVE_KINDS, PEAK_DTYPES, ExecutorOverheads, RecomputeCost
 from executor.local_ranks import run_ranks
 
 SQUARE_SIZES = (64, 128, 256, 512, 1024, 2048)
@@ -57,6 +58,16 @@ QUICK_MESSAGE_BYTES = (4096, 32 << 10, 256 << 10, 1 << 20, 4 << 20)
 LARGE_MATMUL_FLOPS = 1e9            # matmuls at least this big give efficiency.compute
 MATMUL_DTYPES = ("float32", "bfloat16", "float16")   # timed on the same shapes; float32 gives the curve
 SLOW_DTYPE_FACTOR = 8.0             # a dtype this many times slower than float32 on a shape gets no peak
+
+
+# Sizes each op family is timed at (a generic grid, tiny to a few MB per tensor): batch, sequence, width,
+# heads, vocabulary (classes), image channels and side. "tiny" gives the fixed costs, the rest the work.
+PROBE_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(batch=1, seq=8, width=16, heads=2, vocab=64, channels=4, side=8),
+    "small": dict(batch=4, seq=32, width=64, heads=4, vocab=256, channels=8, side=16),
+    "medium": dict(batch=8, seq=64, width=128, heads=4, vocab=1024, channels=16, side=16),
+    "large": dict(batch=8, seq=128, width=256, heads=4, vocab=2048, channels=32, side=32),
+}
 
 
 def default_threads(nproc: int) -> int:
@@ -88,6 +99,11 @@ class Settings:
     verbose: bool = True              # rank 0 prints one line per benchmark to stderr
     executor_chains: tuple[int, int] = (8, 40)   # ops per chain (short, long) of the executor benchmark
     executor_reps: int = 15           # timed steps per chain (after 2 untimed)
+    family_sizes: tuple[str, ...] = tuple(PROBE_SIZES)  # sizes (PROBE_SIZES names) each op family is timed at
+    family_dtypes: tuple[str, ...] = MATMUL_DTYPES      # compute dtypes each op family is timed in
+    family_reps: int = 5              # timed batches per family, size and direction (median)
+    recompute_chains: tuple[int, int] = (8, 24)   # ops per block (short, long) of the recompute benchmark
+    family_batch_s: float = 0.002     # a timed batch of one family's op lasts at least this
     matmul_dtypes: tuple[str, ...] = MATMUL_DTYPES   # float32 first; the others get a peak each
 
     def __post_init__(self) -> None:
@@ -101,6 +117,10 @@ class Settings:
             raise ValueError(f"calibrate: --backend must be gloo or nccl, got {self.backend!r}")
         if self.threads < 1:
             raise ValueError(f"calibrate: --threads must be at least 1, got {self.threads}")
+        bad = [z for z in self.family_sizes if z not in PROBE_SIZES]
+        if bad or len(self.family_sizes) < 2 or not set(self.family_dtypes) <= set(PEAK_DTYPES):
+            raise ValueError(f"calibrate: family_sizes must name at least 2 of {tuple(PROBE_SIZES)} (got "
+                             f"{self.family_sizes}) and family_dtypes only {PEAK_DTYPES} (got {self.family_dtypes})")
 
     @classmethod
     def default(cls, nproc: int = 2, backend: str = "gloo", quick: bool = False,
@@ -109,7 +129,9 @@ class Settings:
         if quick:
             base = dict(matmul_shapes=tuple((s, s, s) for s in SQUARE_SIZES[:4]) + ((512, 512, 64),),
                         message_bytes=QUICK_MESSAGE_BYTES, memory_bytes=32 << 20, repeats=3,
-                        matmul_time_s=0.05, batch_time_s=0.002, executor_chains=(4, 12), executor_reps=5)
+                        matmul_time_s=0.05, batch_time_s=0.002, executor_chains=(4, 12), executor_reps=5,
+                        family_sizes=("tiny", "small"), family_dtypes=("float32", "bfloat16"), family_reps=3,
+                        recompute_chains=(4, 12), family_batch_s=0.0005)
         else:
             base = dict(matmul_shapes=tuple((s, s, s) for s in SQUARE_SIZES) + SKINNY_SHAPES)
         base.update(overrides)
@@ -200,6 +222,75 @@ def fit_executor_overheads(timings: ExecutorTimings) -> ExecutorFit:
 
 
 @dataclass(frozen=True)
+class FamilyTiming:
+    """One op family timed on synthetic inputs in one dtype and size: its forward (with autograd
+    recording) and backward (the op's autograd node, the grad call's own cost taken out), median over
+    repetitions, mean over ranks; with the traced op's FLOPs and bytes for the cost model's roofline."""
+
+    family: str                       # the op's name (OpNode.op_name), e.g. "linear"
+    dtype: str
+    size: str                         # a PROBE_SIZES name
+    flops: int
+    nbytes: int                       # bytes read + written
+    forward_s: float
+    backward_s: float                 # 0 when the op has no backward
+
+
+@dataclass(frozen=True)
+class RecomputeTiming:
+    """Blocks of ``ops`` ops (``kind``: element-wise, or matmuls whose outputs selective recompute
+    keeps) run plainly (``policy`` none) or checkpointed as the executor does (full, selective):
+    median forward and forward + backward, max over ranks."""
+
+    kind: str                         # "elementwise" | "matmul"
+    policy: str                       # "none" | "full" | "selective"
+    ops: int
+    forward_s: float
+    step_s: float
+
+
+def fit_recompute(timings: Sequence[RecomputeTiming]) -> dict[str, RecomputeCost]:
+    """Per policy, what checkpointing adds, from blocks of two lengths: per kind (element-wise,
+    matmul) and policy, the slope over the block length of the forward ``f`` and of the backward
+    ``b`` (step - forward) and their intercepts (the block's own cost). Per op: forward
+    ``f_policy - f_none``; backward ``b_policy - b_none``, less ``f_none`` where the op runs again
+    (full: every op; selective: the element-wise ones). Per block: the intercepts' differences,
+    averaged over the two kinds. Every cost at least 0."""
+    by = {(t.kind, t.policy, t.ops): t for t in timings}
+    kinds, policies = ("elementwise", "matmul"), ("full", "selective")
+    lengths = sorted({t.ops for t in timings})
+    if len(lengths) < 2 or any((k, p, n) not in by for k in kinds for p in ("none",) + policies for n in lengths[:2]):
+        raise ValueError(f"fit_recompute: need every kind {kinds} under none, full and selective at 2 block "
+                         f"lengths, got {sorted(by)}")
+    n1, n2 = lengths[0], lengths[-1]
+
+    def line(kind: str, policy: str, part: str) -> tuple[float, float]:
+        """(slope per op, intercept) in microseconds of the forward ("f") or backward ("b")."""
+        def t(n: int) -> float:
+            x = by[(kind, policy, n)]
+            return (x.forward_s if part == "f" else x.step_s - x.forward_s) * 1e6
+        slope = (t(n2) - t(n1)) / (n2 - n1)
+        return slope, t(n1) - slope * n1
+
+    out = {}
+    for policy in policies:
+        per: dict[str, tuple[float, float]] = {}
+        blocks_f, blocks_b = [], []
+        for kind in kinds:
+            (f0, F0), (fp, Fp) = line(kind, "none", "f"), line(kind, policy, "f")
+            (b0, B0), (bp, Bp) = line(kind, "none", "b"), line(kind, policy, "b")
+            rerun = policy == "full" or kind == "elementwise"
+            per[kind] = (max(0.0, fp - f0), max(0.0, bp - b0 - (f0 if rerun else 0.0)))
+            blocks_f.append(Fp - F0)
+            blocks_b.append(Bp - B0)
+        out[policy] = RecomputeCost(op_forward_us=per["elementwise"][0], op_backward_us=per["elementwise"][1],
+                                    matmul_forward_us=per["matmul"][0], matmul_backward_us=per["matmul"][1],
+                                    block_forward_us=max(0.0, statistics.fmean(blocks_f)),
+                                    block_backward_us=max(0.0, statistics.fmean(blocks_b)))
+    return out
+
+
+@dataclass(frozen=True)
 class Measurements:
     settings: Settings
     matmuls: tuple[MatmulTiming, ...]  # float32 (the efficiency curve)
@@ -212,6 +303,10 @@ class Measurements:
     executor: ExecutorTimings | None = None                     # the executor's own fixed costs
     dtype_matmuls: dict[str, tuple[MatmulTiming, ...]] = field(default_factory=dict)   # other dtypes, same shapes
     dropped_dtypes: dict[str, str] = field(default_factory=dict)  # dtype -> why it got no peak (too slow)
+    families: tuple[FamilyTiming, ...] = ()                      # each op family per dtype and size
+    family_reference: dict[str, tuple[float, float]] = field(default_factory=dict)  # dtype -> the chain ops'
+    #                                   (forward, backward) seconds timed like the families: what the executor adds
+    recompute: tuple[RecomputeTiming, ...] = ()                  # checkpointed blocks against plain ones
 
     @property
     def op_overhead_us(self) -> float:
@@ -288,8 +383,9 @@ def measure(settings: Settings, start_method: str = "fork") -> Measurements:
         import torch.distributed.device_mesh  # noqa: F401
         import torch.distributed.tensor  # noqa: F401
     start = time.perf_counter()
+    probes = probe_ops(settings)           # traced once here; ranks get them (fork) or a pickled copy
     try:
-        results = run_ranks(_bench_rank, settings.nproc, settings, timeout_s=settings.timeout_s,
+        results = run_ranks(_bench_rank, settings.nproc, settings, probes, timeout_s=settings.timeout_s,
                             start_method=start_method, threads=settings.threads)
     except TimeoutError as exc:
         raise TimeoutError(f"calibrate: {exc}") from None
@@ -326,21 +422,39 @@ def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measuremen
         memory_gbps={k: mean(r["memory_gbps"][k] for r in ranks) for k in ranks[0]["memory_gbps"]},
         dispatch_us=mean(r["dispatch_us"] for r in ranks), tiny_op_us=mean(r["tiny_op_us"] for r in ranks),
         collectives=tuple(colls), seconds=seconds, machine=ranks[0]["machine"], executor=executor,
-        dtype_matmuls=dtype_matmuls, dropped_dtypes=dropped)
+        dtype_matmuls=dtype_matmuls, dropped_dtypes=dropped, **_combine_families(ranks))
 
 
-def _bench_rank(settings: Settings) -> dict:
+def _combine_families(ranks: list[dict]) -> dict[str, Any]:
+    """Families: mean over ranks of each rank's median (as compute). Recompute blocks: max over ranks."""
+    mean = statistics.fmean
+    out: dict[str, Any] = {}
+    if "families" in ranks[0]:
+        out["families"] = tuple(FamilyTiming(*f[:5], mean(r["families"][i][5] for r in ranks),
+                                             mean(r["families"][i][6] for r in ranks))
+                                for i, f in enumerate(ranks[0]["families"]))
+        out["family_reference"] = {dt: tuple(mean(r["family_reference"][dt][j] for r in ranks) for j in range(2))
+                                   for dt in ranks[0]["family_reference"]}
+    if "recompute" in ranks[0]:
+        out["recompute"] = tuple(RecomputeTiming(*c[:3], max(r["recompute"][i][3] for r in ranks),
+                                                 max(r["recompute"][i][4] for r in ranks))
+                                 for i, c in enumerate(ranks[0]["recompute"]))
+    return out
+
+
+def _bench_rank(settings: Settings, probes: dict | None = None) -> dict:
     """One rank's benchmarks (run by :func:`executor.local_ranks.run_ranks`, which sets RANK)."""
-    return _Bench(settings, int(os.environ["RANK"])).run()
+    return _Bench(settings, int(os.environ["RANK"]), probes or {}).run()
 
 
 # -- the benchmarks, inside one rank ---------------------------------------------------------------
 class _Bench:
-    def __init__(self, settings: Settings, rank: int) -> None:
+    def __init__(self, settings: Settings, rank: int, probes: dict | None = None) -> None:
         import torch
         import torch.distributed as dist
 
         self.torch, self.dist, self.s, self.rank = torch, dist, settings, rank
+        self.probes = probes or {}
         torch.set_num_threads(settings.threads)
         if settings.backend == "nccl":
             torch.cuda.set_device(rank)
@@ -373,8 +487,9 @@ class _Bench:
     def run(self) -> dict[str, Any]:
         out: dict[str, Any] = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                                           f"{os.cpu_count()} cores, torch {self.torch.__version__}"}
-        for name, fn in (("overhead", self.overhead), ("executor", self.executor), ("memory", self.memory),
-                         ("matmul", self.matmuls), ("collectives", self.collectives)):
+        for name, fn in (("overhead", self.overhead), ("executor", self.executor), ("families", self.families),
+                         ("recompute", self.recompute), ("memory", self.memory), ("matmul", self.matmuls),
+                         ("collectives", self.collectives)):
             self.dist.barrier()
             t0 = time.perf_counter()
             out.update(fn())
@@ -456,6 +571,99 @@ class _Bench:
             self.dist.barrier()
             times.append(self.time_calls(fn, 1))
         return statistics.median(times)
+
+    def families(self) -> dict[str, Any]:
+        """Each probed op (:func:`probe_ops`) on synthetic inputs of each size and dtype: its forward and
+        its backward (``autograd.grad`` of its output; the grad call's own cost, timed through a view,
+        taken out); and the executor chain's ops (tanh, relu of CHAIN_WIDTH^2) timed the same way."""
+        torch = self.torch
+        rows: list[tuple] = []
+        for (dtype, size), nodes in self.probes.items():
+            self.dist.barrier()
+            base = self._grad_call_s(dtype)
+            for node, needs in nodes:
+                fwd, bwd = self._time_op(node, needs, dtype, base)
+                rows.append((node.op_name, dtype, size, node.flops, node.bytes_read + node.bytes_written, fwd, bwd))
+            self.say(f"op families in {dtype} at size {size}: " + ", ".join(
+                f"{r[0]} {r[5] * 1e6:.0f}/{r[6] * 1e6:.0f}" for r in rows if r[1:3] == (dtype, size))
+                + " us forward/backward (rank 0)")
+        x = torch.randn(CHAIN_WIDTH, CHAIN_WIDTH, device=self.device, requires_grad=True)
+        base = self._grad_call_s("float32")
+        ref = [self._time_fn(lambda f=f: f(x), x, base) for f in (torch.tanh, torch.relu)]
+        reference = {"float32": (statistics.fmean(r[0] for r in ref), statistics.fmean(r[1] for r in ref))}
+        return {"families": rows, "family_reference": reference} if rows else {}
+
+    def _grad_call_s(self, dtype: str) -> float:
+        """Seconds of ``autograd.grad`` through a view: what a backward timing pays besides the op's node."""
+        torch = self.torch
+        x = torch.randn(8, device=self.device, dtype=getattr(torch, dtype), requires_grad=True)
+        y, g = x.view(-1), torch.ones(8, device=self.device, dtype=getattr(torch, dtype))
+        return self._median_calls(lambda: torch.autograd.grad(y, [x], g, retain_graph=True))
+
+    def _median_calls(self, fn: Callable[[], Any]) -> float:
+        """Median over ``family_reps`` batches (each lasting >= ``family_batch_s``) of seconds per call."""
+        fn()
+        warm = self.time_calls(fn, 1)
+        calls = int(min(1000, max(1, math.ceil(self.s.family_batch_s / max(warm, 1e-9)))))
+        return statistics.median(self.time_calls(fn, calls) for _ in range(self.s.family_reps))
+
+    def _time_fn(self, run: Callable[[], Any], leaves: Any, base: float) -> tuple[float, float]:
+        """(forward, backward) seconds of ``run()`` and of the backward of its output into ``leaves``."""
+        torch = self.torch
+        fwd = self._median_calls(run)
+        out = run()
+        if isinstance(out, (tuple, list)):
+            out = next((t for t in out if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        leaves = [leaves] if isinstance(leaves, torch.Tensor) else list(leaves)
+        if out is None or not out.requires_grad or not leaves:
+            return fwd, 0.0
+        g = torch.ones_like(out)
+        bwd = self._median_calls(lambda: torch.autograd.grad(out, leaves, g, retain_graph=True, allow_unused=True))
+        return fwd, max(0.0, bwd - base)
+
+    def _time_op(self, node: Any, needs: tuple[bool, ...], dtype: str, base: float) -> tuple[float, float]:
+        """A probed op run as the compiled program runs it (its aten op on local tensors), on random inputs."""
+        torch = self.torch
+        from autoddl import ops
+        from executor.compiled import _substitute
+
+        tensors = []
+        for meta, grad in zip(node.input_metas, needs):
+            dt = getattr(torch, meta.dtype)
+            if meta.is_floating:
+                t = torch.randn(meta.shape, device=self.device, dtype=dt).requires_grad_(grad)
+            else:
+                t = torch.randint(0, 2, meta.shape, device=self.device, dtype=dt)
+            tensors.append(t)
+        args, kwargs = ops.localize_devices(_substitute(tuple(node.args), tensors, [0]),
+                                            _substitute(dict(node.kwargs), tensors, [0]), self.device)
+        kernel = ops.aten_op(node)
+        return self._time_fn(lambda: kernel(*args, **kwargs), [t for t in tensors if t.requires_grad], base)
+
+    def recompute(self) -> dict[str, Any]:
+        """Blocks of element-wise ops and of matmuls at two lengths, run plainly and checkpointed as the
+        executor checkpoints a recomputed block (executor.recompute.Checkpointed, full and selective)."""
+        torch = self.torch
+        from executor.recompute import Checkpointed
+
+        rows = []
+        for kind in ("elementwise", "matmul"):
+            for n in self.s.recompute_chains:
+                torch.manual_seed(0)
+                body = _Block(kind, n).to(self.device)
+                x = torch.randn(CHAIN_WIDTH, CHAIN_WIDTH, device=self.device, requires_grad=True)
+                for policy in ("none", "full", "selective"):
+                    block = body if policy == "none" else Checkpointed(body, policy, lambda phase: None)
+
+                    def step(block=block) -> None:
+                        block(x).sum().backward()
+
+                    fwd = self._median_step(lambda block=block: block(x))
+                    full = self._median_step(step)
+                    rows.append((kind, policy, n, fwd, full))
+                self.say(f"recompute {kind} x {n}: " + ", ".join(
+                    f"{r[1]} {r[3] * 1e6:.0f}/{r[4] * 1e6:.0f}" for r in rows[-3:]) + " us forward/step (rank 0)")
+        return {"recompute": rows}
 
     def memory(self) -> dict[str, Any]:
         torch = self.torch
@@ -645,6 +853,123 @@ def _Chain(kind: str, n: int) -> Any:
     return _make_chain_class()(kind, n)
 
 
+def _make_block_class():
+    from torch import nn
+
+    class Block(nn.Module):
+        """``n`` ops in a row: ``elementwise`` tanh / relu (selective recompute runs them again);
+        ``matmul`` mm by its own weight (outputs selective recompute keeps)."""
+
+        def __init__(self, kind: str, n: int) -> None:
+            super().__init__()
+            import torch
+
+            self.kind, self.n = kind, n
+            self.ws = nn.ParameterList(nn.Parameter(torch.eye(CHAIN_WIDTH)) for _ in range(n if kind == "matmul" else 0))
+
+        def forward(self, x: Any) -> Any:
+            import torch
+
+            y = x
+            for i in range(self.n):
+                if self.kind == "matmul":
+                    y = torch.mm(y, self.ws[i])
+                else:
+                    y = torch.tanh(y) if i % 2 == 0 else torch.relu(y)
+            return y
+
+    return Block
+
+
+def _Block(kind: str, n: int) -> Any:
+    return _make_block_class()(kind, n)
+
+
+def _make_probe_class():
+    from torch import nn
+
+    class Probe(nn.Module):
+        """Every op family the calibration times, each applied to the inputs (not chained): transformer
+        pieces on ``x`` (batch, seq, width), an embedding of ``idx``, a cross entropy of ``logits``,
+        convolution-net pieces on ``img``. Its traced ops are what :func:`probe_ops` times."""
+
+        def __init__(self, width: int, vocab: int, channels: int, heads: int) -> None:
+            super().__init__()
+            import torch
+
+            self.heads = heads
+            self.w = nn.Parameter(torch.randn(width, width) / width ** 0.5)
+            self.b = nn.Parameter(torch.zeros(width))
+            self.g = nn.Parameter(torch.ones(width))
+            self.emb = nn.Parameter(torch.randn(vocab, width))
+            self.conv = nn.Parameter(torch.randn(channels, channels, 3, 3) / channels)
+            self.cb = nn.Parameter(torch.zeros(channels))
+            self.bn_w = nn.Parameter(torch.ones(channels))
+            self.bn_b = nn.Parameter(torch.zeros(channels))
+
+        def forward(self, x: Any, idx: Any, logits: Any, img: Any, target: Any) -> Any:
+            import torch
+            import torch.nn.functional as F
+
+            b, t, w = x.shape
+            other = torch.bfloat16 if x.dtype == torch.float32 else torch.float32
+            q = x.view(b, t, self.heads, w // self.heads).transpose(1, 2)             # (B, H, T, D)
+            return (F.linear(x, self.w, self.b), F.layer_norm(x, (w,), self.g, self.b), x.pow(2),
+                    x.mean(-1, keepdim=True), torch.rsqrt(x), x * x, x + x, F.gelu(x), F.silu(x), F.relu(x),
+                    torch.tanh(x), -x, torch.softmax(x, -1), torch.log_softmax(x, -1), torch.cat([x, x], -1),
+                    x.transpose(1, 2).contiguous(), x.to(other), x.sum(),
+                    F.scaled_dot_product_attention(q, q, q, is_causal=True), F.embedding(idx, self.emb),
+                    F.cross_entropy(logits, target), F.mse_loss(x, x * 0.5),
+                    F.conv2d(img, self.conv, self.cb, padding=1),
+                    F.batch_norm(img, None, None, self.bn_w, self.bn_b, training=True),
+                    F.max_pool2d(img, 2), F.adaptive_avg_pool2d(img, 1))
+
+    return Probe
+
+
+def _probe_loss(out: Any, *inputs: Any) -> Any:
+    import torch
+
+    return torch.stack([o.float().sum() for o in out]).sum()
+
+
+def probe_ops(settings: Settings) -> dict[tuple[str, str], list[tuple[Any, tuple[bool, ...]]]]:
+    """{(dtype, size): [(op node, which inputs need a gradient)]}: the Probe model traced (on the meta
+    device, under each dtype's precision policy) at each size, one node per op family (its first), the
+    loss's own ops and getitem / detach left out. Empty when the settings time no families."""
+    if not settings.family_dtypes:
+        return {}
+    import torch
+
+    from autoddl.graph import NodeKind
+    from autoddl.trace import LOSS_MODULE_TYPE, trace
+
+    out = {}
+    for dtype in settings.family_dtypes:
+        for size in settings.family_sizes:
+            z = PROBE_SIZES[size]
+            model = _make_probe_class()(z["width"], z["vocab"], z["channels"], z["heads"])
+            b, t, w, v, c, side = (z[k] for k in ("batch", "seq", "width", "vocab", "channels", "side"))
+            meta = torch.device("meta")
+            inputs = (torch.empty(b, t, w, device=meta), torch.zeros(b, t, dtype=torch.long, device=meta),
+                      torch.empty(b * t, v, device=meta), torch.empty(b, c, side, side, device=meta),
+                      torch.zeros(b * t, dtype=torch.long, device=meta))
+            with warnings.catch_warnings():          # mse_loss's broadcast_tensors has no FLOP formula
+                warnings.simplefilter("ignore")
+                graph = trace(model, inputs, _probe_loss, name=f"probe-{size}", param_dtype=dtype)
+            seen, nodes = set(), []
+            for node in graph.ops():
+                if (node.module_type == LOSS_MODULE_TYPE or node.op_name in ("getitem", "detach", "broadcast_tensors")
+                        or node.op_name in seen):
+                    continue
+                seen.add(node.op_name)
+                needs = tuple(meta_.is_floating and graph[ref.node].kind is not NodeKind.BUFFER
+                              for ref, meta_ in zip(node.inputs, node.input_metas))
+                nodes.append((node, needs))
+            out[(dtype, size)] = nodes
+    return out
+
+
 def broadcast_plan(graph: Any, mesh_shape: tuple[int, ...]) -> Any:
     """Every input, op and parameter all-B on ``mesh_shape``: every rank computes everything, no collectives."""
     from autoddl.graph import NodeKind
@@ -668,7 +993,7 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
     if meas.executor is None:
         return cluster, comments
     fit = fit_executor_overheads(meas.executor)
-    ex = ExecutorOverheads(**{k: _round3(v) for k, v in dataclasses.asdict(fit.overheads).items()})
+    ex = ExecutorOverheads(**{k: _round3(v) for k, v in fit.overheads.scalars().items()})
     ex = dataclasses.replace(ex, step_us=_round3(fit.step_fixed_us))
     s = meas.settings
     chains = ", ".join(f"{c.kind} {c.ops} ops {c.step_s * 1e3:.1f} ms" for c in meas.executor.chains)

@@ -343,6 +343,20 @@ def test_quick_calibration_on_two_gloo_ranks(tmp_path, capfd):
     assert all(f"calibrate: {k} on 2 of 2 ranks" in err for k in GLOO_FORMULA)
     rows = raw.read_text().splitlines()
     assert rows[0] == "benchmark,what,n_devices,bytes_or_flops,time_s" and len(rows) > 25
+    # each op family timed per dtype on synthetic inputs: a fixed cost and a work scale each; recompute's costs
+    families = {"linear", "layer_norm", "scaled_dot_product_attention", "embedding", "cross_entropy_loss",
+                "softmax", "gelu", "silu", "mul", "add", "view", "conv2d"}
+    ex = c.executor
+    assert set(ex.op_us) == set(ex.op_work) == {"float32", "bfloat16"}
+    for dtype in ("float32", "bfloat16"):
+        assert families <= set(ex.op_us[dtype]) and set(ex.op_work[dtype]) == set(ex.op_us[dtype])
+        assert all(f >= 0 and b >= 0 and math.isfinite(f + b) for f, b in ex.op_us[dtype].values())
+        assert all(f > 0 and b > 0 for f, b in ex.op_work[dtype].values())
+    assert ex.op_us["float32"]["linear"][0] > 0 and ex.op_us["float32"]["linear"][1] > 0
+    assert set(ex.recompute) == {"full", "selective"}
+    assert err.count("calibrate: op families in ") == 4 and err.count("calibrate: recompute ") == 4
+    assert "op families measured: " in printed and "op_us:  # measured: per op family" in text
+    assert any(r.startswith("family,") for r in rows) and any(r.startswith("recompute,") for r in rows)
 
 
 def test_calibrate_rejects_bad_options_before_measuring(capsys):
@@ -373,8 +387,8 @@ def test_fit_executor_overheads_recovers_exact_costs():
     timings = ExecutorTimings(_chains(200, 60, 30, 90, 400, 500, 2000), {"all_reduce": 1700.0, "all_gather": 1500.0},
                               {"all_reduce": 1000.0, "all_gather": 1000.0})
     fit = fit_executor_overheads(timings)
-    got = dataclasses.asdict(fit.overheads)
-    want = dataclasses.asdict(ExecutorOverheads(200, 60, 30, 90, 400, 600))     # collective: median(700, 500)
+    got = fit.overheads.scalars()
+    want = ExecutorOverheads(200, 60, 30, 90, 400, 600).scalars()     # collective: median(700, 500)
     assert got == pytest.approx(want, rel=1e-6)
     assert fit.step_fixed_us == pytest.approx(2000, rel=1e-6) and fit.max_rel_residual < 1e-9
     # a backward cheaper than its forward part cannot be negative; a redistribute cheaper than the bare call gives 0
@@ -399,3 +413,81 @@ def test_with_executor_overheads_sets_section_and_dispatch_only_op_overhead(tmp_
     assert Cluster.from_yaml(tmp_path / "c.yaml") == cluster
     assert with_executor_overheads(cal.cluster, cal.comments, synthetic_measurements(
         {k: (50e-6, 1.2e9) for k in GLOO_FORMULA})) == (cal.cluster, cal.comments)     # not timed: unchanged
+
+
+# -- op families and recompute -------------------------------------------------------------------------
+def test_fit_recompute_recovers_per_op_and_per_block_costs():
+    from executor.calibrate import RecomputeTiming, fit_recompute
+
+    # per op (us): forward f, backward b plainly; a policy adds fwd_x forward, bwd_x backward per op (plus the
+    # op's forward again where it is recomputed) and block_f / block_b per block
+    plain = {"elementwise": (3.0, 5.0), "matmul": (8.0, 20.0)}
+    add = {("full", "elementwise"): (4, 3), ("full", "matmul"): (9, 6),
+           ("selective", "elementwise"): (11, 36), ("selective", "matmul"): (25, 30)}
+    block = {"full": (100, 200), "selective": (220, 90)}
+    rows = []
+    for kind, (f, b) in plain.items():
+        for n in (8, 24):
+            rows.append(RecomputeTiming(kind, "none", n, (50 + f * n) * 1e-6, (50 + f * n + 80 + b * n) * 1e-6))
+            for policy in ("full", "selective"):
+                fx, bx = add[(policy, kind)]
+                rerun = policy == "full" or kind == "elementwise"
+                fwd = 50 + block[policy][0] + (f + fx) * n
+                bwd = 80 + block[policy][1] + (b + bx + (f if rerun else 0)) * n
+                rows.append(RecomputeTiming(kind, policy, n, fwd * 1e-6, (fwd + bwd) * 1e-6))
+    got = fit_recompute(rows)
+    for policy in ("full", "selective"):
+        c = got[policy]
+        assert (c.op_forward_us, c.op_backward_us) == pytest.approx(add[(policy, "elementwise")])
+        assert (c.matmul_forward_us, c.matmul_backward_us) == pytest.approx(add[(policy, "matmul")])
+        assert (c.block_forward_us, c.block_backward_us) == pytest.approx(block[policy])
+    with pytest.raises(ValueError, match="need every kind"):
+        fit_recompute(rows[:3])
+
+
+def _family_measurements(cluster, a_f=6.0, s_f=0.5, a_b=12.0, s_b=2.0):
+    """Synthetic family timings: t = a + s x roofline of the probed op (the Probe's real sizes), in float32,
+    for linear, gelu and view (no roofline: a alone); the chain ops timed at 2 us forward and backward."""
+    from costmodel.compute import backward_factor
+    from executor.calibrate import FamilyTiming, probe_ops
+
+    settings = Settings.default(2, quick=True, family_dtypes=("float32",), family_sizes=("tiny", "small", "medium"))
+    rows = []
+    for (dtype, size), nodes in probe_ops(settings).items():
+        for node, _ in nodes:
+            if node.op_name not in ("linear", "gelu", "view"):
+                continue
+            nbytes, k = node.bytes_read + node.bytes_written, backward_factor(node.op_name)
+            xf = roofline_time_s(node.flops, nbytes, cluster) * 1e6 if k else 0.0
+            xb = roofline_time_s(k * node.flops, k * nbytes, cluster, op_flops=node.flops) * 1e6 if k else 0.0
+            rows.append(FamilyTiming(node.op_name, dtype, size, node.flops, nbytes, (a_f + s_f * xf) * 1e-6,
+                                     (a_b + s_b * xb) * 1e-6))
+    meas = dataclasses.replace(synthetic_measurements({k: (50e-6, 1.2e9) for k in GLOO_FORMULA}), settings=settings,
+                               families=tuple(rows), family_reference={"float32": (2e-6, 2e-6)})
+    return meas
+
+
+def test_op_family_fit_recovers_fixed_costs_and_work_scales_and_adds_the_executors_own_cost(tmp_path):
+    from autoddl.calibration import fit_op_families, with_op_families
+    from autoddl.cluster import ExecutorOverheads, OpCost
+
+    cal = calibrate_cluster(synthetic_measurements({k: (50e-6, 1.2e9) for k in GLOO_FORMULA}), base_cluster(),
+                            devices_per_node=4, command="x")
+    meas = _family_measurements(cal.cluster)
+    fits = {f.family: f for f in fit_op_families(meas, cal.cluster)}
+    assert set(fits) == {"linear", "gelu", "view"} and fits["linear"].sizes == ("tiny", "small", "medium")
+    for name in ("linear", "gelu"):
+        assert fits[name].forward == pytest.approx((6.0, 0.5), rel=1e-6)
+        assert fits[name].backward == pytest.approx((12.0, 2.0), rel=1e-6)
+        assert fits[name].max_rel_residual < 1e-6
+    assert fits["view"].forward == pytest.approx((6.0, 1.0)) and fits["view"].backward == pytest.approx((12.0, 1.0))
+    # the executor's own cost per op (chain fit 7 us forward, 5 us backward, less the chain ops' own 2 us) is added
+    base = dataclasses.replace(cal.cluster, executor=ExecutorOverheads(op_forward_us=7.0, op_backward_us=5.0))
+    cluster, comments = with_op_families(base, cal.comments, meas)
+    assert cluster.executor.op_us["float32"] == {"linear": (11.0, 15.0), "gelu": (11.0, 15.0), "view": (11.0, 15.0)}
+    assert cluster.executor.op_work["float32"]["linear"] == (0.5, 2.0)
+    assert cluster.executor.op_cost("mm") == OpCost(11.0, 15.0, 0.5, 2.0)
+    assert "synthetic inputs at sizes tiny, small, medium" in comments["executor.op_us"]
+    assert "max rel residual 0%" in comments["executor.op_us.float32.gelu"]
+    cluster.to_yaml(tmp_path / "c.yaml", comments=comments, header="h")
+    assert Cluster.from_yaml(tmp_path / "c.yaml") == cluster
