@@ -49,9 +49,10 @@ from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
 from autoddl.plan import Plan
 from autoddl.precision import itemsize
-from autoddl.program import (COMPUTE, BoxKey, Bucket, EdgeBox, GatherGroup, InputSource, ParamUse, StepProgram,
-                             Task, block_of, comm_stream, layer_group, layout_of, recomputed_ops, requires_grad, signature_of,
-                             storage_of, syncs_every_micro_step, work_divisor)
+from autoddl.program import (COMPUTE, BoxKey, Bucket, EdgeBox, GatherGroup, InputSource, ParamSync, ParamUse,
+                             StepProgram, Task, block_of, comm_stream, grad_storage_of, layer_group, layout_of,
+                             optimizer_storage_of, recomputed_ops, requires_grad, signature_of, storage_of,
+                             syncs_every_micro_step, used_parameters, work_divisor)
 from autoddl.sbp import NdSbp, Partial, Signature
 
 def consumer_grad(sig: Signature, slot: int, deferred: frozenset[int]) -> NdSbp:
@@ -270,7 +271,8 @@ class _Lowering:
             grad_nbytes = meta.numel * itemsize(self.plan.training.grad_reduce_dtype)
             use = ParamUse(len(self.prog.param_uses), fqn, meta, storage, dst, grad,
                            boxing_moves(meta.nbytes, storage, dst, self.mesh),
-                           gradient_moves(grad_nbytes, grad, storage, self.mesh) if grad is not None else (),
+                           gradient_moves(grad_nbytes, grad, grad_storage_of(self.plan, fqn), self.mesh)
+                           if grad is not None else (),
                            gather=gather)
             self._uses[(fqn, dst, grad)] = use.index
             self.prog.param_uses.append(use)
@@ -407,6 +409,30 @@ class _Lowering:
         syncs = tuple(t.id for t in self.prog.tasks if t.phase == "grad_sync") + tuple(self.async_tasks)
         deps = tuple(sorted(set(syncs + ((self.last,) if self.last is not None else ()))))
         self.emit(deps=deps, phase="optimizer", stream=COMPUTE, op="optimizer")
+        self.prog.param_syncs = param_syncs(self.graph, self.plan)
+        for sync in self.prog.param_syncs:           # ZeRO-1/2: rebuild the updated parameters
+            self.emit(phase="optimizer", stream=comm_stream(sync.axis), op="optimizer",
+                      collective=CollectiveKind.ALL_GATHER, axis=sync.axis, nbytes=sync.nbytes,
+                      tensor=f"param sync axis{sync.axis}")
+
+
+def param_syncs(graph: OpGraph, plan: Plan) -> list[ParamSync]:
+    """ZeRO-1/2: per mesh axis, the parameters whose optimizer storage is one all-gather away from
+    their storage, gathered together in their working dtype after the optimizer (as DeepSpeed
+    all-gathers the updated partitions). Any other pair of layouts is refused."""
+    by_axis: dict[int, list[tuple[str, int]]] = {}
+    for fqn, node in used_parameters(graph).items():
+        optimizer, storage = optimizer_storage_of(plan, fqn), storage_of(plan, fqn)
+        if optimizer == storage:
+            continue
+        moves = [m for m in boxing_moves(node.outputs[0].nbytes, optimizer, storage, plan.mesh.shape) if m.kind]
+        if [m.kind for m in moves] != [CollectiveKind.ALL_GATHER]:
+            raise ValueError(f"plan {plan.name!r}: parameter {fqn} is stored {storage} but its optimizer storage "
+                             f"is {optimizer}; ZeRO-1/2 need the optimizer storage to split one mesh axis the "
+                             "storage replicates (e.g. storage [B], optimizer [S(0)])")
+        by_axis.setdefault(moves[0].axis, []).append((fqn, moves[0].nbytes))
+    return [ParamSync(axis, tuple(f for f, _ in items), sum(n for _, n in items))
+            for axis, items in sorted(by_axis.items())]
 
 
 def _with_bucket(use: ParamUse, bucket: int) -> ParamUse:

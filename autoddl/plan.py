@@ -137,6 +137,11 @@ class Plan:
     signatures: dict[str, Signature]            # op / input / buffer node name -> signature
     param_storage: dict[str, NdSbp]             # parameter fqn -> how it is kept between steps
     graph_hash: str
+    # ZeRO-1 / ZeRO-2 (DeepSpeed's stages): where a parameter's optimizer states (and the float32
+    # master it updates) live, and where its gradient is reduced to; a parameter not named uses its
+    # param_storage. ZeRO-1: grad [B], optimizer [S(0)]; ZeRO-2: both [S(0)].
+    optimizer_storage: dict[str, NdSbp] = field(default_factory=dict)
+    grad_storage: dict[str, NdSbp] = field(default_factory=dict)
     model: str = ""                             # model file or name the plan was made for
     model_args: dict[str, Any] = field(default_factory=dict)  # keyword args of build_model (preset, sizes)
     cluster: str = ""
@@ -179,6 +184,8 @@ class Plan:
             "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
             "signatures": {k: str(v) for k, v in self.signatures.items()},
             "param_storage": {k: str(v) for k, v in self.param_storage.items()},
+            "optimizer_storage": {k: str(v) for k, v in self.optimizer_storage.items()},
+            "grad_storage": {k: str(v) for k, v in self.grad_storage.items()},
             "cost": self.cost.to_dict() if self.cost is not None else {},
             "op_costs": self.op_costs,
             "notes": self.notes,
@@ -196,6 +203,8 @@ class Plan:
                 name=data["name"], mesh=mesh,
                 signatures={k: Signature.parse(v) for k, v in data["signatures"].items()},
                 param_storage={k: NdSbp.parse(v) for k, v in data["param_storage"].items()},
+                optimizer_storage={k: NdSbp.parse(v) for k, v in data.get("optimizer_storage", {}).items()},
+                grad_storage={k: NdSbp.parse(v) for k, v in data.get("grad_storage", {}).items()},
                 graph_hash=data["graph_hash"], model=data.get("model", ""),
                 model_args=data.get("model_args", {}), cluster=data.get("cluster", ""),
                 cluster_file=data.get("cluster_file", ""), optimizer=data.get("optimizer", "adamw"),

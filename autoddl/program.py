@@ -84,6 +84,17 @@ def storage_of(plan: Plan, fqn: str) -> NdSbp:
     return nd
 
 
+def optimizer_storage_of(plan: Plan, fqn: str) -> NdSbp:
+    """Where parameter ``fqn``'s optimizer states and the master they update live (ZeRO-1/2)."""
+    return plan.optimizer_storage.get(fqn) or storage_of(plan, fqn)
+
+
+def grad_storage_of(plan: Plan, fqn: str) -> NdSbp:
+    """The layout parameter ``fqn``'s gradient is reduced to: the optimizer storage under ZeRO-2,
+    else the parameter storage (ZeRO-1 reduces the whole gradient and keeps its piece)."""
+    return plan.grad_storage.get(fqn) or storage_of(plan, fqn)
+
+
 def layout_of(graph: OpGraph, plan: Plan, ref: TensorRef) -> NdSbp:
     """The NdSbp a producer output is held in: a parameter's storage, else its node's signature."""
     node = graph[ref.node]
@@ -219,6 +230,16 @@ class Bucket:
     nbytes: int                      # M of the one collective: the uses' M added up
 
 
+@dataclass(frozen=True)
+class ParamSync:
+    """ZeRO-1/2: after the optimizer updated each rank's piece (``optimizer_storage``) of these
+    parameters, one all-gather on ``axis`` of the flattened pieces rebuilds them in their storage."""
+
+    axis: int
+    fqns: tuple[str, ...]
+    nbytes: int                      # M of the all-gather: the gathered parameters' bytes
+
+
 InputSource = Union[BoxKey, int]     # an edge, or a ParamUse index
 
 
@@ -254,6 +275,7 @@ class StepProgram:
     gathers: list[GatherGroup] = field(default_factory=list)
     loss: BoxKey | None = None
     loss_async: bool = False         # the loss's all-reduce is waited for at the step's end only
+    param_syncs: list["ParamSync"] = field(default_factory=list)   # ZeRO-1/2: after the optimizer
 
     def collectives(self) -> list[Task]:
         """The collective tasks in issue order (what the audit compares with)."""

@@ -4,7 +4,9 @@
 of ``autoddl.program.lower(graph, plan)``: communication that overlaps compute
 (gradient buckets during backward) is hidden as it runs. Beside it:
 ``compute_s`` (compute-stream busy time), ``comm_s`` (every collective's
-duration, added up: ``boxing_forward_s + boxing_backward_s + grad_sync_s``),
+duration, added up: ``boxing_forward_s + boxing_backward_s + grad_sync_s``; the backward boxing
+includes the recomputed blocks' collectives, the grad sync ZeRO-1/2's all-gather of the
+updated parameters),
 ``exposed_comm_s`` (step time the compute stream does not cover), the
 optimizer, and memory per device. :func:`predicted_collectives` lists the
 program's collectives, kinds after the backend's emulation, for the executor's
@@ -103,12 +105,14 @@ def plan_cost(graph: OpGraph, plan: Plan, cluster: Cluster) -> CostBreakdown:
     memory = memory_bytes(graph, plan, collectives, program)
     return CostBreakdown(
         step_time_s=timeline.step_time_s, compute_s=timeline.busy_s(stream=COMPUTE, collective=False)
-        - timeline.busy_s(phase="optimizer"),
+        - timeline.busy_s(phase="optimizer", collective=False),
         comm_s=timeline.busy_s(collective=True),
         boxing_forward_s=timeline.busy_s(phase="forward", collective=True),
-        boxing_backward_s=timeline.busy_s(phase="backward", collective=True),
-        grad_sync_s=timeline.busy_s(phase="grad_sync", collective=True),
-        optimizer_s=timeline.busy_s(phase="optimizer") - cluster.executor.step_us * 1e-6,
+        boxing_backward_s=timeline.busy_s(phase="backward", collective=True)
+        + timeline.busy_s(phase="recompute", collective=True),        # a recomputed block's boxing
+        grad_sync_s=timeline.busy_s(phase="grad_sync", collective=True)
+        + timeline.busy_s(phase="optimizer", collective=True),        # ZeRO-1/2's parameter all-gather
+        optimizer_s=timeline.busy_s(phase="optimizer", collective=False) - cluster.executor.step_us * 1e-6,
         memory_bytes_per_device=memory["total"], memory=memory, per_op=_per_op(graph, plan, timeline),
         memory_limit_bytes=int(cluster.device.memory_gb * 1e9), collectives=collectives,
         step_overhead_s=cluster.executor.step_us * 1e-6, exposed_comm_s=timeline.exposed_comm_s,

@@ -1,9 +1,11 @@
 """Peak memory per device of one training step, by category.
 
 - ``parameters``: each parameter's local piece under its storage NdSbp (P counts full size),
-  kept in float32 (the masters, under any precision policy: autoddl/precision.py);
-- ``gradients``: the same size as the parameters (kept in the storage NdSbp, float32);
-- ``optimizer_states``: AdamW 2 fp32 states per local parameter element, SGD none;
+  kept in float32 (the masters, under any precision policy: autoddl/precision.py); under a
+  mixed-precision policy the masters live in the optimizer storage (ZeRO-1/2 shard them, as
+  DeepSpeed keeps fp32 master partitions) and the working copies (below) in the storage;
+- ``gradients``: float32, in the gradient storage (the storage; ZeRO-2: the optimizer's);
+- ``optimizer_states``: AdamW 2 fp32 states per element of the optimizer storage, SGD none;
 - ``working_params``: under a mixed-precision policy, the working copies in ``param_dtype``
   of the parameters not gathered for use (those are in ``gathered_params``), at their storage size;
 - ``buffers``: module buffers, local by their signature's output NdSbp;
@@ -25,12 +27,13 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.plan import Plan
 from autoddl.precision import MASTER_ITEMSIZE, itemsize
-from autoddl.program import StepProgram, block_of, recomputed_ops, signature_of, storage_of, used_parameters
+from autoddl.program import (StepProgram, block_of, grad_storage_of, optimizer_storage_of, recomputed_ops,
+                             signature_of, storage_of, used_parameters)
 from autoddl.sbp import NdSbp
 from autoddl.training import Training
 from costmodel.collectives import Collective, CollectiveKind
@@ -45,17 +48,24 @@ def local_bytes(nbytes: int, nd: NdSbp, mesh_shape: Sequence[int]) -> int:
     return int(round(nbytes * nd.shard_fraction(mesh_shape)))
 
 
-def local_parameters(graph: OpGraph, plan: Plan) -> tuple[int, int]:
-    """(bytes, elements) of the parameters one device stores (used ones: see used_parameters), at
-    the masters' dtype (float32 for floating parameters, whatever the working dtype)."""
+def local_parameters(graph: OpGraph, plan: Plan, layout: Callable[[Plan, str], NdSbp] = storage_of
+                     ) -> tuple[int, int]:
+    """(bytes, elements) of the parameters one device keeps in ``layout`` (default: their storage;
+    used ones only: see used_parameters), at the masters' dtype (float32 for floating parameters)."""
     mesh = plan.mesh.shape
     nbytes = numel = 0
     for fqn, node in used_parameters(graph).items():
-        frac = storage_of(plan, fqn).shard_fraction(mesh)
+        frac = layout(plan, fqn).shard_fraction(mesh)
         meta = node.outputs[0]
         nbytes += int(round(meta.numel * (MASTER_ITEMSIZE if meta.is_floating else meta.itemsize) * frac))
         numel += int(round(meta.numel * frac))
     return nbytes, numel
+
+
+def master_parameters(graph: OpGraph, plan: Plan) -> tuple[int, int]:
+    """(bytes, elements) of the float32 masters the optimizer updates on one device: each
+    parameter's piece in its optimizer storage (ZeRO-1/2 shard it; else its storage)."""
+    return local_parameters(graph, plan, optimizer_storage_of)
 
 
 def param_state_bytes(numel_local: float, training: Training, optimizer: str) -> float:
@@ -146,13 +156,16 @@ def memory_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective] =
     (:func:`costmodel.breakdown.predicted_collectives`); they size ``boxing_buffer``.
     """
     mesh = plan.mesh.shape
-    param_bytes, param_numel = local_parameters(graph, plan)
+    master_bytes, master_numel = master_parameters(graph, plan)
+    # the parameters kept whole in their storage are the masters too, unless working copies stand in
+    # for them (mixed precision: float32 masters only in the optimizer storage)
+    param_bytes = master_bytes if plan.training.mixed else local_parameters(graph, plan)[0]
     buffers = sum(local_bytes(n.outputs[0].nbytes, signature_of(plan, n).outputs[0], mesh)
                   for n in graph.nodes_of(NodeKind.BUFFER) if n.outputs)
     mem = {
         "parameters": param_bytes,
-        "gradients": param_bytes,
-        "optimizer_states": int(optimizer_state_bytes(param_numel, plan.optimizer)),
+        "gradients": local_parameters(graph, plan, grad_storage_of)[0],
+        "optimizer_states": int(optimizer_state_bytes(master_numel, plan.optimizer)),
         "working_params": working_param_bytes(graph, plan, program),
         "buffers": buffers,
         "activations": sum(activation_bytes(graph, plan).values()),

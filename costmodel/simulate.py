@@ -25,8 +25,8 @@ from autoddl.graph import OpGraph
 from autoddl.plan import Plan
 from autoddl.program import COMPUTE, StepProgram, Task, block_of, recomputed_ops, signature_of
 from costmodel.collectives import cluster_collective_time_s
-from costmodel.memory import local_parameters
 from costmodel.compute import op_backward_time_s, op_forward_time_s, optimizer_time_s, recompute_overhead_s
+from costmodel.memory import master_parameters
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
     if task.is_collective:
         return cluster_collective_time_s(task.collective, task.nbytes, mesh, task.axis, cluster)
     if task.phase == "optimizer":
-        param_bytes, param_numel = local_parameters(graph, plan)
+        param_bytes, param_numel = master_parameters(graph, plan)
         return optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster) + cluster.executor.step_us * 1e-6
     node = graph[task.op]
     sig = signature_of(plan, node)

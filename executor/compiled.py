@@ -18,7 +18,6 @@ plan recomputes becomes a submodule of the program run under non-reentrant
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Any, Sequence
 
@@ -34,7 +33,7 @@ from autoddl.precision import working_copy
 from autoddl.program import BoxKey, InputSource, StepProgram, block_of, signature_of
 from autoddl.sbp import NdSbp
 from executor.gradsync import GradSync
-from executor.moves import Boxer, BoxFunction, place_local, wait
+from executor.moves import Boxer, BoxFunction, place_local, unflatten_gathered, wait
 from executor.recompute import OP_META, outline_blocks
 
 
@@ -130,19 +129,12 @@ class LocalStep:
                         t.copy_(value)
 
     def _unpack(self, group: int, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each use's whole tensor: rank r's shards sit in row r; a use's pieces, one per rank,
-        are joined along the dim its storage splits."""
+        """Each use's whole tensor: a use's pieces, one per rank, joined along the dim its storage splits."""
         g = self.program.gathers[group]
-        rows = flat.view(self.boxer.mesh_shape[g.axis], -1)                          # (n, shards)
-        out, start = [], 0
-        for i in g.uses:
-            use = self.program.param_uses[i]
-            shard = use.storage.local_shape(use.meta.shape, self.boxer.mesh_shape)
-            numel = math.prod(shard)
-            pieces = rows[:, start:start + numel].reshape(-1, *shard)                 # (n, *shard)
-            start += numel
-            out.append(torch.cat(pieces.unbind(0), dim=use.forward[0].before[g.axis].dim))
-        return out
+        uses = [self.program.param_uses[i] for i in g.uses]
+        return unflatten_gathered(flat, self.boxer.mesh_shape[g.axis],
+                                  [(u.storage.local_shape(u.meta.shape, self.boxer.mesh_shape),
+                                    u.forward[0].before[g.axis].dim) for u in uses])
 
     def box(self, x: torch.Tensor, edge: int) -> torch.Tensor:
         e = self.edges[edge]

@@ -41,8 +41,10 @@ class GradSync:
     """One step's gradient sync over ``program``'s uses and buckets; ``local_params`` by fqn."""
 
     def __init__(self, program: StepProgram, boxer: Boxer, local_params: dict[str, torch.Tensor],
-                 set_phase: Callable[[str], None], reduce_dtype: str = "float32"):
+                 set_phase: Callable[[str], None], reduce_dtype: str = "float32",
+                 grad_targets: dict[str, tuple[torch.Tensor, tuple]] | None = None):
         self.program, self.boxer, self.local_params, self.set_phase = program, boxer, local_params, set_phase
+        self.grad_targets = grad_targets or {}       # ZeRO-1/2: fqn -> (optimizer shard, local moves to it)
         self.reduce_dtype = torch_dtype(reduce_dtype)
         self.layouts = [self._layout(b) for b in program.buckets]   # per bucket, per use: fixed for the run
         self.carried: dict[int, torch.Tensor] = {}    # use -> gradient kept from earlier micro-steps (fp32)
@@ -135,8 +137,10 @@ class GradSync:
             g = self.boxer.run(use.grad_sync, self._grad(use).to(self.reduce_dtype), use.meta.shape, use.fqn)
             synced[use.fqn] = g if use.fqn not in synced else synced[use.fqn] + g
         for fqn, g in synced.items():
-            local = self.local_params[fqn]
-            g = g.to(local.dtype).view_as(local)
+            local, moves = self.grad_targets.get(fqn, (self.local_params[fqn], ()))
+            if moves:           # ZeRO-1: this rank's piece of the whole reduced gradient
+                g = self.boxer.run(moves, g, self.program.uses_of(fqn)[0].meta.shape, fqn)
+            g = g.to(local.dtype).reshape(local.shape)
             local.grad = g if local.grad is None else local.grad + g
         self.start_step()
 

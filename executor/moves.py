@@ -11,6 +11,8 @@ a boxed edge's gradient takes exactly the program's backward moves.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -137,3 +139,31 @@ def place_local(boxer: Boxer, full: torch.Tensor, nd: NdSbp) -> torch.Tensor:
     """This rank's piece, in layout ``nd``, of a tensor every rank holds whole (no communication)."""
     moves = boxing_moves(0, NdSbp.broadcast(len(nd)), nd, boxer.mesh_shape)
     return boxer.run(moves, full, tuple(full.shape)).contiguous()
+
+
+def shard_view(boxer: Boxer, full: torch.Tensor, src: NdSbp, dst: NdSbp) -> torch.Tensor:
+    """This rank's piece of ``full`` (held in layout ``src``) in layout ``dst``, as a view sharing
+    its storage: ``dst`` may only split (on dims that divide evenly) axes ``src`` replicates (a
+    ZeRO-1/2 optimizer shard of a replicated parameter)."""
+    view = full
+    for axis, (before, after) in enumerate(zip(src, dst)):
+        if before == after:
+            continue
+        if not (before.is_broadcast() and after.is_split()):
+            raise ValueError(f"a shard view takes {src} to {dst}: only B -> S per mesh axis")
+        view = view.chunk(boxer.mesh_shape[axis], dim=after.dim)[boxer.coord[axis]]
+    return view
+
+
+def unflatten_gathered(flat: torch.Tensor, n: int, pieces: Sequence[tuple[Sequence[int], int]]
+                       ) -> list[torch.Tensor]:
+    """Whole tensors from the all-gather of ``n`` ranks' flattened pieces laid side by side: rank r's
+    pieces sit in row r; a piece of shape ``shape`` joins its ``n`` copies along ``dim``."""
+    rows = flat.view(n, -1)                                                        # (n, pieces)
+    out, start = [], 0
+    for shape, dim in pieces:
+        numel = math.prod(shape)
+        parts = rows[:, start:start + numel].reshape(-1, *shape)                  # (n, *shape)
+        start += numel
+        out.append(torch.cat(parts.unbind(0), dim=dim))
+    return out

@@ -27,19 +27,22 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from autoddl.boxing import boxing_moves
+from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.plan import Plan
 from autoddl.precision import cast_forward_inputs, torch_dtype, working_copy
-from autoddl.program import lower
+from autoddl.program import grad_storage_of, lower, optimizer_storage_of
 from autoddl.sbp import NdSbp
 from executor.audit import CommRecord, CommRecorder
 from executor.compiled import LocalStep, ProgramCompiler
 from executor.gradsync import GradSync
-from executor.moves import Boxer, place_local
+from executor.moves import Boxer, place_local, shard_view, unflatten_gathered, wait
 
 
 class PlanExecutionError(RuntimeError):
@@ -127,10 +130,11 @@ class DistributedModel(nn.Module):
         self.program = lower(graph, plan)
         boxer = Boxer(tuple(plan.mesh.shape), tuple(mesh.get_coordinate()),
                       [mesh.get_group(a) for a in range(mesh.ndim)], dist.get_backend(), self._on_collective)
+        self.boxer = boxer
         self.local_params = self._place_parameters(boxer)
         training = plan.training
         self.grad_sync = GradSync(self.program, boxer, self.local_params, self._set_phase,
-                                  reduce_dtype=training.grad_reduce_dtype)
+                                  reduce_dtype=training.grad_reduce_dtype, grad_targets=self._grad_targets())
         self.step = LocalStep(self.program, boxer, self.local_params, self.grad_sync, param_dtype=training.param_dtype)
         fx_targets = {n.name: n.target for n in graph.exported.graph_module.graph.nodes if n.op == "call_function"}
         self.local_program = ProgramCompiler(graph, plan, self.step, self.device, fx_targets).compile()
@@ -153,10 +157,45 @@ class DistributedModel(nn.Module):
                                         shape=p.shape, stride=p.stride())
                 param = nn.Parameter(dt, requires_grad=p.requires_grad)
                 param._autoddl_local = dt._local_tensor      # the tensor the step and the optimizer use
+                optimizer_nd = optimizer_storage_of(self.plan, fqn) if fqn in self.plan.param_storage else nd
+                if optimizer_nd != nd:                        # ZeRO-1/2: the optimizer steps a shard of it
+                    param._autoddl_opt_local = shard_view(boxer, param._autoddl_local, nd, optimizer_nd)
+                    param._autoddl_opt_layout = optimizer_nd
                 placed[id(p)] = param
             _set_param(self.module, fqn, placed[id(p)])
             by_name[fqn] = placed[id(p)]
         return {fqn: by_name[fqn]._autoddl_local for fqn in self.graph.parameters() if fqn in by_name}
+
+    def _grad_targets(self) -> dict[str, tuple[torch.Tensor, tuple]]:
+        """ZeRO-1/2: per parameter, the optimizer's shard that receives its synced gradient, and the
+        (local) moves from the gradient storage to it (ZeRO-1: keep this rank's piece)."""
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        out = {}
+        for fqn in self.local_params:
+            shard = getattr(params.get(fqn), "_autoddl_opt_local", None)
+            if shard is not None:
+                node = self.graph.parameters()[fqn]
+                moves = boxing_moves(node.outputs[0].nbytes, grad_storage_of(self.plan, fqn),
+                                     optimizer_storage_of(self.plan, fqn), self.plan.mesh.shape)
+                out[fqn] = (shard, tuple(moves))
+        return out
+
+    def sync_parameters(self) -> None:
+        """ZeRO-1/2, after the optimizer step: per ``program.param_syncs``, one all-gather of the
+        updated shards (in the working dtype) rebuilds every parameter in its storage."""
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        dtype = self.plan.training.param_dtype
+        with torch.no_grad():
+            for sync in self.program.param_syncs:
+                shards = [params[f]._autoddl_opt_local for f in sync.fqns]
+                flat = torch.cat([working_copy(t, dtype).reshape(-1) for t in shards])
+                self._on_collective(CollectiveKind.ALL_GATHER, sync.axis, sync.nbytes, f"param sync axis{sync.axis}")
+                gathered = wait(funcol.all_gather_single(flat, 0, self.boxer.groups[sync.axis]))
+                wholes = unflatten_gathered(gathered, self.plan.mesh.shape[sync.axis],
+                                            [(tuple(t.shape), optimizer_storage_of(self.plan, f)[sync.axis].dim)
+                                             for f, t in zip(sync.fqns, shards)])
+                for f, whole in zip(sync.fqns, wholes):
+                    params[f]._autoddl_local.copy_(whole)
 
     # -- audit labels ----------------------------------------------------------------------------
     def _set_phase(self, phase: str) -> None:
@@ -282,7 +321,11 @@ class LocalShardOptimizer:
 
 
 def _local_of(p: torch.Tensor) -> torch.Tensor:
-    """The local tensor a DistributedModel keeps for ``p`` (shared storage), else ``p``'s local piece."""
+    """The local tensor the optimizer steps for ``p``: its ZeRO-1/2 shard, else the one a
+    DistributedModel keeps (shared storage), else ``p``'s local piece."""
+    local = getattr(p, "_autoddl_opt_local", None)
+    if local is not None:
+        return local
     local = getattr(p, "_autoddl_local", None)
     if local is not None:
         return local
@@ -332,6 +375,7 @@ def train_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor], optimiz
         (loss / len(micro) if len(micro) > 1 else loss).backward()
         total += dmodel.loss_value(loss)
     optimizer.step()
+    dmodel.sync_parameters()
     return total / len(micro)
 
 
@@ -417,7 +461,9 @@ def run_check(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callabl
             if grad is None:
                 errors[f"grad/{fqn}"] = float("inf")
             else:
-                full = DTensor.from_local(grad, mesh, dp.placements, run_check=False, shape=dp.shape,
+                layout = getattr(dp, "_autoddl_opt_layout", None)
+                placements = layout.to_placements() if layout is not None else dp.placements
+                full = DTensor.from_local(grad.contiguous(), mesh, placements, run_check=False, shape=dp.shape,
                                           stride=dp.stride()).full_tensor()
                 errors[f"grad/{fqn}"] = max_rel_error(full, r_grads[fqn])
         errors[f"param/{fqn}"] = max_rel_error(dp.detach().full_tensor(), p)

@@ -42,12 +42,13 @@ from search.coordinate_descent import coordinate_descent
 from search.formulate import Formulation, FormulationCache, formulate
 from search.meshes import mesh_shapes
 from search.problem import NoFeasiblePlanError, memory_tolerance
+from search.zero import ZERO_STAGES, data_parallel_axes, with_zero
 
 
 NEAR_BEST = 1.05    # meshes whose search objective is within 5% of the best get the full cost model
 
 
-SCHEMES = ("found", "dp", "zero3", "tp", "sp", "dp_tp", "fsdp_tp")   # what `autoddl plan --scheme` can write
+SCHEMES = ("found", "dp", "zero1", "zero2", "zero3", "tp", "sp", "dp_tp", "fsdp_tp")   # `autoddl plan --scheme`
 
 
 class PlanningError(ValueError):
@@ -393,6 +394,9 @@ def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tupl
             candidates.append((plan, bd))
         elif result.cost <= NEAR_BEST * best_objective:
             candidates.append(make_plan("found", form, result.assignment, at_level(training, levels[level])))
+    baselines.update(zero_baselines(graph, baselines.get("dp"), cluster, limit))
+    candidates += [zero_variant(graph, p, stage, cluster, limit) for p, _ in list(candidates)
+                   for stage in ZERO_STAGES if p.name == "found" and data_parallel_axes(p)]
     for scheme in baselines.values():
         if scheme.plan is not None:
             candidates.append((scheme.plan, scheme.breakdown))
@@ -406,10 +410,27 @@ def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tupl
         best_plan = Plan.from_dict({**best_plan.to_dict(), "name": "found"})
         best_plan.notes.append(f"the search kept the {kept} baseline: no plan it visited was cheaper "
                                "under the full cost model")
-    order = [s.name for spec_nd in (1, 2) for s in baseline_specs(spec_nd)]
+    order = [s.name for spec_nd in (1, 2) for s in baseline_specs(spec_nd)] + ["zero1", "zero2"]
     schemes = sorted(baselines.values(), key=lambda s: order.index(s.name))
     schemes.append(Scheme("found", best_plan, best_bd))
     return SearchOutcome(best_plan, best_bd, schemes, meshes, time.perf_counter() - t0, per_mesh, formulations)
+
+
+def zero_variant(graph: OpGraph, plan: Plan, stage: int, cluster: Cluster, limit: float,
+                 name: str | None = None) -> tuple[Plan, CostBreakdown]:
+    """``plan`` with ZeRO-``stage`` optimizer (and gradient) storages on its data-parallel axis
+    (search/zero.py), priced by the full cost model."""
+    zeroed = with_zero(graph, plan, stage, name=name or plan.name)
+    return zeroed, price(graph, zeroed, cluster, limit)
+
+
+def zero_baselines(graph: OpGraph, dp: Scheme | None, cluster: Cluster, limit: float) -> dict[str, Scheme]:
+    """``zero1`` and ``zero2``: the data-parallel baseline with ZeRO-1 / ZeRO-2 storages."""
+    if dp is None or dp.plan is None or not data_parallel_axes(dp.plan):
+        why = dp.reason if dp is not None and dp.reason else "no data-parallel axis of more than one device"
+        return {f"zero{s}": Scheme(f"zero{s}", None, None, why) for s in ZERO_STAGES}
+    return {f"zero{s}": Scheme(f"zero{s}", *zero_variant(graph, dp.plan, s, cluster, limit, name=f"zero{s}"))
+            for s in ZERO_STAGES}
 
 
 # -- a given configuration (--degrees) ------------------------------------------------------------
@@ -483,7 +504,7 @@ def degrees_spec(degrees: list[tuple[str, int]], cluster: Cluster) -> tuple[Base
 
 def price_degrees(graph: OpGraph, cluster: Cluster, degrees: list[tuple[str, int]], *, model_name: str = "",
                   memory_gb: float | None = None, optimizer: str = "adamw",
-                  training: Training | None = None) -> Scheme:
+                  training: Training | None = None, zero: int = 0) -> Scheme:
     """The expert configuration ``degrees`` (``parse_degrees``) built as a baseline on its mesh and
     priced under ``training`` by the full cost model (``recompute="auto"``: the first recompute level
     at which it fits). Raises PlanningError when it does not apply, saying why."""
@@ -502,6 +523,12 @@ def price_degrees(graph: OpGraph, cluster: Cluster, degrees: list[tuple[str, int
                            at_level(training, levels[0]))
     plan.notes.append(f"the configuration given by --degrees {text}: {spec.description}, priced as given "
                       "(not searched)")
+    if zero:
+        if spec.name not in ("dp", "dp_tp"):
+            raise PlanningError(f"--zero {zero} shards optimizer states over the dp axis; --degrees {text} has "
+                                "none (fsdp already shards parameters, gradients and optimizer states)")
+        plan = with_zero(graph, plan, zero, name=plan.name)
+        text += f" --zero {zero}"
     plan, bd = fit_recompute(graph, plan, cluster, limit, levels) if len(levels) > 1 else \
         (plan, price(graph, plan, cluster, limit))
     return Scheme(text, plan, bd)

@@ -88,6 +88,8 @@ def cases(mesh: tuple[int, ...]):
         for scheme in outcome.schemes:
             if cluster_name != "local-cpu" and scheme.name != "found":
                 continue
+            if scheme.name in ("zero1", "zero2"):      # the dp plan with ZeRO storages: tests/test_training_runs.py
+                continue
             name = scheme.name if cluster_name == "local-cpu" else f"found@{cluster_name}"
             if scheme.plan is None:
                 skipped[(model, name)] = scheme.reason

@@ -372,3 +372,50 @@ def test_compare_variants_show_precision_x_recompute_with_memory_breakdown(tmp_p
     assert dp.loc["fp32/none", "step_ms"] < dp.loc["fp32/selective", "step_ms"] < dp.loc["fp32/full", "step_ms"]
     assert math.isclose(dp.loc["bf16/none", "params_gb"], dp.loc["fp32/none", "params_gb"] * 1.5,
                         rel_tol=1e-9)                   # float32 masters + bf16 working copies (4 + 2 bytes)
+
+
+# -- ZeRO-1 / ZeRO-2 -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero_stages_shard_optimizer_states_and_gradients_and_gather_parameters_after_the_step(write_model,
+                                                                                               precision):
+    """On 2 devices, ZeRO-1 halves the optimizer states (and, with bf16, the float32 masters), ZeRO-2
+    the gradients too; the step ends with one all-gather of the updated parameters, in the working
+    dtype, of the whole model's bytes; ZeRO-1 still all-reduces the gradients, ZeRO-2
+    reduce-scatters them."""
+    from autoddl.program import lower
+    from search.zero import with_zero
+
+    mf = load_model_file(write_model(LINEARS))
+    training = Training(param_dtype=precision)
+    graph = mf.trace(training.param_dtype)
+    two = _cluster(2)
+    dp = next(s for s in _found(graph, two, training, mesh=(2,)).schemes if s.name == "dp").plan
+    numel = sum(p.numel() for p in mf.model.parameters())
+    working = 2 if precision == "bf16" else 4
+    memory = {stage: plan_cost(graph, with_zero(graph, dp, stage) if stage else dp, two).memory for stage in (0, 1, 2)}
+    assert memory[0]["optimizer_states"] == 8 * numel and memory[1]["optimizer_states"] == memory[2]["optimizer_states"] == 4 * numel
+    assert memory[0]["gradients"] == memory[1]["gradients"] == 4 * numel and memory[2]["gradients"] == 2 * numel
+    masters = 2 * numel if precision == "bf16" else 4 * numel       # bf16: fp32 masters only in the shards
+    assert memory[1]["parameters"] == memory[2]["parameters"] == masters
+    for stage, grad_kind in ((1, "all_reduce"), (2, "reduce_scatter")):
+        program = lower(graph, with_zero(graph, dp, stage))
+        syncs = [t for t in program.collectives() if t.phase == "grad_sync"]
+        assert {t.collective.value for t in syncs} == {grad_kind}
+        gathers = [t for t in program.collectives() if t.phase == "optimizer"]
+        assert [(t.collective.value, t.nbytes) for t in gathers] == [("all_gather", numel * working)]
+
+
+def test_zero_schemes_and_degrees(write_model, capsys):
+    """``zero1`` / ``zero2`` are schemes of the plan table, ``--degrees dp=2 --zero 2`` prices that
+    configuration, and ``--zero`` with fsdp is refused, saying why."""
+    path = write_model(LINEARS)
+    assert main(["plan", str(path), "--cluster", str(DGX), "--devices", "2", "--degrees", "dp=2", "--zero", "2",
+                 "--out", str(path.with_name("z.json"))]) == 0
+    out = capsys.readouterr().out
+    assert "zero1 " in out and "zero2 " in out and "dp=2 --zero 2" in out
+    plan = Plan.load(path.with_name("z.json"))
+    assert plan.grad_storage and plan.grad_storage == plan.optimizer_storage
+    assert main(["plan", str(path), "--cluster", str(DGX), "--devices", "2", "--degrees", "fsdp=2", "--zero", "1",
+                 "--no-search"]) == 2
+    assert "fsdp already shards" in capsys.readouterr().err

@@ -7,6 +7,8 @@ same micro-steps within ``autoddl.precision.check_rtol`` (1e-4 for fp32), and th
 that ran -- recomputed ones included -- are exactly the step program's (kind, axis, bytes, phase).
 Settings: the issue's bf16 + selective recompute + 4 micro-steps; fp32 full recompute (whose
 recompute re-runs the blocks' collectives); fp32 with 2 micro-steps (gradient sync deferred).
+Schemes include ZeRO-1 / ZeRO-2 (the dp plan with sharded optimizer states / gradients, whose
+parameters are all-gathered after the optimizer step).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ SETTINGS = {
     "fp32-full": dict(recompute="full"),
     "fp32-mb2": dict(micro_batches=2),
 }
-SCHEMES = {(2,): ("dp", "zero3", "tp", "found"), (2, 2): ("dp", "zero3", "dp_tp", "found")}
+SCHEMES = {(2,): ("dp", "zero1", "zero2", "zero3", "tp", "found"),
+           (2, 2): ("dp", "zero1", "zero2", "zero3", "dp_tp", "found")}
 
 
 def step_batch(inputs, k: int):

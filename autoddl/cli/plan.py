@@ -64,6 +64,8 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
     t.add_argument("--degrees", metavar="ROLE=N,...",
                    help="price this expert configuration beside the found plan, e.g. fsdp=8 or dp=4,tp=8 "
                         "(roles dp, fsdp, tp; outer axis first, tp innermost)")
+    t.add_argument("--zero", type=int, choices=(1, 2), help="with --degrees dp=...: ZeRO-1 (optimizer states) or "
+                   "ZeRO-2 (and gradients) sharded over the dp axis")
     t.add_argument("--no-search", action="store_true", help="with --degrees: price the given configuration only")
     p.add_argument("--memory-breakdown", action="store_true",
                    help="memory per device by category: parameters (masters, working copies, gathered), "
@@ -170,7 +172,7 @@ def _search(args: argparse.Namespace, progress, training: Training | None = None
     if degrees:
         g2, batch2, tr2 = tracer(data_parallel_degree(degrees), training)
         given = price_degrees(g2, planned, degrees, model_name=g2.model_name, memory_gb=args.memory_gb,
-                              optimizer=args.optimizer, training=tr2)
+                              optimizer=args.optimizer, training=tr2, zero=args.zero or 0)
         _provenance(given, args, overrides, batch2, mf)
         graph = graph or g2
     return Planned(mf, cluster, planned, outcome, given, graph, tracer.seconds, error, tracer.graphs)
