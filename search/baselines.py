@@ -13,9 +13,17 @@ order: the allowed candidate with the least compute plus boxing from the
 already-placed producers. On a ``tp`` axis that pass finds Megatron's pattern by
 itself: a linear fed a B activation splits its weight's output features (column
 parallel), the next one splits its input features and yields P (row parallel),
-and the P is all-reduced where a non-linear op needs it whole.
-A baseline that does not apply (no batch dim that divides, no column -> row
-linear pair for ``tp``) is reported with the reason, never silently replaced.
+and the P is all-reduced where a non-linear op needs it whole; an embedding
+splits its table by vocabulary rows (P output).
+On an ``sp`` axis the stream between those regions is split on the sequence
+(dim 1): a linear or embedding splits its weight first, whatever boxing that
+costs (so a column-parallel linear all-gathers its sequence-split input), and
+a partial sum is reduce-scattered onto the sequence, not all-reduced.
+On both, a weight is used as it is stored, so a weight used twice (GPT-2's
+lm_head tied to the token embedding) is vocabulary-split for both uses.
+A baseline that does not apply (no batch dim that divides, no sequence dim for
+``sp``, no column -> row linear pair) is reported with the reason, never
+silently replaced.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autoddl.graph import NodeKind, OpNode
-from autoddl.op_families import MATMUL_OPS
+from autoddl.op_families import MATMUL_OPS, VIEW_OPS
 from autoddl.sbp import B, NdSbp, S, Sbp, Signature
 from search.formulate import Formulation
 
@@ -79,8 +87,9 @@ def build_baseline(form: Formulation, spec: BaselineSpec) -> Baseline:
     if batch_dims_split and not any(_divides_on(n, 0, mesh, batch_dims_split) for n in inputs):
         return Baseline(spec, None, f"no user input has a batch dim divisible by {_prod(mesh, batch_dims_split)}")
     seq_axes = [axis for axis, role in enumerate(spec.roles) if role == "sp"]
-    if seq_axes and not any(n.outputs[0].ndim >= 2 and _divides_on(n, 1, mesh, seq_axes) for n in inputs):
-        return Baseline(spec, None, f"no user input has a sequence dim (dim 1) divisible by {_prod(mesh, seq_axes)}")
+    if seq_axes and not any(_has_sequence(n) and _divides_on(n, 1, mesh, seq_axes) for n in inputs):
+        return Baseline(spec, None, f"no user input has a sequence dim (dim 1 of (batch, seq) token ids or of "
+                                    f"(batch, seq, ...) values) divisible by {_prod(mesh, seq_axes)}")
 
     params = {n.name for n in nodes if n.kind is NodeKind.PARAMETER}
     n_nodes = len(nodes)
@@ -112,16 +121,20 @@ def build_baseline(form: Formulation, spec: BaselineSpec) -> Baseline:
 def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, ...], params: set[str],
                assignment: np.ndarray, lazy_params: set[int], incoming, problem, index: dict[str, int]) -> int:
     """The allowed candidate with the smallest key: (needs a forward collective on an activation,
-    minus the weight splits on tp/sp axes, compute + boxing seconds). The first two terms make the
-    expert pattern structural: a split batch stays split, and Megatron splits weights, even where
-    the cost model alone would replicate.
+    reduce-scatters onto the sequence (sp), minus the weight splits on tp/sp axes, compute + boxing
+    seconds); for a linear or embedding on an sp axis (minus its weight's splits, needs a
+    collective, slices a replicated activation, seconds). The leading terms make the expert pattern
+    structural: a split batch stays split, and Megatron splits weights, even where the cost model
+    alone would replicate.
     On tp/sp axes no activation is split on dim 0 (the all-B candidate is always allowed)."""
     param_slots = {slot: ref.node for slot, ref in enumerate(node.inputs) if ref.node in params}
     model_axes = [axis for axis, role in enumerate(roles) if role in ("tp", "sp")]
+    seq_axes = [axis for axis, role in enumerate(roles) if role == "sp"]
+    megatron = _megatron_layer(node, param_slots)
     best, best_key = -1, (np.inf,)
     lazy_choice: dict[int, int] = {}
     for j, sig in enumerate(cands):
-        if (not _param_use_allowed(sig, param_slots, roles) or _splits_batch(sig, param_slots, model_axes)
+        if (not _param_use_allowed(sig, param_slots, roles) or _splits_batch(node, sig, param_slots, model_axes)
                 or _not_vocab_parallel(node, sig, param_slots, model_axes)):
             continue
         total = problem.node_cost[i][j]
@@ -139,14 +152,25 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
                 total += problem.node_cost[u][a] + mat[a, j]
         if not feasible:
             continue
+        if not all(_use_matches_storage(problem.choices[index[name]][assignment[index[name]]].outputs[0],
+                                        sig.inputs[slot], model_axes)
+                   for slot, name in param_slots.items() if assignment[index[name]] >= 0):
+            continue
         sources = [(problem.choices[index[ref.node]][assignment[index[ref.node]]].outputs[ref.index], sig.inputs[slot])
                    for slot, ref in enumerate(node.inputs)
                    if ref.node not in params and ref.node in index and assignment[index[ref.node]] >= 0]
-        if any(_megatron_forbids(src, dst, roles, axis) for src, dst in sources for axis in model_axes):
+        if any(_megatron_forbids(src, dst, roles, axis, node) for src, dst in sources for axis in model_axes):
             continue
-        boxed = any(_collective_needed(src, dst) for src, dst in sources)
-        splits = sum(sig.inputs[slot][axis].is_split() for slot in param_slots for axis in model_axes)
-        key = (int(boxed), -splits, total)
+        boxed = int(any(_collective_needed(src, dst) for src, dst in sources))
+        if megatron and "sp" in roles:      # the weight (not a bias) split, then as few collectives as can be
+            splits = sum(sig.inputs[slot][axis].is_split() for slot in param_slots for axis in model_axes
+                         if node.input_metas[slot].ndim == 2)
+            sliced = sum(s.is_broadcast() and d.is_split() for src, dst in sources for s, d in zip(src, dst))
+            key = (-splits, boxed, sliced, total)
+        else:
+            splits = sum(sig.inputs[slot][axis].is_split() for slot in param_slots for axis in model_axes
+                         if megatron or roles[axis] == "tp")
+            key = (boxed, -_scatters_sequence(sources, sig, seq_axes), -splits, total)
         if key < best_key:
             best, best_key, lazy_choice = j, key, chosen_lazy
     if best < 0:
@@ -157,21 +181,51 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
     return best
 
 
-def _megatron_forbids(src: NdSbp, dst: NdSbp, roles: tuple[str, ...], axis: int) -> bool:
+def _megatron_forbids(src: NdSbp, dst: NdSbp, roles: tuple[str, ...], axis: int, node: OpNode) -> bool:
     """Megatron moves activations only by gathering (S->B), reducing (P->B; P->S for sequence
     parallelism) or, for sequence parallelism, slicing a replicated one (B->S); never all-to-all.
-    Tensor parallelism reduces a partial sum right away: no op takes a P activation."""
+    Tensor and sequence parallelism reduce a partial sum right away: no op takes a P activation,
+    except, under sequence parallelism, a view (a row-parallel linear on flattened tokens is viewed
+    back to (batch, sequence, hidden) before its reduce-scatter onto the sequence)."""
     s, d = src[axis], dst[axis]
-    if roles[axis] == "tp" and (d.is_partial() or (s.is_partial() and d.is_split())):
+    if d.is_partial() and s.is_partial() and roles[axis] == "sp" and node.op_name in VIEW_OPS:
+        return False
+    if d.is_partial() or (roles[axis] == "tp" and s.is_partial() and d.is_split()):
         return True
     if s == d or not d.is_split():
         return False
     return s.is_split() or (s.is_broadcast() and roles[axis] == "tp")
 
 
-def _splits_batch(sig: Signature, param_slots: dict[int, str], model_axes: list[int]) -> bool:
-    """Tensor and sequence parallelism never split an activation's dim 0 (the batch) on their axes."""
-    activations = [nd for slot, nd in enumerate(sig.inputs) if slot not in param_slots] + list(sig.outputs)
+def _megatron_layer(node: OpNode, param_slots: dict[int, str]) -> bool:
+    """A layer whose weight Megatron always splits on the model axis: a linear / matmul with a 2-D
+    parameter (column or row parallel) or an embedding table (vocabulary parallel)."""
+    if node.op_name == "embedding":
+        return 0 in param_slots
+    return node.op_name in MATMUL_OPS and any(node.input_metas[slot].ndim == 2 for slot in param_slots)
+
+
+def _scatters_sequence(sources: list[tuple[NdSbp, NdSbp]], sig: Signature, seq_axes: list[int]) -> int:
+    """Sequence parallelism reduce-scatters a partial sum onto the sequence dim (dim 1 of the
+    (batch, sequence, hidden) stream): 1 when the op takes a P input there and yields S(1)."""
+    return int(any(src[a].is_partial() and not dst[a].is_partial() and sig.outputs and sig.outputs[0][a] == S(1)
+                   for src, dst in sources for a in seq_axes))
+
+
+def _use_matches_storage(storage: NdSbp, use: NdSbp, model_axes: list[int]) -> bool:
+    """On tp/sp axes a weight is used as it is stored (B storage may be used as P: that is local).
+    A weight used twice (a tied embedding and output projection) thus gets one layout both uses
+    share: the first use's, which the second must take too."""
+    return all(use[a] == storage[a] or (use[a].is_partial() and storage[a].is_broadcast()) for a in model_axes)
+
+
+def _splits_batch(node: OpNode, sig: Signature, param_slots: dict[int, str], model_axes: list[int]) -> bool:
+    """Tensor and sequence parallelism never split an activation's dim 0 (the batch) on their axes.
+    An input of lower rank than the output broadcasts against the output's trailing dims (a (T, C)
+    position embedding added to a (B, T, C) stream): its dim 0 is the sequence, not the batch."""
+    out_nd = node.outputs[0].ndim if node.outputs else 0
+    activations = [nd for slot, nd in enumerate(sig.inputs)
+                   if slot not in param_slots and node.input_metas[slot].ndim >= out_nd] + list(sig.outputs)
     return any(nd[axis] == S(0) for nd in activations for axis in model_axes)
 
 
@@ -253,14 +307,22 @@ def _not_applicable(spec: BaselineSpec, form: Formulation, assignment: np.ndarra
         for slot, ref in enumerate(node.inputs):
             if ref.node not in params or node.input_metas[slot].ndim != 2:
                 continue
-            for s in sig.inputs[slot]:
-                if s.is_split():
-                    column += s.dim == 0
-                    row += s.dim == 1
+            for axis, s in enumerate(sig.inputs[slot]):
+                if s.is_split() and spec.roles[axis] in ("tp", "sp"):
+                    # by what the split does, whatever the weight's layout ((out, in) for linear,
+                    # (in, out) for addmm / mm): contracted -> P output (row), kept -> split output
+                    row += sig.outputs[0][axis].is_partial()
+                    column += sig.outputs[0][axis].is_split()
     if column == 0 or row == 0:
         return ("no column -> row parallel linear pair "
                 f"({column} column-split and {row} row-split weights)")
     return ""
+
+
+def _has_sequence(node: OpNode) -> bool:
+    """Token ids (batch, seq) or values (batch, seq, features...): a (batch, features) input has none."""
+    meta = node.outputs[0]
+    return meta.ndim >= 3 or (meta.ndim == 2 and not meta.is_floating)
 
 
 def _divides_on(node: OpNode, dim: int, mesh: tuple[int, ...], axes: list[int]) -> bool:

@@ -42,7 +42,7 @@ SCHEMES = {1: ("dp", "zero3", "tp", "sp", "found"), 2: ("dp", "zero3", "dp_tp", 
 # Baselines the planner reports as not applicable, with the start of its reason; a scheme that
 # is neither run here nor listed fails the test.
 NOT_APPLICABLE = {
-    ("llama", "sp"): "no column -> row parallel linear pair",
+    ("mlp", "sp"): "no user input has a sequence dim",
     ("vgg", "sp"): "no user input has a sequence dim",
     ("resnet", "tp"): "no column -> row parallel linear pair",
     ("resnet", "sp"): "no user input has a sequence dim",
