@@ -194,7 +194,7 @@ def _megatron_forbids(src: NdSbp, dst: NdSbp, roles: tuple[str, ...], axis: int,
         return True
     if s == d or not d.is_split():
         return False
-    return s.is_split() or (s.is_broadcast() and roles[axis] == "tp")
+    return not s.is_partial()
 
 
 def _megatron_layer(node: OpNode, param_slots: dict[int, str]) -> bool:
@@ -271,8 +271,6 @@ def _input_wish(node: OpNode, roles: tuple[str, ...]) -> tuple[Sbp, ...]:
     for role in roles:
         if role in ("dp", "zero") and node.kind is NodeKind.INPUT and node.outputs[0].ndim >= 1:
             wish.append(S(0))
-        elif role == "sp" and node.kind is NodeKind.INPUT and node.outputs[0].ndim >= 2:
-            wish.append(S(1))
         else:
             wish.append(B)
     return tuple(wish)

@@ -14,7 +14,7 @@ from autoddl.cluster import Cluster
 from autoddl.graph import NodeKind
 from autoddl.plan import Plan
 from autoddl.sbp import B, NdSbp, S
-from costmodel.breakdown import plan_cost
+from costmodel.breakdown import plan_cost, predicted_collectives
 from search.baselines import baseline_specs, build_baseline
 from search.formulate import formulate
 from search.planner import PlanningError, search
@@ -84,12 +84,76 @@ def test_tp_baseline_is_megatron_column_then_row(gpt, cluster4):
 def test_sp_and_zero3_baselines(gpt, cluster4):
     form, base, sigs = _baseline(gpt, cluster4, (4,), "sp")
     assert base.applicable
-    assert all(sigs[n.name].outputs[0] == NdSbp.of(S(1)) for n in form.nodes if n.kind is NodeKind.INPUT)
+    assert all(sigs[n.name].outputs[0] == NdSbp.of(B) for n in form.nodes if n.kind is NodeKind.INPUT)
     form, base, sigs = _baseline(gpt, cluster4, (4,), "zero3")
     wte = _storage(form, sigs, "transformer.wte.weight")
     assert wte == NdSbp.of(S(0))
     lin = next(n for n in form.nodes if n.op_name == "linear")
     assert sigs[lin.name].inputs[1] == NdSbp.of(B)        # gathered for use
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return autoddl.trace_model_file(ROOT / "examples" / "llama.py", preset="tiny")[1]
+
+
+def _op_sig(form, sigs, module_path, op_name="linear"):
+    node = next(n for n in form.nodes if n.op_name == op_name and n.module_path == module_path)
+    return sigs[node.name]
+
+
+@pytest.mark.parametrize("model, mesh, axis", [("gpt", (4,), 0), ("gpt", (2,), 0), ("llama", (2,), 0)])
+def test_sp_baseline_is_megatron_sequence_parallel(model, mesh, axis, request, cluster4):
+    """Megatron SP (Korthikanti et al. 2022): the residual stream and the norms are split on the
+    sequence (dim 1), a column-parallel linear takes its input gathered (B) and splits its weight's
+    output features, a row-parallel one splits its input features and yields P, which the next op
+    takes reduce-scattered onto the sequence; the embedding is vocabulary-parallel (its P output
+    reduce-scattered too). Forward collectives: all-gathers and reduce-scatters only.
+    (llama tiny has 2 key/value heads: over 4 devices they do not divide, as Megatron needs.)"""
+    graph = request.getfixturevalue(model)
+    cluster = Cluster.from_yaml(DGX).resized(mesh[0])
+    form, base, sigs = _baseline(graph, cluster, mesh, "sp")
+    assert base.applicable, base.reason
+    if model == "gpt":
+        norm, norms = "layer_norm", [f"transformer.h.{i}.ln_{j}" for i in range(2) for j in (1, 2)]
+        column = ["transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc", "lm_head"]
+        row = ["transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_proj"]
+        embedding = "transformer.wte"
+    else:
+        norm, norms = "mul", [f"layers.{i}.{n}" for i in range(2) for n in ("attention_norm", "ffn_norm")]
+        column = ["layers.0.attention.wq", "layers.0.attention.wk", "layers.0.feed_forward.w1", "output"]
+        row = ["layers.0.attention.wo", "layers.0.feed_forward.w2"]
+        embedding = "tok_embeddings"
+    for path in norms:                                    # the stream between TP regions: S(sequence)
+        nodes = [n for n in form.nodes if n.module_path == path and n.op_name == norm]
+        assert nodes and all(sigs[n.name].outputs[0][axis] == S(1) for n in nodes), path
+    for path in column:
+        sig = _op_sig(form, sigs, path)
+        assert sig.inputs[0][axis] == B and sig.inputs[1][axis] == S(0) and sig.outputs[0][axis] == S(2), path
+    for path in row:
+        sig = _op_sig(form, sigs, path)
+        assert sig.inputs[0][axis] == S(2) and sig.inputs[1][axis] == S(1) and sig.outputs[0][axis].is_partial()
+    emb = _op_sig(form, sigs, embedding, "embedding")
+    assert emb.inputs[0][axis] == S(0) and emb.outputs[0][axis].is_partial()
+    plan = next(s.plan for s in search(graph, cluster, mesh=mesh, cd_time_limit_s=0.1).schemes if s.name == "sp")
+    kinds = {c.kind.value for c in predicted_collectives(graph, plan, cluster) if c.phase == "forward"}
+    assert kinds == {"all_gather", "reduce_scatter"}
+
+
+def test_tied_embedding_and_lm_head_share_one_vocab_split(gpt, cluster4):
+    """GPT-2's lm_head weight is transformer.wte's: one parameter, two uses. On every tensor-parallel
+    baseline both uses take it vocabulary-split as stored (no weight all-gather), so the lm_head's
+    logits come out split on the vocabulary."""
+    for name, mesh in (("tp", (4,)), ("sp", (4,)), ("dp_tp", (2, 2)), ("fsdp_tp", (2, 2))):
+        form, base, sigs = _baseline(gpt, cluster4, mesh, name)
+        assert base.applicable, (name, base.reason)
+        tp = len(mesh) - 1
+        storage = _storage(form, sigs, "transformer.wte.weight")
+        assert storage[tp] == S(0), name
+        emb = _op_sig(form, sigs, "transformer.wte", "embedding")
+        head = _op_sig(form, sigs, "lm_head")
+        assert emb.inputs[0][tp] == head.inputs[1][tp] == S(0), name
+        assert head.outputs[0][tp] == S(2), name            # logits (B, T, V) split on the vocabulary
 
 
 def test_tp_not_applicable_without_linear_pairs(cluster4):
