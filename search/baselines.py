@@ -6,7 +6,7 @@ Each baseline gives every mesh axis a role, and a role fixes what an expert fixe
     dp    S(0) (batch)     B                         B (replicated weights)
     zero  S(0) (batch)     S(0) where it divides     B (gathered for use)
     tp    B                as first used             as stored (no weight boxing)
-    sp    S(1) (sequence)  as first used             as stored
+    sp    B                as first used             as stored (stream split on the sequence)
 
 Everything else (each op's signature) is chosen by one greedy pass in execution
 order: the allowed candidate with the least compute plus boxing from the
@@ -182,8 +182,8 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
 
 
 def _megatron_forbids(src: NdSbp, dst: NdSbp, roles: tuple[str, ...], axis: int, node: OpNode) -> bool:
-    """Megatron moves activations only by gathering (S->B), reducing (P->B; P->S for sequence
-    parallelism) or, for sequence parallelism, slicing a replicated one (B->S); never all-to-all.
+    """Megatron moves activations only by gathering (S->B) or reducing (P->B; P->S, a reduce-scatter,
+    for sequence parallelism); never by all-to-all nor by slicing a replicated one (B->S).
     Tensor and sequence parallelism reduce a partial sum right away: no op takes a P activation,
     except, under sequence parallelism, a view (a row-parallel linear on flattened tokens is viewed
     back to (batch, sequence, hidden) before its reduce-scatter onto the sequence)."""
