@@ -13,7 +13,13 @@ Local kernels (few, all listed here):
 - embedding with the weight split on the vocab dim: masked lookup of the local rows -> P;
 - mean over a split dim (mean, mse/l1/cross-entropy "mean" losses): the local mean scaled
   by 1/n (shards have equal sizes, the divisibility filter guarantees it) -> P;
-- squeeze.default: squeezes exactly the globally size-1 dims (a split can make a local dim 1).
+- squeeze.default: squeezes exactly the globally size-1 dims (a split can make a local dim 1);
+- cross_entropy_loss with the logits split on the class dim (Megatron's vocabulary-parallel
+  cross-entropy): local max, all-reduce (max); local sum of exponentials and target logit,
+  all-reduce (sum) -> the whole loss, B. It communicates, so it is an *inner* signature
+  (autoddl/ops/registry.py): offered only with ``inner_collectives=True``, run with the
+  ``all_reduce`` the caller gives ``local_kernel``, its collectives listed by
+  ``inner_collectives``.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 
 from autoddl.flops import flop_source
 from autoddl.graph import NodeKind, OpGraph, OpNode
-from autoddl.ops.registry import RULES, Sig1D, all_b
+from autoddl.ops.registry import RULES, InnerCollective, Sig1D, all_b
 from autoddl.sbp import B, P, NdSbp, Signature, S
 
 # one module per op family; importing registers their rules
@@ -38,7 +44,7 @@ from autoddl.ops import (  # noqa: E402,F401  (imported for their registrations)
 __all__ = [
     "Sig1D", "rule_1d", "candidate_signatures", "has_rule", "unsupported_ops", "placeholder_candidates",
     "aten_op", "local_args", "local_kernel", "local_callable", "localize_devices", "RULES",
-    "CoverageReport", "UncoveredOpWarning", "coverage_report",
+    "CoverageReport", "UncoveredOpWarning", "coverage_report", "InnerCollective", "inner_collectives",
 ]
 
 
@@ -77,9 +83,17 @@ def _raw_rules(node: OpNode) -> list[Sig1D] | None:
     return rule.sigs(node)
 
 
-def rule_1d(node: OpNode) -> list[Sig1D]:
-    """Every valid 1-D signature of ``node``, all-B first, no duplicates (all-B alone without a rule)."""
-    sigs = _raw_rules(node) or []
+def _inner_rules(node: OpNode) -> list[Sig1D]:
+    rule = RULES.get(node.op_name) if node.kind is NodeKind.OP else None
+    if rule is None or rule.inner_sigs is None:
+        return []
+    return rule.inner_sigs(node) or []
+
+
+def rule_1d(node: OpNode, inner_collectives: bool = False) -> list[Sig1D]:
+    """Every valid 1-D signature of ``node``, all-B first, no duplicates (all-B alone without a rule).
+    With ``inner_collectives``, also those whose local kernel communicates (autoddl/ops/registry.py)."""
+    sigs = (_raw_rules(node) or []) + (_inner_rules(node) if inner_collectives else [])
     out: list[Sig1D] = [all_b(node)]
     for ins, outs in sigs:
         ins, outs = tuple(ins), tuple(outs)
@@ -155,12 +169,14 @@ def coverage_report(graph: OpGraph) -> CoverageReport:
     return CoverageReport(graph.model_name, dict(no_rule), dict(no_flops))
 
 
-def candidate_signatures(node: OpNode, mesh_shape: Sequence[int]) -> list[Signature]:
-    """Product of ``rule_1d`` over the mesh axes, keeping signatures whose split dims divide."""
+def candidate_signatures(node: OpNode, mesh_shape: Sequence[int], inner_collectives: bool = False) -> list[Signature]:
+    """Product of ``rule_1d`` over the mesh axes, keeping signatures whose split dims divide.
+    ``inner_collectives``: also signatures whose local kernel communicates (the caller prices the
+    collectives ``inner_collectives()`` lists and gives ``local_kernel`` an ``all_reduce``)."""
     mesh_shape = tuple(mesh_shape)
     if node.kind in (NodeKind.INPUT, NodeKind.PARAMETER, NodeKind.BUFFER):
         return placeholder_candidates(node, mesh_shape)
-    ones = rule_1d(node)
+    ones = rule_1d(node, inner_collectives)
     metas = tuple(node.input_metas) + tuple(node.outputs)
     n_in = len(node.inputs)
     out: list[Signature] = []
@@ -208,21 +224,38 @@ def local_args(node: OpNode, sig: Signature, mesh_shape: Sequence[int]) -> tuple
     return rule.local_args(node, sig, tuple(mesh_shape))
 
 
+def inner_collectives(node: OpNode, sig: Signature, mesh_shape: Sequence[int]) -> list[InnerCollective]:
+    """The collectives ``node``'s local kernel runs itself under ``sig``, in call order (every rank
+    the same); [] for an ordinary signature. The caller prices them and, running the kernel, gives
+    ``local_kernel`` an ``all_reduce`` that carries them out."""
+    rule = RULES.get(node.op_name) if node.kind is NodeKind.OP else None
+    if rule is None or rule.inner is None:
+        return []
+    return rule.inner(node, sig, tuple(mesh_shape))
+
+
 def local_kernel(node: OpNode, sig: Signature, mesh_shape: Sequence[int],
-                 coord: Sequence[int]) -> Callable[..., Any] | None:
+                 coord: Sequence[int], all_reduce: Callable[..., Any] | None = None) -> Callable[..., Any] | None:
     """A replacement for the aten op on device ``coord`` when ``sig`` needs one, else None.
 
-    The callable takes the same arguments as the aten op (local tensors, ``local_args``)."""
+    The callable takes the same arguments as the aten op (local tensors, ``local_args``). A
+    signature with inner collectives needs ``all_reduce(tensor, axis, op) -> tensor`` (op "sum" or
+    "max" over mesh axis ``axis``, a new tensor, every rank of the axis calling it alike)."""
     rule = RULES.get(node.op_name)
     if rule is None or rule.local_kernel is None:
         return None
+    if inner_collectives(node, sig, mesh_shape):
+        if all_reduce is None:
+            raise ValueError(f"op {node.name} ({node.target}) under {sig} communicates inside its kernel "
+                             "(autoddl.ops.inner_collectives); pass local_kernel an all_reduce that runs them")
+        return rule.local_kernel(node, sig, tuple(mesh_shape), tuple(coord), all_reduce=all_reduce)
     return rule.local_kernel(node, sig, tuple(mesh_shape), tuple(coord))
 
 
 def local_callable(node: OpNode, sig: Signature, mesh_shape: Sequence[int],
-                   coord: Sequence[int]) -> Callable[..., Any]:
+                   coord: Sequence[int], all_reduce: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """What device ``coord`` runs for ``node`` under ``sig``: the local kernel or the aten op."""
-    return local_kernel(node, sig, mesh_shape, coord) or aten_op(node)
+    return local_kernel(node, sig, mesh_shape, coord, all_reduce) or aten_op(node)
 
 
 def localize_devices(args: Any, kwargs: dict[str, Any], device: str | torch.device) -> tuple[Any, dict[str, Any]]:

@@ -9,6 +9,15 @@ split); the op then falls back to all-B and is reported as unsupported.
 Rules that need more than "run the aten op on local pieces" register
 ``local_args`` (shape-like arguments rewritten to local shapes) and/or
 ``local_kernel`` (a different local computation, possibly rank dependent).
+
+A few signatures are valid only if the local computation communicates in the
+middle (Megatron's vocabulary-parallel cross-entropy all-reduces the row max,
+then the sum of exponentials and the target logit). A rule lists those apart
+(``inner_sigs``) with ``inner``, the collectives its kernel runs
+(``InnerCollective``: kind, mesh axis, bytes, reduce op, in call order); its
+``local_kernel`` then takes an ``all_reduce(tensor, axis, op) -> tensor``
+keyword through which it runs them. They are offered only to a caller that
+says it prices and runs such collectives (``inner_collectives=True``).
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import OpNode, TensorMeta, TensorRef
 from autoddl.sbp import B, P, Broadcast, NdSbp, Partial, Sbp, Signature, Split, S
 
@@ -29,24 +39,44 @@ LocalKernelFn = Callable[[OpNode, Signature, MeshShape, Coord], Optional[Callabl
 
 
 @dataclass(frozen=True)
+class InnerCollective:
+    """A collective a signature's local kernel runs itself, between its local steps: ``kind`` on
+    mesh axis ``axis`` over ``nbytes`` (M, the whole buffer), reducing with ``reduce_op``."""
+
+    kind: CollectiveKind
+    axis: int
+    nbytes: int
+    reduce_op: str                      # "sum" | "max"
+    what: str = ""                      # what it reduces, for explain and the audit's labels
+
+
+InnerFn = Callable[[OpNode, Signature, MeshShape], list[InnerCollective]]
+
+
+@dataclass(frozen=True)
 class OpRule:
     sigs: SigsFn
     local_args: Optional[LocalArgsFn] = None
     local_kernel: Optional[LocalKernelFn] = None
+    inner_sigs: Optional[SigsFn] = None         # 1-D signatures whose kernel communicates (module docstring)
+    inner: Optional[InnerFn] = None             # the collectives such a signature's kernel runs
 
 
 RULES: dict[str, OpRule] = {}
 
 
 def register(*op_names: str, local_args: LocalArgsFn | None = None,
-             local_kernel: LocalKernelFn | None = None):
+             local_kernel: LocalKernelFn | None = None, inner_sigs: SigsFn | None = None,
+             inner: InnerFn | None = None):
     """Decorator: ``fn(node) -> list[Sig1D] | None`` is the 1-D rule of every op in ``op_names``."""
+    if (inner_sigs is None) != (inner is None):
+        raise ValueError(f"autoddl.ops: rule for {op_names}: inner_sigs and inner go together")
 
     def deco(fn: SigsFn) -> SigsFn:
         for name in op_names:
             if name in RULES:
                 raise ValueError(f"autoddl.ops: a rule for {name!r} is registered twice")
-            RULES[name] = OpRule(fn, local_args, local_kernel)
+            RULES[name] = OpRule(fn, local_args, local_kernel, inner_sigs, inner)
         return fn
 
     return deco
@@ -166,7 +196,7 @@ def replace_arg(node: OpNode, name: str, value: Any) -> tuple[tuple, dict]:
 
 
 __all__ = [
-    "Sig1D", "OpRule", "RULES", "register", "norm_dim", "all_b", "is_float", "bcast_sbp",
+    "Sig1D", "OpRule", "InnerCollective", "RULES", "register", "norm_dim", "all_b", "is_float", "bcast_sbp",
     "bound_args", "tensor_slot", "split_factor", "piece_offset", "local_out_shape", "replace_arg",
     "B", "P", "S", "Split", "Broadcast", "Partial",
 ]
