@@ -5,7 +5,8 @@ downloaded) is traced on the meta device, planned on two clusters
 (configs/local-cpu.yaml and configs/dgx-a100-8.yaml, every mesh the planner tries),
 and its ``dp`` and ``found`` plans for 2 ranks are run on 2 gloo ranks on this
 machine with the check of ``autoddl run --check``: loss and every parameter's
-gradient against one process (``check_step``).
+gradient against one process (``check_step``). The tensor and sequence parallel
+baselines' mesh and step time (or why they do not apply) are recorded per cluster.
 
     python benchmarks/hf_conformance.py                       # every architecture (about 4 min on 2 cores)
     python benchmarks/hf_conformance.py --only llama,bert --no-check
@@ -47,7 +48,8 @@ LOSS_RTOL = 1e-4
 GRAD_RTOL, GRAD_ATOL_OF_MAX = 1e-3, 1e-6
 COLUMNS = ["model", "ops", "params", "unsupported_ops", "no_flop_formula_ops", "gflops", "trace_s",
            "local_cpu_plan", "local_cpu_speedup_vs_dp", "dgx_a100_8_plan", "dgx_a100_8_speedup_vs_dp",
-           "check_dp", "check_found"]
+           "local_cpu_tp", "local_cpu_sp", "dgx_a100_8_tp", "dgx_a100_8_sp", "check_dp", "check_found"]
+MODEL_PARALLEL = ("tp", "sp")     # baselines whose applicability the table records
 
 
 def load_case(name: str, device: str = "cpu"):
@@ -120,15 +122,20 @@ def two_rank_plans(graph, schemes=("dp", "found"), cd_time_limit_s: float = 0.2)
     return [(s.name, s.plan) for s in outcome.schemes if s.name in schemes and s.plan is not None]
 
 
-def plan_row(graph, cluster_name: str) -> tuple[str, float]:
-    """(found plan's mesh and step time, speed-up over dp) with every mesh the planner tries."""
+def plan_row(graph, cluster_name: str) -> tuple[str, float, dict[str, str]]:
+    """(found plan's mesh and step time, speed-up over dp, {tp/sp: its mesh and step time, or
+    "n/a: <why>"}) with every mesh the planner tries."""
     from autoddl.cluster import Cluster
     from search.planner import search
 
     outcome = search(graph, Cluster.from_yaml(ROOT / "configs" / f"{cluster_name}.yaml"))
     dp = next(s for s in outcome.schemes if s.name == "dp")
     found = outcome.found_breakdown.step_time_s
-    return f"{outcome.found.mesh} {found * 1e3:.3f} ms", dp.step_time_s / found
+    baselines = {}
+    for name in MODEL_PARALLEL:
+        s = next(s for s in outcome.schemes if s.name == name)
+        baselines[name] = f"{s.plan.mesh} {s.step_time_s * 1e3:.3f} ms" if s.plan is not None else f"n/a: {s.reason}"
+    return f"{outcome.found.mesh} {found * 1e3:.3f} ms", dp.step_time_s / found, baselines
 
 
 def table(names, check: bool) -> list[dict]:
@@ -147,8 +154,9 @@ def table(names, check: bool) -> list[dict]:
                "gflops": round(sum(n.flops for n in graph.ops()) / 1e9, 4)}
         for cluster in ("local-cpu", "dgx-a100-8"):
             key = cluster.replace("-", "_")
-            row[f"{key}_plan"], speedup = plan_row(graph, cluster)
+            row[f"{key}_plan"], speedup, baselines = plan_row(graph, cluster)
             row[f"{key}_speedup_vs_dp"] = round(speedup, 3)
+            row.update({f"{key}_{name}": cell for name, cell in baselines.items()})
         rows.append(row)
         if check:
             runs.append((name, mf, graph, two_rank_plans(graph)))

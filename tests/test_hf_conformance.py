@@ -10,7 +10,8 @@ the Whisper encoder, Mixtral with HF's grouped_mm experts and with batched_mm) i
   Mixtral's experts against the grouped-matmul formula, and every op without an SBP
   rule or FLOP formula named by a warning;
 - planned on two clusters (local-cpu for 2 devices, dgx-a100-8 on 8 as one axis; the
-  benchmark searches every mesh): a plan exists and is predicted no slower than dp;
+  benchmark searches every mesh): a plan exists and is predicted no slower than dp; the
+  decoders' sp baseline is Megatron sequence parallelism (Phi-3's fused projections refuse it);
 - run with the check of ``autoddl run --check`` on 2 gloo ranks (one launch, fork):
   loss and every gradient of the dp and found plans against one process.
 """
@@ -110,6 +111,46 @@ def test_plan_found_and_no_worse_than_dp(name, cluster, devices, mesh):
     assert outcome.found.mesh.shape == mesh and dp.plan is not None
     assert set(outcome.found.signatures) >= {n.name for n in graph.ops() if n.target != "getitem"}
     assert outcome.found_breakdown.step_time_s <= dp.step_time_s * (1 + 1e-9)
+
+
+# Decoders whose sp baseline is Megatron's sequence parallelism; Phi-3's fused projections refuse it.
+SEQUENCE_PARALLEL = ("llama", "mistral", "qwen2", "gemma", "gpt_neox", "gpt2")
+
+
+@pytest.mark.parametrize("name", SEQUENCE_PARALLEL)
+def test_sequence_parallel_applies_to_hf_decoders(name):
+    """Issue 10, item 4: sp applies to ordinary HF decoders on 2 devices and moves activations as
+    Megatron's sequence parallelism does: in forward only all-gathers (of the sequence-split
+    stream, before column-parallel linears) and reduce-scatters (of partial sums onto the
+    sequence, after row-parallel linears and the vocab-parallel embedding), each of a whole
+    (batch 8, seq 16, hidden 64) float32 stream = 32768 bytes, at least one per layer each.
+    (HF GPT-2 lays out its fused c_attn as [q | k | v], so its attention stays replicated and only
+    its MLPs are column -> row pairs.)"""
+    from search.planner import search
+    from costmodel.breakdown import predicted_collectives
+
+    _, graph, _ = traced(name)
+    cluster = _cluster("dgx-a100-8", 2)                  # NCCL: a reduce-scatter runs as one
+    sp = next(s for s in search(graph, cluster, mesh=(2,), cd_time_limit_s=0.1).schemes if s.name == "sp")
+    assert sp.plan is not None, sp.reason
+    forward = [c for c in predicted_collectives(graph, sp.plan, cluster) if c.phase == "forward"]
+    assert {c.kind.value for c in forward} == {"all_gather", "reduce_scatter"}
+    stream = 8 * 16 * 64 * 4
+    for kind in ("all_gather", "reduce_scatter"):
+        assert sum(c.kind.value == kind and c.bytes == stream for c in forward) >= 2, kind   # 2 layers
+
+
+def test_phi3_fused_projections_refuse_tensor_and_sequence_parallel():
+    """Phi-3 fuses q, k, v into one qkv_proj laid out [all q | all k | all v] (and gate, up into
+    [all gate | all up]): splitting its output features gives one device the queries and the other
+    the keys and values, and no signature slices a split dim, so nothing column-parallel feeds a
+    row-parallel linear. Megatron would need the fused weights re-laid out per head first."""
+    from search.planner import search
+
+    _, graph, _ = traced("phi3")
+    schemes = {s.name: s for s in search(graph, _cluster("local-cpu", 2), mesh=(2,), cd_time_limit_s=0.1).schemes}
+    for name in ("tp", "sp"):
+        assert schemes[name].plan is None and schemes[name].reason.startswith("no column -> row parallel linear pair")
 
 
 def test_public_api_plans_an_unwrapped_hf_model_with_keyword_inputs_and_targets():
