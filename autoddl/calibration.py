@@ -231,44 +231,38 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
 
 # -- op families and recompute: what the executor's ops really cost ---------------------------------
 MIN_WORK = 0.1     # a family's work scale is at least this (its sizes may be too small to show the work)
-RESIDUAL_FLOOR_US = 1.0   # relative errors of the family fits are taken against at least this many microseconds
 
 
 @dataclass(frozen=True)
 class FamilyFit:
-    """One family in one dtype: ``t = fixed + work * roofline`` forward and backward (microseconds)."""
+    """One family in one dtype: fixed microseconds per op, forward and backward, and the work scales
+    (``(roofline_us, forward, backward)`` points, :class:`autoddl.cluster.OpCost`)."""
 
     family: str
     dtype: str
-    forward: tuple[float, float]          # (fixed us, work scale)
-    backward: tuple[float, float]
-    sizes: tuple[str, ...]
-    max_rel_residual: float
+    forward_us: float
+    backward_us: float
+    work: tuple[tuple[float, float, float], ...]
+    sizes: tuple[str, ...]                    # smallest first
+    times_us: tuple[tuple[float, float], ...]  # measured (forward, backward) per size
 
 
-def _fit_line(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float, float]:
-    """(a, s, max relative residual) of ``t = a + s x`` (microseconds) by non-negative least squares in
-    relative error (against at least RESIDUAL_FLOOR_US); x all 0 (a view: no roofline): the median of t,
-    s = 1; s at least MIN_WORK."""
-    if all(x <= 0 for x in xs) or len(ts) < 2:
-        a = statistics.median(ts)
-        return a, 1.0, max(abs(a - t) / max(t, RESIDUAL_FLOOR_US) for t in ts)
-    import numpy as np
-    from scipy.optimize import nnls
-
-    t = np.array(ts)
-    w = 1.0 / np.maximum(t, RESIDUAL_FLOOR_US)
-    (a, sc), _ = nnls(np.array([[1.0, x] for x in xs]) * w[:, None], t * w)
-    sc = max(MIN_WORK, sc)
-    pred = a + sc * np.array(xs)
-    return float(a), float(sc), float(np.max(np.abs(pred - t) * w))
+def _fixed_and_scales(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, list[float]]:
+    """(fixed cost a, work scale per size from the second on) of times ``ts`` at roofline times ``xs``
+    (microseconds, smallest first): ``a`` from the line through the two smallest sizes (the smallest
+    is nearly all fixed cost), then each larger size's ``(t - a) / x``; scales at least MIN_WORK."""
+    if len(xs) < 2 or xs[1] <= xs[0]:
+        return max(0.0, statistics.median(ts)), [1.0] * (len(xs) - 1)
+    first = max(MIN_WORK, (ts[1] - ts[0]) / (xs[1] - xs[0]))
+    a = max(0.0, ts[0] - first * xs[0])
+    return a, [max(MIN_WORK, (t - a) / x) for x, t in zip(xs[1:], ts[1:])]
 
 
 def fit_op_families(meas: Measurements, cluster: Cluster) -> list[FamilyFit]:
-    """Per (dtype, family): its forward and backward times over the sizes against the cost model's
-    roofline of the traced op on ``cluster`` (the calibrated device), ``t = fixed + work * roofline``
-    (:func:`_fit_line`). Times in microseconds of the op alone (the executor's own cost is added by
-    :func:`with_op_families`)."""
+    """Per (dtype, family), from its forward and backward times over the sizes against the cost model's
+    roofline of the traced op on ``cluster`` (the calibrated device): a fixed cost and the work scale
+    at each size but the smallest (:func:`_fixed_and_scales`); a view (no roofline): the median time,
+    no scales. Microseconds of the op alone (:func:`with_op_families` adds the executor's own)."""
     from autoddl.op_families import ZERO_COST
     from costmodel.compute import backward_factor, roofline_time_s
 
@@ -277,16 +271,20 @@ def fit_op_families(meas: Measurements, cluster: Cluster) -> list[FamilyFit]:
         groups.setdefault((ft.dtype, ft.family), []).append(ft)
     out = []
     for (dtype, family), fts in groups.items():
-        if family in ZERO_COST:
-            xf = xb = [0.0] * len(fts)
-        else:
-            k = backward_factor(family)
-            xf = [roofline_time_s(f.flops, f.nbytes, cluster, dtype=dtype) * 1e6 for f in fts]
-            xb = [roofline_time_s(k * f.flops, k * f.nbytes, cluster, op_flops=f.flops, dtype=dtype) * 1e6
-                  for f in fts]
-        af, sf, rf = _fit_line(xf, [f.forward_s * 1e6 for f in fts])
-        ab, sb, rb = _fit_line(xb, [f.backward_s * 1e6 for f in fts])
-        out.append(FamilyFit(family, dtype, (af, sf), (ab, sb), tuple(f.size for f in fts), max(rf, rb)))
+        k = backward_factor(family)
+        xf = [roofline_time_s(f.flops, f.nbytes, cluster, dtype=dtype) * 1e6 for f in fts]
+        order = sorted(range(len(fts)), key=lambda i: xf[i])
+        fts, xf = [fts[i] for i in order], [xf[i] for i in order]
+        xb = [roofline_time_s(k * f.flops, k * f.nbytes, cluster, op_flops=f.flops, dtype=dtype) * 1e6 for f in fts]
+        tf, tb = [f.forward_s * 1e6 for f in fts], [f.backward_s * 1e6 for f in fts]
+        times = tuple(zip(tf, tb))
+        sizes = tuple(f.size for f in fts)
+        if family in ZERO_COST or k == 0:
+            out.append(FamilyFit(family, dtype, statistics.median(tf), statistics.median(tb), (), sizes, times))
+            continue
+        af, wf = _fixed_and_scales(xf, tf)
+        ab, wb = _fixed_and_scales(xb, tb)
+        out.append(FamilyFit(family, dtype, af, ab, tuple(zip(xf[1:], wf, wb)), sizes, times))
     return out
 
 
@@ -308,21 +306,26 @@ def with_op_families(cluster: Cluster, comments: dict[str, str], meas: Measureme
         glue_b = max(0.0, ex.op_backward_us - ref_b * 1e6)
         fits = fit_op_families(meas, cluster)
         for f in fits:
-            op_us.setdefault(f.dtype, {})[f.family] = (_sig(f.forward[0] + glue_f, 3), _sig(f.backward[0] + glue_b, 3))
-            op_work.setdefault(f.dtype, {})[f.family] = (_sig(f.forward[1], 3), _sig(f.backward[1], 3))
+            op_us.setdefault(f.dtype, {})[f.family] = (_sig(f.forward_us + glue_f, 3), _sig(f.backward_us + glue_b, 3))
+            if f.work:
+                op_work.setdefault(f.dtype, {})[f.family] = tuple((_sig(x, 4), _sig(a, 3), _sig(b, 3))
+                                                                 for x, a, b in f.work)
             out[f"executor.op_us.{f.dtype}.{f.family}"] = (
-                f"sizes {', '.join(f.sizes)}: max rel residual {f.max_rel_residual:.0%}")
+                f"sizes {', '.join(f.sizes)}: " + ", ".join(f"{a:.0f}/{b:.0f}" for a, b in f.times_us)
+                + " us forward/backward")
         sizes = sorted({ft.size for ft in meas.families}, key=list(PROBE_SIZES).index)
         dtypes = list(dict.fromkeys(ft.dtype for ft in meas.families))
         out["executor.op_us"] = (
             f"measured: per op family and compute dtype ({', '.join(dtypes)}), [forward_us, backward_us] fixed "
             f"per op: each family's op (executor.calibrate Probe) on synthetic inputs at sizes "
             f"{', '.join(sizes)}, forward with autograd recording, backward of its autograd node, median of "
-            f"{meas.settings.family_reps} batches, fitted t = fixed + work x roofline; plus the executor's own "
+            f"{meas.settings.family_reps} batches; fixed: the line through the two smallest sizes at roofline 0 "
+            f"(op_work: (t - fixed) / roofline at each larger size); plus the executor's own "
             f"per-op cost beyond the op ({glue_f:.1f} us forward, {glue_b:.1f} us backward: the chains' per-op "
             f"cost less their ops' own, {ref_f * 1e6:.1f} / {ref_b * 1e6:.1f} us)")
-        out["executor.op_work"] = ("measured: per op family and dtype, [forward, backward] multiple of the roofline "
-                                   "time its kernels take (the fit's slope, at least "
+        out["executor.op_work"] = ("measured: per op family and dtype, [roofline_us, forward_work, backward_work] at "
+                                   "each size but the smallest: the op's forward roofline time and the multiples of "
+                                   f"the roofline its forward and backward take beyond the fixed cost (at least "
                                    f"{MIN_WORK:g})")
     recompute = {}
     if meas.recompute:

@@ -25,7 +25,7 @@ parameter use and per collective beyond its latency (all microseconds; 0 when
 left out, e.g. for clusters whose plans run under a compiled runtime); per op family
 and compute dtype (``op_us: {dtype: {family: [forward_us, backward_us]}}``, the whole
 fixed cost of one op of that family, and ``op_work``, the multiple of the roofline
-time its kernels take), measured on synthetic inputs; and per recompute policy what
+time its kernels take, by op size), measured on synthetic inputs; and per recompute policy what
 activation checkpointing adds per op and per block (``recompute``).
 ``cores_per_node`` (CPU clusters) is how many ranks a node runs at full speed at
 once (its cores / threads per rank): a mesh with more ranks than that on a node
@@ -249,17 +249,33 @@ RECOMPUTE_POLICIES = ("selective", "full")
 class OpCost:
     """One op family's measured cost through the executor, in one compute dtype.
 
-    An op of the family takes ``forward_us + forward_work * roofline`` forward and
-    ``backward_us + backward_work * backward roofline`` backward: the fixed part is the whole
-    per-op cost (dispatch, autograd node, the executor's call) in place of ``op_overhead_us`` and
-    the scalar per-op / per-input fields; the work scale is how many times the roofline time the
-    family's kernels really take (softmax-like ops below it when their data sits in cache, an
-    attention kernel above it when it runs a slow path)."""
+    An op of the family whose forward roofline time is ``x`` (microseconds, on its local share)
+    takes ``forward_us + forward_work(x) * x`` forward and ``backward_us + backward_work(x) *
+    backward roofline`` backward: the fixed part is the whole per-op cost (dispatch, autograd node,
+    the executor's call) in place of ``op_overhead_us`` and the scalar per-op / per-input fields;
+    the work scales, read off ``work`` (``(roofline_us, forward_work, backward_work)`` points
+    measured at a few sizes, piecewise-linear in log(roofline_us), flat beyond the ends, 1 when
+    empty), say how many times the roofline the family's kernels really take at that size (below 1
+    for ops whose data sits in cache, well above it for a kernel on a slow path, e.g. attention's
+    bfloat16 backward on a CPU)."""
 
     forward_us: float = 0.0
     backward_us: float = 0.0
-    forward_work: float = 1.0
-    backward_work: float = 1.0
+    work: tuple[tuple[float, float, float], ...] = ()
+
+    def work_at(self, roofline_us: float) -> tuple[float, float]:
+        """(forward, backward) work scales of an op whose forward roofline time is ``roofline_us``."""
+        pts = self.work
+        if not pts:
+            return 1.0, 1.0
+        if roofline_us <= pts[0][0]:
+            return pts[0][1], pts[0][2]
+        if roofline_us >= pts[-1][0]:
+            return pts[-1][1], pts[-1][2]
+        i = next(i for i in range(1, len(pts)) if roofline_us <= pts[i][0])
+        (x0, f0, b0), (x1, f1, b1) = pts[i - 1], pts[i]
+        w = (math.log(roofline_us) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        return f0 + w * (f1 - f0), b0 + w * (b1 - b0)
 
 
 @dataclass(frozen=True)
@@ -287,8 +303,9 @@ class ExecutorOverheads:
     makes every parameter use a leaf whose gradient it syncs to the storage layout, and
     issues each collective as a functional collective it waits for. ``autoddl calibrate``
     measures these by timing the executor on chains of tiny ops (the scalar fields) and
-    each op family on synthetic inputs of a few sizes, per compute dtype (``op_us`` and
-    ``op_work``: ``{dtype: {family: (forward, backward)}}``, see :class:`OpCost`); the scalar
+    each op family on synthetic inputs of a few sizes, per compute dtype (``op_us``:
+    ``{dtype: {family: (forward_us, backward_us)}}``; ``op_work``: ``{dtype: {family:
+    ((roofline_us, forward_work, backward_work), ...)}}``; see :class:`OpCost`); the scalar
     per-op fields price the ops of families without a measurement. ``recompute`` holds, per
     recompute policy, what checkpointing adds per op and per block (:class:`RecomputeCost`).
     """
@@ -301,15 +318,14 @@ class ExecutorOverheads:
     collective_us: float = 0.0      # per collective, beyond its latency (the call and its wait)
     step_us: float = 0.0            # per training step: input placement, loss read-out, zero_grad
     op_us: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)    # dtype -> family
-    op_work: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)  # dtype -> family
+    op_work: Mapping[str, Mapping[str, tuple[tuple[float, float, float], ...]]] = field(default_factory=dict)
     recompute: Mapping[str, RecomputeCost] = field(default_factory=dict)   # policy -> what checkpointing adds
 
     def __post_init__(self) -> None:
-        def pairs(m: Any) -> dict:
-            return {str(dt): {str(f): tuple(float(x) for x in v) for f, v in (fams or {}).items()}
-                    for dt, fams in (m or {}).items()}
-        object.__setattr__(self, "op_us", pairs(self.op_us))
-        object.__setattr__(self, "op_work", pairs(self.op_work))
+        def table(m: Any, row: Any) -> dict:
+            return {str(dt): {str(f): row(v) for f, v in (fams or {}).items()} for dt, fams in (m or {}).items()}
+        object.__setattr__(self, "op_us", table(self.op_us, lambda v: tuple(float(x) for x in v)))
+        object.__setattr__(self, "op_work", table(self.op_work, lambda v: tuple(tuple(float(x) for x in p) for p in v)))
         object.__setattr__(self, "recompute", {str(p): v if isinstance(v, RecomputeCost) else RecomputeCost(**v)
                                                for p, v in (self.recompute or {}).items()})
 
@@ -343,8 +359,7 @@ class ExecutorOverheads:
             return None
         dt = dtype if family in self.op_us.get(dtype, {}) else "float32"
         fixed = self.op_us[dt][family]
-        work = self.op_work.get(dt, {}).get(family, (1.0, 1.0))
-        return OpCost(fixed[0], fixed[1], work[0], work[1])
+        return OpCost(fixed[0], fixed[1], self.op_work.get(dt, {}).get(family, ()))
 
     def recompute_cost(self, policy: str) -> RecomputeCost:
         """What checkpointing under ``policy`` adds (zeros when not measured, or policy none)."""
@@ -353,10 +368,10 @@ class ExecutorOverheads:
     def to_dict(self) -> dict[str, Any]:
         """The YAML section: the scalar fields, then the measured tables (left out when empty)."""
         out: dict[str, Any] = dict(self.scalars())
-        for name in ("op_us", "op_work"):
-            table = getattr(self, name)
-            if table:
-                out[name] = {dt: {f: list(v) for f, v in fams.items()} for dt, fams in table.items()}
+        if self.op_us:
+            out["op_us"] = {dt: {f: list(v) for f, v in fams.items()} for dt, fams in self.op_us.items()}
+        if self.op_work:
+            out["op_work"] = {dt: {f: [list(p) for p in v] for f, v in fams.items()} for dt, fams in self.op_work.items()}
         if self.recompute:
             out["recompute"] = {p: dataclasses.asdict(v) for p, v in self.recompute.items()}
         return out
@@ -658,9 +673,29 @@ def _number_list(src: str, dotted: str, value: Any, names: tuple[str, ...], what
 _OP_TABLES = {   # executor table -> (numbers per family, what they are (all, one), check)
     "op_us": (("forward_us", "backward_us"), ("non-negative numbers of microseconds per op of the family",
                                               "a non-negative number of microseconds per op"), "nonneg"),
-    "op_work": (("forward_work", "backward_work"), ("positive multiples of the roofline time",
-                                                    "a positive multiple of the roofline time"), "pos"),
+    "op_work": (("roofline_us", "forward_work", "backward_work"), ("", ""), "pos"),
 }
+
+
+def _work_curve(src: str, dotted: str, value: Any, errors: list[str]) -> tuple | None:
+    """``[[roofline_us, forward_work, backward_work], ...]``: positive numbers, roofline_us strictly
+    increasing (None on error)."""
+    expected = ("a list of [roofline_us, forward_work, backward_work] points: the op's forward roofline time in "
+                "microseconds (strictly increasing) and the multiples of the roofline its forward and backward take")
+    if not isinstance(value, (list, tuple)) or not value:
+        errors.append(f"{src}: {dotted}: expected {expected}, got {value!r}")
+        return None
+    n_before = len(errors)
+    points: list[tuple[float, ...]] = []
+    for i, p in enumerate(value):
+        parsed = _number_list(src, f"{dotted}[{i}]", p, ("roofline_us", "forward_work", "backward_work"),
+                              ("positive numbers", "a positive number"), "pos", errors)
+        if parsed is not None:
+            if points and parsed[0] <= points[-1][0]:
+                errors.append(f"{src}: {dotted}[{i}][0]: roofline_us must increase strictly along the curve, got "
+                              f"{parsed[0]!r} after {points[-1][0]!r}")
+            points.append(parsed)
+    return tuple(points) if len(errors) == n_before else None
 _RECOMPUTE_FIELDS = {k: (f"a non-negative number of microseconds {what}", "nonneg") for k, what in (
     ("op_forward_us", "per op of the block but matmul-like ones, forward"),
     ("op_backward_us", "per op of the block but matmul-like ones, backward (beyond running its forward again)"),
@@ -671,10 +706,12 @@ _RECOMPUTE_FIELDS = {k: (f"a non-negative number of microseconds {what}", "nonne
 
 
 def _op_table(src: str, name: str, value: Any, errors: list[str]) -> dict | None:
-    """``executor.op_us`` / ``op_work``: ``{dtype: {family: [forward, backward]}}`` (None on error)."""
+    """``executor.op_us`` (``{dtype: {family: [forward_us, backward_us]}}``) or ``op_work`` (``{dtype:
+    {family: [[roofline_us, forward_work, backward_work], ...]}}``); None on error."""
     names, what, kind = _OP_TABLES[name]
+    shape = f"[{', '.join(names)}]" if name == "op_us" else f"[[{', '.join(names)}], ...]"
     expected = (f"a mapping from compute dtype ({', '.join(PEAK_DTYPES)}) to {{op family (an aten op name, e.g. "
-                f"linear): [{', '.join(names)}]}}")
+                f"linear): {shape}}}")
     if not isinstance(value, dict):
         errors.append(f"{src}: executor.{name}: expected {expected}, got {value!r}")
         return None
@@ -691,15 +728,15 @@ def _op_table(src: str, name: str, value: Any, errors: list[str]) -> dict | None
             errors.append(f"{src}: executor.{name}.{key}: {dtype} given twice; keep one")
             continue
         if not isinstance(fams, dict):
-            errors.append(f"{src}: executor.{name}.{key}: expected a mapping from op family to "
-                          f"[{', '.join(names)}], got {fams!r}")
+            errors.append(f"{src}: executor.{name}.{key}: expected a mapping from op family to {shape}, got {fams!r}")
             continue
         out[dtype] = {}
         for fam, numbers in fams.items():
             if not isinstance(fam, str) or not fam.strip():
                 errors.append(f"{src}: executor.{name}.{key}: op family names must be non-empty strings, got {fam!r}")
                 continue
-            parsed = _number_list(src, f"executor.{name}.{key}.{fam}", numbers, names, what, kind, errors)
+            parsed = (_work_curve(src, f"executor.{name}.{key}.{fam}", numbers, errors) if name == "op_work"
+                      else _number_list(src, f"executor.{name}.{key}.{fam}", numbers, names, what, kind, errors))
             if parsed is not None:
                 out[dtype][fam] = parsed
     return out if len(errors) == n_before else None

@@ -27,7 +27,8 @@ float32: the op itself, its in-place op's, or its family's representative, e.g. 
 ``linear``; ``ExecutorOverheads.op_cost``) takes ``forward_us + forward_work * roofline``
 forward and ``backward_us + backward_work * backward roofline + param_us * parameters read``
 backward: the family's measured fixed cost replaces ``op_overhead_us`` and the scalar per-op and
-per-input fields, and its work scale says how many times the roofline its kernels really take
+per-input fields, and its work scales (``OpCost.work_at`` the op's forward roofline time: the
+family's measured curve) say how many times the roofline its kernels really take at that size
 (views: the fixed cost alone). Any other op pays the roofline, ``op_overhead_us`` and
 ``op_forward_us + input_forward_us * inputs`` forward and, when it has a backward,
 ``op_backward_us + input_backward_us * inputs + param_us * parameters read`` backward (a
@@ -177,7 +178,7 @@ def op_forward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], c
                            dtype=compute_dtype(node))
     fam = executor_cost(node, cluster)
     if fam is not None:
-        return (fam.forward_work * work + fam.forward_us * 1e-6) * share
+        return (fam.work_at(work * 1e6)[0] * work + fam.forward_us * 1e-6) * share
     return (work + cluster.op_overhead_us * 1e-6 + executor_forward_s(node, cluster)) * share
 
 
@@ -189,11 +190,12 @@ def op_backward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], 
     if factor == 0:
         return executor_backward_s(node, cluster) * share
     d = work_divisor(sig, mesh_shape)
-    work = roofline_time_s(factor * node.flops / d, factor * (node.bytes_read + node.bytes_written) / d,
-                           cluster, op_flops=node.flops / d, dtype=compute_dtype(node))
+    flops, nbytes, dtype = node.flops / d, (node.bytes_read + node.bytes_written) / d, compute_dtype(node)
+    work = roofline_time_s(factor * flops, factor * nbytes, cluster, op_flops=flops, dtype=dtype)
     fam = executor_cost(node, cluster)
-    if fam is not None:
-        return (fam.backward_work * work + executor_backward_s(node, cluster)) * share
+    if fam is not None:       # the work scale at the op's size: its forward roofline
+        size_us = roofline_time_s(flops, nbytes, cluster, dtype=dtype) * 1e6
+        return (fam.work_at(size_us)[1] * work + executor_backward_s(node, cluster)) * share
     return (work + cluster.op_overhead_us * 1e-6 + executor_backward_s(node, cluster)) * share
 
 

@@ -480,7 +480,7 @@ def test_executor_op_families_and_recompute_round_trip_and_look_up(tmp_path):
     c = Cluster.from_dict(edited(executor={
         "op_forward_us": 6, "op_us": {"float32": {"linear": [12, 30.5], "view": [9, 8], "add": [8, 7]},
                                       "bf16": {"scaled_dot_product_attention": [18, 300]}},
-        "op_work": {"float32": {"linear": [0.8, 1.5]}},
+        "op_work": {"float32": {"linear": [[2, 0.8, 1.5], [200, 0.4, 0.5]]}},
         "recompute": {"selective": {"op_forward_us": 10, "op_backward_us": 36, "block_forward_us": 220}}}))
     ex = c.executor
     assert ex.op_us == {"float32": {"linear": (12.0, 30.5), "view": (9.0, 8.0), "add": (8.0, 7.0)},
@@ -488,10 +488,14 @@ def test_executor_op_families_and_recompute_round_trip_and_look_up(tmp_path):
     assert ex.recompute == {"selective": RecomputeCost(op_forward_us=10, op_backward_us=36, block_forward_us=220)}
     assert ex.recompute_cost("full") == RecomputeCost() and ex.recompute_cost("none") == RecomputeCost()
     # an op's own family, its in-place op's, its family's representative; another dtype falls back to float32's
-    assert ex.op_cost("linear") == OpCost(12, 30.5, 0.8, 1.5)
-    assert ex.op_cost("addmm") == ex.op_cost("mm") == ex.op_cost("linear", "bfloat16") == OpCost(12, 30.5, 0.8, 1.5)
-    assert ex.op_cost("add_") == OpCost(8, 7, 1, 1) and ex.op_cost("transpose") == OpCost(9, 8, 1, 1)
-    assert ex.op_cost("_scaled_dot_product_flash_attention_for_cpu", "bfloat16") == OpCost(18, 300, 1, 1)
+    linear = OpCost(12, 30.5, ((2.0, 0.8, 1.5), (200.0, 0.4, 0.5)))
+    assert ex.op_cost("linear") == linear
+    assert ex.op_cost("addmm") == ex.op_cost("mm") == ex.op_cost("linear", "bfloat16") == linear
+    assert ex.op_cost("add_") == OpCost(8, 7) and ex.op_cost("transpose") == OpCost(9, 8)
+    assert ex.op_cost("_scaled_dot_product_flash_attention_for_cpu", "bfloat16") == OpCost(18, 300)
+    # work scales: flat beyond the curve's ends, piecewise-linear in log(roofline_us) between; 1 without a curve
+    assert linear.work_at(1.0) == (0.8, 1.5) and linear.work_at(1e4) == (0.4, 0.5)
+    assert linear.work_at(20.0) == pytest.approx((0.6, 1.0)) and OpCost(8, 7).work_at(5.0) == (1.0, 1.0)
     assert ex.op_cost("scaled_dot_product_attention") is None and ex.op_cost("gelu") is None
     assert ex.family_of("unsqueeze") == "view" and ex.family_of("getitem") is None
     assert "op families measured: 3 float32, 1 bfloat16 | recompute costs: selective" in c.summary()
@@ -499,6 +503,7 @@ def test_executor_op_families_and_recompute_round_trip_and_look_up(tmp_path):
     c.to_yaml(tmp_path / "c.yaml", comments=comments)
     text = (tmp_path / "c.yaml").read_text()
     assert "      linear: [12, 30.5]  # sizes tiny, small\n" in text and "    selective:  # measured\n" in text
+    assert "      linear:\n        - [2, 0.8, 1.5]\n        - [200, 0.4, 0.5]\n" in text
     assert "      op_forward_us: 10\n" in text
     back = Cluster.from_yaml(tmp_path / "c.yaml")
     assert back == c and hash(back.executor) == hash(c.executor)
@@ -511,7 +516,7 @@ def test_executor_op_families_and_recompute_errors(tmp_path):
     path, errors, _ = errors_of(tmp_path, edited(executor={
         "op_us": {"bf61": {"linear": [1, 2]}, "float32": {"linear": [1, -2], "gelu": [3], "": [1, 1]},
                   "float16": [1, 2]},
-        "op_work": {"float32": {"linear": [0, 1]}},
+        "op_work": {"float32": {"linear": [[0, 1, 1]], "gelu": [[5, 1, 1], [5, 2, 2]], "tanh": 3}},
         "recompute": {"selectiv": {}, "full": {"op_forward_us": "3 ms", "block_us": 1}}}))
     assert errors == [                                    # (the YAML file lists keys sorted)
         f"{path}: executor.op_us.bf61: unknown dtype; did you mean 'bfloat16'? known dtypes: float32, bfloat16, "
@@ -522,8 +527,12 @@ def test_executor_op_families_and_recompute_errors(tmp_path):
         "microseconds per op of the family, got [3]",
         f"{path}: executor.op_us.float32.linear[1]: expected backward_us, a non-negative number of microseconds "
         "per op, got -2",
-        f"{path}: executor.op_work.float32.linear[0]: expected forward_work, a positive multiple of the roofline "
-        "time, got 0",
+        f"{path}: executor.op_work.float32.gelu[1][0]: roofline_us must increase strictly along the curve, got 5.0 "
+        "after 5.0",
+        f"{path}: executor.op_work.float32.linear[0][0]: expected roofline_us, a positive number, got 0",
+        f"{path}: executor.op_work.float32.tanh: expected a list of [roofline_us, forward_work, backward_work] "
+        "points: the op's forward roofline time in microseconds (strictly increasing) and the multiples of the "
+        "roofline its forward and backward take, got 3",
         f"{path}: executor.recompute.full.block_us: unknown key; did you mean 'block_forward_us'? known keys: "
         "op_forward_us, op_backward_us, matmul_forward_us, matmul_backward_us, block_forward_us, block_backward_us",
         f"{path}: executor.recompute.full.op_forward_us: expected a non-negative number of microseconds per op of "
@@ -531,7 +540,7 @@ def test_executor_op_families_and_recompute_errors(tmp_path):
         "number in microseconds",
         f"{path}: executor.recompute.selectiv: unknown key; did you mean 'selective'? known keys: selective, full"]
     _, errors, _ = errors_of(tmp_path, edited(executor={"op_us": {"float32": {"add": [1, 2]}},
-                                                        "op_work": {"float32": {"gelu": [1, 2]}}}))
+                                                        "op_work": {"float32": {"gelu": [[1, 2, 2]]}}}))
     assert errors == [f"{path}: executor.op_work.float32.gelu: no executor.op_us.float32.gelu beside it; a family's "
                       "work scale goes with its fixed cost (give both, or neither)"]
     _, errors, _ = errors_of(tmp_path, edited(executor={"op_us": [1], "recompute": 3}))

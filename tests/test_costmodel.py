@@ -327,7 +327,7 @@ def test_op_family_costs_replace_the_scalar_fixed_costs_and_scale_the_roofline(a
     ex = ExecutorOverheads(op_forward_us=200.0, op_backward_us=50.0, input_forward_us=30.0, input_backward_us=70.0,
                            param_us=400.0, op_us={"float32": {"linear": (12.0, 30.0), "view": (9.0, 8.0)},
                                                   "bfloat16": {"linear": (15.0, 40.0)}},
-                           op_work={"float32": {"linear": (0.8, 1.5)}})
+                           op_work={"float32": {"linear": ((1e-3, 0.8, 1.5),)}})      # one point: everywhere
     fam = dataclasses.replace(a100, executor=ex)
     sig = Signature((nd(B), nd(B), nd(B)), (nd(B),))
     for dtype, fixed, work in (("float32", (12.0, 30.0), (0.8, 1.5)), ("bfloat16", (15.0, 40.0), (1.0, 1.0))):
@@ -359,6 +359,12 @@ def test_op_family_costs_replace_the_scalar_fixed_costs_and_scale_the_roofline(a
                                                                    rel=1e-12)
     assert op_backward_time_s(gelu, s1, (8,), fam) == pytest.approx(work + (a100.op_overhead_us + 50 + 70) * 1e-6,
                                                                     rel=1e-12)
+    # a measured curve is read at the op's forward roofline time, piecewise-linear in its log
+    x_us = work * 1e6
+    curve = dataclasses.replace(fam, executor=dataclasses.replace(ex, op_us={"float32": {"gelu": (10.0, 20.0)}},
+                                op_work={"float32": {"gelu": ((x_us / 10, 3.0, 5.0), (x_us * 10, 1.0, 2.0))}}))
+    assert op_forward_time_s(gelu, s1, (8,), curve) == pytest.approx(2.0 * work + 10e-6, rel=1e-9)
+    assert op_backward_time_s(gelu, s1, (8,), curve) == pytest.approx(3.5 * work + 20e-6, rel=1e-9)
 
 
 def test_recompute_overheads_per_op_and_per_block(a100):
