@@ -96,7 +96,13 @@ def test_01_compare_schemes_executes_and_found_beats_every_baseline():
     nb = execute("01")
     assert pngs(nb) >= 1
     s = summary(nb)
+    variants = s.pop("llama3-8b-variants")
     assert set(s) == {"gpt2-xl|dgx-a100-8", "gpt2-xl|h100-4x8", "llama3-8b|dgx-a100-8", "llama3-8b|h100-4x8"}
+    # Llama-3-8B at 8192 tokens on 8 H100: nothing fits without recompute; bf16 with selective
+    # recompute fits, faster than with full recompute (which recomputes more) and than fp32
+    assert variants["bf16 none (any)"][2] is False and variants["fp32 none (any)"][2] is False
+    step, memory, fits = variants["bf16 selective found"]
+    assert fits and memory <= 80 and step < variants["bf16 full found"][0] < variants["fp32 full found"][0]
     compared = 0
     for pair, steps in s.items():
         found = steps["found"]
