@@ -133,7 +133,8 @@ def test_sequence_parallel_applies_to_hf_decoders(name):
     cluster = _cluster("dgx-a100-8", 2)                  # NCCL: a reduce-scatter runs as one
     sp = next(s for s in search(graph, cluster, mesh=(2,), cd_time_limit_s=0.1).schemes if s.name == "sp")
     assert sp.plan is not None, sp.reason
-    forward = [c for c in predicted_collectives(graph, sp.plan, cluster) if c.phase == "forward"]
+    forward = [c for c in predicted_collectives(graph, sp.plan, cluster)     # the loss's own aside
+               if c.phase == "forward" and "cross_entropy_loss" not in c.tensor]
     assert {c.kind.value for c in forward} == {"all_gather", "reduce_scatter"}
     stream = 8 * 16 * 64 * 4
     for kind in ("all_gather", "reduce_scatter"):
