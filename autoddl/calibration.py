@@ -41,7 +41,8 @@ from typing import Sequence
 from autoddl.cluster import CONFIG_DIR, Backend, Cluster, CollectiveFits, Efficiency, LinkSpec, RecomputeCost
 from costmodel.collectives import CollectiveFit, CollectiveKind, fit_collective
 from executor.calibrate import (CHAIN_WIDTH, LARGE_MATMUL_FLOPS, PROBE_SIZES, CollectiveTiming, ComputeSummary,
-                                Measurements, Settings, compute_summary, measure, with_executor_overheads)
+                                Measurements, Settings, compute_summary, executor_glue_us, measure,
+                                with_executor_overheads)
 
 DEFAULT_BASE = CONFIG_DIR / "local-cpu.yaml"
 DISAGREEMENT = 0.20          # a kind whose fit differs from the link by more than this gets its own entry
@@ -290,8 +291,8 @@ def fit_op_families(meas: Measurements, cluster: Cluster) -> list[FamilyFit]:
 
 def with_op_families(cluster: Cluster, comments: dict[str, str], meas: Measurements) -> tuple[Cluster, dict[str, str]]:
     """``cluster`` with ``executor.op_us`` / ``op_work`` (each family's fit, its fixed part plus what the
-    executor adds to an op beyond the op itself: the chain fit's per-op cost less the chain ops' own,
-    timed like the families) and ``executor.recompute`` (``executor.calibrate.fit_recompute``);
+    executor adds to an op beyond the op itself: ``executor.calibrate.executor_glue_us``) and
+    ``executor.recompute`` (``executor.calibrate.fit_recompute``);
     comments to match. Unchanged when neither was timed."""
     from executor.calibrate import fit_recompute
 
@@ -301,9 +302,8 @@ def with_op_families(cluster: Cluster, comments: dict[str, str], meas: Measureme
     op_us: dict[str, dict[str, tuple[float, float]]] = {}
     op_work: dict[str, dict[str, tuple[float, float]]] = {}
     if meas.families:
-        ref_f, ref_b = meas.family_reference.get("float32", (0.0, 0.0))
-        glue_f = max(0.0, ex.op_forward_us - ref_f * 1e6)
-        glue_b = max(0.0, ex.op_backward_us - ref_b * 1e6)
+        glue = executor_glue_us(meas.executor) if meas.executor is not None else None
+        glue_f, glue_b = glue or (0.0, 0.0)
         fits = fit_op_families(meas, cluster)
         for f in fits:
             op_us.setdefault(f.dtype, {})[f.family] = (_sig(f.forward_us + glue_f, 3), _sig(f.backward_us + glue_b, 3))
@@ -321,8 +321,9 @@ def with_op_families(cluster: Cluster, comments: dict[str, str], meas: Measureme
             f"{', '.join(sizes)}, forward with autograd recording, backward of its autograd node, median of "
             f"{meas.settings.family_reps} batches; fixed: the line through the two smallest sizes at roofline 0 "
             f"(op_work: (t - fixed) / roofline at each larger size); plus the executor's own "
-            f"per-op cost beyond the op ({glue_f:.1f} us forward, {glue_b:.1f} us backward: the chains' per-op "
-            f"cost less their ops' own, {ref_f * 1e6:.1f} / {ref_b * 1e6:.1f} us)")
+            + (f"per-op cost beyond the op ({glue_f:.1f} us forward, {glue_b:.1f} us backward: the executor's chains "
+               "of element-wise ops less the same chains as plain modules, per op)" if glue else
+               "per-op cost: not timed, 0"))
         out["executor.op_work"] = ("measured: per op family and dtype, [roofline_us, forward_work, backward_work] at "
                                    "each size but the smallest: the op's forward roofline time and the multiples of "
                                    f"the roofline its forward and backward take beyond the fixed cost (at least "

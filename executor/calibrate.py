@@ -175,6 +175,8 @@ class ChainTiming:
     params: int                       # parameter uses over those ops
     forward_s: float                  # median forward (local program + loss to B), max over ranks
     step_s: float                     # median train_step (forward, backward, grad sync, AdamW)
+    eager_forward_s: float = 0.0      # the same chain as a plain module, no executor: forward + loss
+    eager_step_s: float = 0.0         # ... and its backward (0: not timed)
 
 
 @dataclass(frozen=True)
@@ -220,6 +222,31 @@ def fit_executor_overheads(timings: ExecutorTimings) -> ExecutorFit:
         input_forward_us=float(f[1]) * 1e6, input_backward_us=max(0.0, float(a[1] - f[1])) * 1e6,
         param_us=float(a[2]) * 1e6, collective_us=max(0.0, statistics.median(diffs)) if diffs else 0.0)
     return ExecutorFit(overheads, float(a[3]) * 1e6, float(np.max(np.abs(pred - step_t) / step_t)))
+
+
+def executor_glue_us(timings: ExecutorTimings) -> tuple[float, float] | None:
+    """What the executor adds to an op beyond the op itself (microseconds, forward and backward): per
+    chain kind without parameter uses (unary, binary), the slope over the chain length of the
+    executor's forward and backward (step - forward) less the same chain's as a plain module; the
+    mean over the kinds, at least 0. None when the plain chains were not timed."""
+    by: dict[str, list[ChainTiming]] = {}
+    for c in timings.chains:
+        if c.kind in ("unary", "binary") and c.eager_step_s > 0:
+            by.setdefault(c.kind, []).append(c)
+    fwd, bwd = [], []
+    for cs in by.values():
+        if len(cs) < 2:
+            continue
+        a, b = min(cs, key=lambda c: c.ops), max(cs, key=lambda c: c.ops)
+        n = b.ops - a.ops
+        ex_f, ea_f = (b.forward_s - a.forward_s) / n, (b.eager_forward_s - a.eager_forward_s) / n
+        ex_b = ((b.step_s - b.forward_s) - (a.step_s - a.forward_s)) / n
+        ea_b = ((b.eager_step_s - b.eager_forward_s) - (a.eager_step_s - a.eager_forward_s)) / n
+        fwd.append(ex_f - ea_f)
+        bwd.append(ex_b - ea_b)
+    if not fwd:
+        return None
+    return max(0.0, statistics.fmean(fwd)) * 1e6, max(0.0, statistics.fmean(bwd)) * 1e6
 
 
 @dataclass(frozen=True)
@@ -305,8 +332,6 @@ class Measurements:
     dtype_matmuls: dict[str, tuple[MatmulTiming, ...]] = field(default_factory=dict)   # other dtypes, same shapes
     dropped_dtypes: dict[str, str] = field(default_factory=dict)  # dtype -> why it got no peak (too slow)
     families: tuple[FamilyTiming, ...] = ()                      # each op family per dtype and size
-    family_reference: dict[str, tuple[float, float]] = field(default_factory=dict)  # dtype -> the chain ops'
-    #                                   (forward, backward) seconds timed like the families: what the executor adds
     recompute: tuple[RecomputeTiming, ...] = ()                  # checkpointed blocks against plain ones
 
     @property
@@ -413,8 +438,8 @@ def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measuremen
     seconds["total"] = wall_s
     executor = None
     if "chains" in ranks[0]:
-        chains = tuple(ChainTiming(*c[:4], max(r["chains"][i][4] for r in ranks),
-                                   max(r["chains"][i][5] for r in ranks)) for i, c in enumerate(ranks[0]["chains"]))
+        chains = tuple(ChainTiming(*c[:4], *(max(r["chains"][i][j] for r in ranks) for j in range(4, len(c))))
+                       for i, c in enumerate(ranks[0]["chains"]))
         executor = ExecutorTimings(chains, {k: max(r["move_us"][k] for r in ranks)
                                             for k in ranks[0]["move_us"]},
                                    {k: max(r["raw_us"][k] for r in ranks) for k in ranks[0]["raw_us"]})
@@ -434,8 +459,6 @@ def _combine_families(ranks: list[dict]) -> dict[str, Any]:
         out["families"] = tuple(FamilyTiming(*f[:5], mean(r["families"][i][5] for r in ranks),
                                              mean(r["families"][i][6] for r in ranks))
                                 for i, f in enumerate(ranks[0]["families"]))
-        out["family_reference"] = {dt: tuple(mean(r["family_reference"][dt][j] for r in ranks) for j in range(2))
-                                   for dt in ranks[0]["family_reference"]}
     if "recompute" in ranks[0]:
         out["recompute"] = tuple(RecomputeTiming(*c[:3], max(r["recompute"][i][3] for r in ranks),
                                                  max(r["recompute"][i][4] for r in ranks))
@@ -534,8 +557,14 @@ class _Bench:
                 opt = build_optimizer("adamw", dmodel.parameters())
                 fwd = self._median_step(lambda: dmodel(x))
                 step = self._median_step(lambda: train_step(dmodel, (x,), opt))
+
+                def eager_step(model=model) -> None:
+                    model.zero_grad(set_to_none=True)
+                    _chain_loss(model(x), x).backward()
+
+                eager = (self._median_step(lambda model=model: _chain_loss(model(x), x)), self._median_step(eager_step))
                 chains.append((kind, len(ops), sum(len(o.inputs) for o in ops), sum(len(o.params) for o in ops),
-                               fwd, step))
+                               fwd, step, *eager))
                 self.say(f"executor chain {kind} x {n}: {len(ops)} ops, forward {fwd * 1e3:.2f} ms, "
                          f"step {step * 1e3:.2f} ms (rank 0)")
         t = torch.ones(1024, device=self.device)                                 # 4 KB
@@ -576,9 +605,8 @@ class _Bench:
     def families(self) -> dict[str, Any]:
         """Each probed op (:func:`probe_ops`) on synthetic inputs of each size and dtype: its forward and
         its backward (``autograd.grad`` of its output; the grad call's own cost, timed through a view,
-        taken out); and the executor chain's ops (tanh, relu of CHAIN_WIDTH^2) timed the same way."""
-        torch = self.torch
-        rows: list[tuple] = []
+        taken out)."""
+        rows: list = []
         base: dict[str, float] = {}
         for (dtype, size), nodes in self.probes.items():
             self.dist.barrier()
@@ -593,12 +621,7 @@ class _Bench:
             self.say(f"op families in {dtype} at size {size}: " + ", ".join(
                 f"{r[0]} {r[5] * 1e6:.0f}/{r[6] * 1e6:.0f}" for r in rows if tuple(r[1:3]) == (dtype, size))
                 + " us forward/backward (rank 0)")
-        x = torch.randn(CHAIN_WIDTH, CHAIN_WIDTH, device=self.device, requires_grad=True)
-        grad_call = min(base.get("float32", math.inf), self._grad_call_s("float32"))
-        ref = [self._time_fn(lambda f=f: f(x), x) for f in (torch.tanh, torch.relu)]
-        ref = [(f, max(0.0, b - grad_call)) for f, b in ref]
-        reference = {"float32": (statistics.fmean(r[0] for r in ref), statistics.fmean(r[1] for r in ref))}
-        return {"families": [tuple(r) for r in rows], "family_reference": reference} if rows else {}
+        return {"families": [tuple(r) for r in rows]} if rows else {}
 
     def _grad_call_s(self, dtype: str) -> float:
         """Seconds of ``autograd.grad`` through a view: what a backward timing pays besides the op's node."""

@@ -464,13 +464,13 @@ def _family_measurements(cluster, a_f=6.0, s_f=0.5, a_b=12.0, s_b=2.0):
             rows.append(FamilyTiming(node.op_name, dtype, size, node.flops, nbytes, (a_f + s_f * xf) * 1e-6,
                                      (a_b + s_b * xb) * 1e-6))
     meas = dataclasses.replace(synthetic_measurements({k: (50e-6, 1.2e9) for k in GLOO_FORMULA}), settings=settings,
-                               families=tuple(rows), family_reference={"float32": (2e-6, 2e-6)})
+                               families=tuple(rows))
     return meas
 
 
 def test_op_family_fit_recovers_fixed_costs_and_work_scales_and_adds_the_executors_own_cost(tmp_path):
     from autoddl.calibration import fit_op_families, with_op_families
-    from autoddl.cluster import ExecutorOverheads, OpCost
+    from executor.calibrate import ChainTiming, ExecutorTimings, executor_glue_us
 
     cal = calibrate_cluster(synthetic_measurements({k: (50e-6, 1.2e9) for k in GLOO_FORMULA}), base_cluster(),
                             devices_per_node=4, command="x")
@@ -484,10 +484,16 @@ def test_op_family_fit_recovers_fixed_costs_and_work_scales_and_adds_the_executo
         assert all((a, b) == pytest.approx((0.5, 2.0), rel=1e-6) for _, a, b in f.work)
     assert f.sizes == ("tiny", "small", "medium") and f.times_us[0] == pytest.approx((6.0 + 0.5 * 0, 12.0), abs=1.0)
     assert (fits["view"].forward_us, fits["view"].backward_us, fits["view"].work) == (6.0, 12.0, ())
-    # the executor's own cost per op (chain fit 7 us forward, 5 us backward, less the chain ops' own 2 us) is added
-    base = dataclasses.replace(cal.cluster, executor=ExecutorOverheads(op_forward_us=7.0, op_backward_us=5.0))
-    cluster, comments = with_op_families(base, cal.comments, meas)
+    # the executor's own cost per op (its chains less the same chains as plain modules: 5 us forward, 3 backward)
+    # is added
+    chains = tuple(ChainTiming(kind, n, n, 0, (100 + 9 * n) * 1e-6, (300 + 9 * n + 7 * n) * 1e-6,
+                               (80 + 4 * n) * 1e-6, (200 + 4 * n + 4 * n) * 1e-6)
+                   for kind in ("unary", "binary") for n in (10, 42))
+    assert executor_glue_us(ExecutorTimings(chains, {}, {})) == pytest.approx((5.0, 3.0))
+    meas = dataclasses.replace(meas, executor=ExecutorTimings(chains, {}, {}))
+    cluster, comments = with_op_families(cal.cluster, cal.comments, meas)
     assert cluster.executor.op_us["float32"] == {"linear": (11.0, 15.0), "gelu": (11.0, 15.0), "view": (11.0, 15.0)}
+    assert "5.0 us forward, 3.0 us backward" in comments["executor.op_us"]
     assert set(cluster.executor.op_work["float32"]) == {"linear", "gelu"}                  # a view has no roofline
     mm = cluster.executor.op_cost("mm")
     assert (mm.forward_us, mm.backward_us) == (11.0, 15.0) and mm.work_at(1.0) == pytest.approx((0.5, 2.0), rel=1e-3)
