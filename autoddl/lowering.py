@@ -177,6 +177,15 @@ class _Lowering:
         self.wait_for = []
         self.emit(deps=deps, phase="forward", stream=COMPUTE, op=node.name, local_flops=node.flops / share,
                   local_bytes=(node.bytes_read + node.bytes_written) / share)
+        self.inner(node, sig, "forward")
+
+    def inner(self, node: OpNode, sig: Signature, phase: str) -> None:
+        """The collectives the op's local kernel runs itself (autoddl.ops.inner_collectives), synchronous."""
+        from autoddl import ops
+
+        for c in ops.inner_collectives(node, sig, self.mesh):
+            self.emit(phase=phase, stream=comm_stream(c.axis), op=node.name, collective=c.kind, axis=c.axis,
+                      nbytes=c.nbytes, tensor=f"{node.name} {c.what}")
 
     def input_layout(self, node: OpNode, sig: Signature, slot: int) -> tuple[NdSbp, NdSbp | None]:
         """(the layout op ``node`` reads input ``slot`` in, the gradient layout it hands back or None)."""
@@ -392,6 +401,8 @@ class _Lowering:
             share = work_divisor(sig, self.mesh)
             self.emit(phase="recompute", stream=COMPUTE, op=node.name, local_flops=node.flops / share,
                       local_bytes=(node.bytes_read + node.bytes_written) / share)
+            if whole:       # selective keeps collective outputs (executor/recompute.py)
+                self.inner(node, sig, "recompute")
 
     def launch_ready_buckets(self, remaining: dict[int, int], op: str) -> None:
         """Launch, in bucket order, every bucket whose gradients are all ready (async: the

@@ -67,6 +67,11 @@ class LocalStep:
         """The working copy of a local master under the precision policy (the master itself in fp32)."""
         return working_copy(master, self.param_dtype)
 
+    def all_reduce(self, t: torch.Tensor, axis: int, op: str) -> torch.Tensor:
+        """What an op's kernel communicates with (autoddl.ops.inner_collectives): one all-reduce on
+        mesh axis ``axis``, waited for."""
+        return wait(funcol.all_reduce(t, op, self.boxer.groups[axis]))
+
     def param_use(self, index: int) -> torch.Tensor:
         """Parameter use ``index`` in its use layout, as a leaf whose gradient is hooked: a standing
         leaf sharing the parameter's storage when the use needs no move nor cast (made once), else
@@ -219,7 +224,7 @@ class ProgramCompiler:
         return out
 
     def kernel(self, node: OpNode, sig) -> Any:
-        local = ops.local_kernel(node, sig, self.mesh, self.step.boxer.coord)
+        local = ops.local_kernel(node, sig, self.mesh, self.step.boxer.coord, all_reduce=self.step.all_reduce)
         if local is not None:
             return local
         if node.target == "getitem":

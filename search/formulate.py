@@ -134,7 +134,7 @@ class FormulationCache:
         cand_cache: dict[tuple, list[Signature]] = {}
         for n, key in zip(self.nodes, self.keys):
             if key not in cand_cache:
-                cand_cache[key] = ops.candidate_signatures(n, self.mesh)
+                cand_cache[key] = ops.candidate_signatures(n, self.mesh, inner_collectives=True)
             self.choices.append(cand_cache[key])
         for u in self.nodes:
             for v_name in graph.nx.successors(u.name):
@@ -232,6 +232,9 @@ def _node_vectors(node: OpNode, cands: list[Signature], mesh: tuple[int, ...], c
             step = op_compute_time_s(node, sig, mesh, cluster, needs_backward=needs_grad)
             if recomputed:
                 step += op_forward_time_s(node, sig, mesh, cluster)
+            inner = [(c.kind, c.axis, c.nbytes) for c in ops.inner_collectives(node, sig, mesh)]
+            if inner:       # the kernel's own collectives, forward (and again when recomputed)
+                step += (1 + recomputed) * transitions_time_s(inner, mesh, cluster)
             cost[j] = training.micro_batches * step
             if saves:
                 mem[j] = sum(m.nbytes * nd.shard_fraction(mesh)
