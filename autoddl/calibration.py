@@ -318,8 +318,9 @@ def with_op_families(cluster: Cluster, comments: dict[str, str], meas: Measureme
         out["executor.op_us"] = (
             f"measured: per op family and compute dtype ({', '.join(dtypes)}), [forward_us, backward_us] fixed "
             f"per op: each family's op (executor.calibrate Probe) on synthetic inputs at sizes "
-            f"{', '.join(sizes)}, forward with autograd recording, backward of its autograd node, median of "
-            f"{meas.settings.family_reps} batches; fixed: the line through the two smallest sizes at roofline 0 "
+            f"{', '.join(sizes)} (the ops of a size in turn, each call timed alone, their outputs kept to the end "
+            f"of the pass), forward with autograd recording, backward of its autograd node, median of "
+            f"{meas.settings.family_passes} passes; fixed: the line through the two smallest sizes at roofline 0 "
             f"(op_work: (t - fixed) / roofline at each larger size); plus the executor's own "
             + (f"per-op cost beyond the op ({glue_f:.1f} us forward, {glue_b:.1f} us backward: the executor's chains "
                "of element-wise ops less the same chains as plain modules, per op)" if glue else

@@ -58,7 +58,7 @@ QUICK_MESSAGE_BYTES = (4096, 32 << 10, 256 << 10, 1 << 20, 4 << 20)
 LARGE_MATMUL_FLOPS = 1e9            # matmuls at least this big give efficiency.compute
 MATMUL_DTYPES = ("float32", "bfloat16", "float16")   # timed on the same shapes; float32 gives the curve
 SLOW_DTYPE_FACTOR = 8.0             # a dtype this many times slower than float32 on a shape gets no peak
-SLOW_CALL_S = 0.05                  # an op family's call this slow is timed twice, not in batches
+SLOW_CALL_S = 0.05                  # an op family's call this slow is timed in two passes only
 
 
 # Sizes each op family is timed at (a generic grid, tiny to a few MB per tensor): batch, sequence, width,
@@ -102,9 +102,8 @@ class Settings:
     executor_reps: int = 15           # timed steps per chain (after 2 untimed)
     family_sizes: tuple[str, ...] = tuple(PROBE_SIZES)  # sizes (PROBE_SIZES names) each op family is timed at
     family_dtypes: tuple[str, ...] = MATMUL_DTYPES      # compute dtypes each op family is timed in
-    family_reps: int = 5              # timed batches per family, size and direction (median)
+    family_passes: int = 25           # timed passes over the op families of one size and dtype (median)
     recompute_chains: tuple[int, int] = (8, 24)   # ops per block (short, long) of the recompute benchmark
-    family_batch_s: float = 0.002     # a timed batch of one family's op lasts at least this
     matmul_dtypes: tuple[str, ...] = MATMUL_DTYPES   # float32 first; the others get a peak each
 
     def __post_init__(self) -> None:
@@ -131,8 +130,8 @@ class Settings:
             base = dict(matmul_shapes=tuple((s, s, s) for s in SQUARE_SIZES[:4]) + ((512, 512, 64),),
                         message_bytes=QUICK_MESSAGE_BYTES, memory_bytes=32 << 20, repeats=3,
                         matmul_time_s=0.05, batch_time_s=0.002, executor_chains=(4, 12), executor_reps=5,
-                        family_sizes=("tiny", "small"), family_dtypes=("float32", "bfloat16"), family_reps=3,
-                        recompute_chains=(4, 12), family_batch_s=0.0005)
+                        family_sizes=("tiny", "small"), family_dtypes=("float32", "bfloat16"), family_passes=9,
+                        recompute_chains=(4, 12))
         else:
             base = dict(matmul_shapes=tuple((s, s, s) for s in SQUARE_SIZES) + SKINNY_SHAPES)
         base.update(overrides)
@@ -606,59 +605,52 @@ class _Bench:
     def families(self) -> dict[str, Any]:
         """Each probed op (:func:`probe_ops`) on synthetic inputs of each size and dtype: its forward and
         its backward (``autograd.grad`` of its output; the grad call's own cost, timed through a view,
-        taken out)."""
+        taken out). The ops of one size and dtype run in turn, each call timed alone, for
+        ``family_passes`` passes (median per op), their outputs kept until the pass ends: as in a
+        training step, an op follows other ops (not itself, with its code and data hot) and allocates
+        fresh memory for what it returns."""
         rows: list = []
-        base: dict[str, float] = {}
         for (dtype, size), nodes in self.probes.items():
             self.dist.barrier()
-            timed = [(node, *self._time_op(node, needs, dtype)) for node, needs in nodes]
-            for _ in range(2):      # the grad call's own cost, before and after: the least (load only adds)
-                base[dtype] = min(base.get(dtype, math.inf), self._grad_call_s(dtype))
-            rows += [[node.op_name, dtype, size, node.flops, node.bytes_read + node.bytes_written, fwd, bwd]
-                     for node, fwd, bwd in timed]
-        for r in rows:              # the backward of the op's node alone
-            r[6] = max(0.0, r[6] - base[r[1]]) if r[6] else 0.0
-        for (dtype, size) in self.probes:
+            calls = [self._op_calls(node, needs) for node, needs in nodes]
+            fwd = self._interleaved([c[0] for c in calls])
+            bwd = self._interleaved([c[1] for c in calls if c[1] is not None] + [self._grad_call(dtype)])
+            base, bwd_of = bwd[-1], iter(bwd[:-1])
+            for i, ((node, _), (_, grad_fn)) in enumerate(zip(nodes, calls)):
+                b = max(0.0, next(bwd_of) - base) if grad_fn is not None else 0.0
+                rows.append((node.op_name, dtype, size, node.flops, node.bytes_read + node.bytes_written, fwd[i], b))
             self.say(f"op families in {dtype} at size {size}: " + ", ".join(
-                f"{r[0]} {r[5] * 1e6:.0f}/{r[6] * 1e6:.0f}" for r in rows if tuple(r[1:3]) == (dtype, size))
+                f"{r[0]} {r[5] * 1e6:.0f}/{r[6] * 1e6:.0f}" for r in rows if r[1:3] == (dtype, size))
                 + " us forward/backward (rank 0)")
-        return {"families": [tuple(r) for r in rows]} if rows else {}
+        return {"families": rows} if rows else {}
 
-    def _grad_call_s(self, dtype: str) -> float:
-        """Seconds of ``autograd.grad`` through a view: what a backward timing pays besides the op's node."""
+    def _interleaved(self, fns: list[Callable[[], Any]]) -> list[float]:
+        """Median seconds per call of each of ``fns``, run in turn for ``family_passes`` passes (after one
+        untimed), each call timed alone and its result kept until the pass ends; a call slower than
+        SLOW_CALL_S (a CPU's float16 convolution backward can take a second) runs in two passes only."""
+        times: list[list[float]] = [[] for _ in fns]
+        for p in range(self.s.family_passes + 1):
+            kept = []
+            for i, fn in enumerate(fns):
+                if p > 2 and times[i] and min(times[i]) > SLOW_CALL_S:
+                    continue
+                t0 = time.perf_counter()
+                kept.append(fn())
+                if p:
+                    times[i].append(time.perf_counter() - t0)
+            del kept
+        return [min(t) if min(t) > SLOW_CALL_S else statistics.median(t) for t in times]
+
+    def _grad_call(self, dtype: str) -> Callable[[], Any]:
+        """``autograd.grad`` through a view: what a backward timing pays besides the op's node."""
         torch = self.torch
         x = torch.randn(8, device=self.device, dtype=getattr(torch, dtype), requires_grad=True)
         y, g = x.view(-1), torch.ones(8, device=self.device, dtype=getattr(torch, dtype))
-        return self._median_calls(lambda: torch.autograd.grad(y, [x], g, retain_graph=True))
+        return lambda: torch.autograd.grad(y, [x], g, retain_graph=True)
 
-    def _median_calls(self, fn: Callable[[], Any]) -> float:
-        """Median over ``family_reps`` batches (each lasting >= ``family_batch_s``) of seconds per call; a
-        call slower than SLOW_CALL_S (a CPU's float16 convolution backward can take a second) is timed
-        once more instead, and the faster of its two times taken."""
-        fn()
-        warm = self.time_calls(fn, 1)
-        if warm > SLOW_CALL_S:
-            return min(warm, self.time_calls(fn, 1))
-        calls = int(min(1000, max(1, math.ceil(self.s.family_batch_s / max(warm, 1e-9)))))
-        return statistics.median(self.time_calls(fn, calls) for _ in range(self.s.family_reps))
-
-    def _time_fn(self, run: Callable[[], Any], leaves: Any) -> tuple[float, float]:
-        """(forward, backward) seconds of ``run()`` and of ``autograd.grad`` of its output into ``leaves``
-        (the grad call's own cost included; 0 when there is no backward)."""
-        torch = self.torch
-        fwd = self._median_calls(run)
-        out = run()
-        if isinstance(out, (tuple, list)):
-            out = next((t for t in out if isinstance(t, torch.Tensor) and t.requires_grad), None)
-        leaves = [leaves] if isinstance(leaves, torch.Tensor) else list(leaves)
-        if out is None or not out.requires_grad or not leaves:
-            return fwd, 0.0
-        g = torch.ones_like(out)
-        return fwd, self._median_calls(lambda: torch.autograd.grad(out, leaves, g, retain_graph=True,
-                                                                   allow_unused=True))
-
-    def _time_op(self, node: Any, needs: tuple[bool, ...], dtype: str) -> tuple[float, float]:
-        """A probed op run as the compiled program runs it (its aten op on local tensors), on random inputs."""
+    def _op_calls(self, node: Any, needs: tuple[bool, ...]) -> tuple[Callable[[], Any], Callable[[], Any] | None]:
+        """A probed op run as the compiled program runs it (its aten op on local tensors), on random inputs:
+        (its forward, the backward of its output into the inputs needing a gradient, or None)."""
         torch = self.torch
         from autoddl import ops
         from executor.compiled import _substitute
@@ -674,7 +666,18 @@ class _Bench:
         args, kwargs = ops.localize_devices(_substitute(tuple(node.args), tensors, [0]),
                                             _substitute(dict(node.kwargs), tensors, [0]), self.device)
         kernel = ops.aten_op(node)
-        return self._time_fn(lambda: kernel(*args, **kwargs), [t for t in tensors if t.requires_grad])
+
+        def run() -> Any:
+            return kernel(*args, **kwargs)
+
+        out = run()
+        if isinstance(out, (tuple, list)):
+            out = next((t for t in out if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        leaves = [t for t in tensors if t.requires_grad]
+        if out is None or not out.requires_grad or not leaves:
+            return run, None
+        g = torch.ones_like(out)
+        return run, (lambda: torch.autograd.grad(out, leaves, g, retain_graph=True, allow_unused=True))
 
     def recompute(self) -> dict[str, Any]:
         """Blocks of element-wise ops and of matmuls at two lengths, run plainly and checkpointed as the
