@@ -2,7 +2,9 @@
 
 For each example model at a small preset (batch sizes raised so that a step holds a few
 ms of real compute, not only fixed costs), on 2 and 4 gloo ranks and a 2x2 mesh of the
-calibrated ``configs/local-cpu.yaml``, every applicable baseline and the found plan are
+calibrated ``configs/local-cpu.yaml``, and for gpt and llama tiny under issue 10's training
+setting (``*-bf16-sel-4mb``: bf16 compute, selective recompute, 4 micro-steps of 4 samples per
+step) on 2 ranks and 2x2, every applicable baseline and the found plan are
 planned in-process (``autoddl.api.search_model``), then run by the executor: one torchrun
 launch per (model, rank count) runs all its plans in turn (``executor.worker --plans``),
 W warm-up + S measured steps each, 1 intra-op thread per rank. Each plan's row (the
@@ -24,7 +26,8 @@ a Markdown table (``results/fidelity_summary.md``, ready for results/README.md) 
     python benchmarks/fidelity.py --analyze-only           # tables and plot from the CSV
 
 4 ranks on a 2-core machine share cores (2 ranks per core): their compute and collectives
-contend, which the calibration (2 ranks) does not see.
+contend, which the calibration (2 ranks) does not see. The machine is shared: before each launch
+the study waits until other work keeps at most ``--max-busy`` of the CPU busy (over 3 s).
 """
 
 from __future__ import annotations
@@ -55,7 +58,18 @@ MODELS: dict[str, dict[str, Any]] = {       # model -> build_model / example_inp
     "vgg": {"preset": "tiny", "batch_size": 32},
     "resnet": {"preset": "tiny", "batch_size": 32},
 }
+# Issue 10's training setting on CPU: bf16 compute with float32 masters, selective recompute of every
+# block, 4 micro-steps of TRAINED_MICRO_BATCH samples (all data-parallel ranks together) per optimizer
+# step, so one step's batch is the batch_size below, as in the float32 rows; on 2 ranks and 2x2.
+TRAINED_MICRO_BATCH = 4
+TRAINED = {"param_dtype": "bfloat16", "recompute": "selective", "micro_batches": 4}
+MODELS.update({
+    "gpt-bf16-sel-4mb": {"preset": "tiny", "batch_size": 16},
+    "llama-bf16-sel-4mb": {"preset": "tiny", "batch_size": 16},
+})
+TRAINING: dict[str, dict[str, Any]] = {m: TRAINED for m in MODELS if m.endswith("-bf16-sel-4mb")}
 CONFIGS: dict[str, tuple[int, ...]] = {"2": (2,), "4": (4,), "2x2": (2, 2)}
+MODEL_CONFIGS: dict[str, tuple[str, ...]] = {m: ("2", "2x2") for m in TRAINING}   # default: every config
 STUDY_COLUMNS = ("study", "scheme", "config", "same_as", "steps", "warmup", "omp_threads", "load_avg_1m", "error")
 
 
@@ -122,6 +136,13 @@ def found_verdict(rows: Iterable[dict[str, Any]]) -> tuple[str, str]:
 
 
 # -- planning and running ---------------------------------------------------------------------
+def training_of(model: str) -> Any:
+    """The study model's Training (the default one for the float32 rows)."""
+    from autoddl.training import Training
+
+    return Training(**TRAINING.get(model, {}))
+
+
 def model_file(model: str) -> Path:
     """``examples/<file>.py`` of a study model: its name up to the first ``-`` (``gpt-4x256`` -> gpt)."""
     return ROOT / "examples" / f"{model.split('-')[0]}.py"
@@ -129,18 +150,31 @@ def model_file(model: str) -> Path:
 
 def plan_all(model: str, kwargs: dict[str, Any], configs: Sequence[str], cluster_path: Path,
              plan_dir: Path) -> list[dict[str, Any]]:
-    """Every applicable baseline and the found plan per config, saved to ``plan_dir``; one dict each."""
+    """Every applicable baseline and the found plan per config, saved to ``plan_dir``; one dict each.
+
+    Under a training setting with micro-steps (TRAINING) the model is traced at the micro-step batch
+    TRAINED_MICRO_BATCH under its precision, and each plan records that batch (``plan.batch_size``):
+    the worker then runs ``plan.batch_size x micro_batches`` samples per step (autoddl plan's
+    ``--micro-batch-size`` / ``--global-batch-size`` do the same)."""
     from autoddl.api import search_model
     from autoddl.cluster import Cluster
-    from autoddl.loader import trace_model_file
+    from autoddl.loader import load_model_file
 
     model_py = model_file(model)
-    mf, graph = trace_model_file(model_py, **kwargs)
+    training = training_of(model)
+    mf = load_model_file(model_py, **kwargs)
+    batch = TRAINED_MICRO_BATCH if training.micro_batches > 1 else None
+    if batch is not None and batch * training.micro_batches != mf.batch_size:
+        raise SystemExit(f"{model}: {training.micro_batches} micro-steps of {batch} samples are not the "
+                         f"model's batch {mf.batch_size}")
+    graph = (mf.with_batch_size(batch) if batch else mf).trace(training.param_dtype)
     cluster = Cluster.from_yaml(cluster_path)
     out = []
     for config in configs:
+        if config not in MODEL_CONFIGS.get(model, tuple(CONFIGS)):
+            continue
         shape = CONFIGS[config]
-        outcome = search_model(graph, cluster, devices=math.prod(shape), mesh=shape)
+        outcome = search_model(graph, cluster, devices=math.prod(shape), mesh=shape, training=training)
         plans = {s.name: s for s in outcome.schemes if s.plan is not None and s.breakdown.fits_memory}
         for s in outcome.schemes:
             if s.name not in plans:
@@ -148,6 +182,7 @@ def plan_all(model: str, kwargs: dict[str, Any], configs: Sequence[str], cluster
         for name, s in plans.items():
             plan = s.plan
             plan.set_provenance(model_file=model_py, model_args=kwargs, cluster_file=cluster_path)
+            plan.batch_size = batch
             path = plan_dir / f"{model}-{config}-{name}.json"
             plan.save(path)
             same = [b for b, o in plans.items() if b != name and name == "found"
@@ -155,6 +190,35 @@ def plan_all(model: str, kwargs: dict[str, Any], configs: Sequence[str], cluster
             out.append({"model": model, "config": config, "scheme": name, "path": path, "plan": plan,
                         "same_as": same[0] if same else "", "nproc": math.prod(shape)})
     return out
+
+
+def cpu_busy(seconds: float = 3.0) -> float:
+    """Fraction of the machine's CPU time busy over ``seconds`` (from /proc/stat; 0 where it cannot be read)."""
+    def sample() -> list[int]:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    try:
+        a = sample()
+        time.sleep(seconds)
+        b = sample()
+    except OSError:
+        return 0.0
+    d = [y - x for x, y in zip(a, b)]
+    idle = d[3] + (d[4] if len(d) > 4 else 0)
+    return 1.0 - idle / max(1, sum(d))
+
+
+def wait_until_quiet(max_busy: float, timeout_s: float) -> float:
+    """Before a launch: wait (at most ``timeout_s``) until nothing else keeps the CPU busy (at most
+    ``max_busy`` of it over 3 s: the machine is shared, and other jobs slow the measured steps);
+    returns the last busy fraction seen."""
+    t0 = time.monotonic()
+    busy = cpu_busy()
+    while busy > max_busy and time.monotonic() - t0 < timeout_s:
+        print(f"  waiting: the CPU is {busy:.0%} busy with other work", flush=True)
+        time.sleep(10)
+        busy = cpu_busy()
+    return busy
 
 
 def run_plans(model: str, kwargs: dict[str, Any], nproc: int, items: list[dict[str, Any]], steps: int,
@@ -330,6 +394,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--analyze-only", action="store_true", help="only the tables and the plot, from the CSV")
     p.add_argument("--study", help="with --analyze-only: which study id (default: the latest)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per launch")
+    p.add_argument("--max-busy", type=float, default=0.2,
+                   help="before each launch, wait until at most this fraction of the CPU is busy (other jobs); "
+                        "1 disables the wait (default 0.2)")
+    p.add_argument("--max-wait-s", type=float, default=1800.0, help="the longest wait before one launch")
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)
     csv_path = out_dir / "fidelity.csv"
@@ -358,6 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{time.monotonic() - tp:.1f} s", flush=True)
             for nproc in sorted({it["nproc"] for it in items}):
                 group = [it for it in items if it["nproc"] == nproc]
+                if args.max_busy < 1:
+                    wait_until_quiet(args.max_busy, args.max_wait_s)
                 load = os.getloadavg()[0]
                 tl = time.monotonic()
                 results = run_plans(model, kwargs, nproc, group, args.steps, args.warmup, tmp / "results",
