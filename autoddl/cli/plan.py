@@ -63,7 +63,7 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
                    help="samples per optimizer step: G / (M x data-parallel degree) micro-steps")
     t.add_argument("--degrees", metavar="ROLE=N,...",
                    help="price this expert configuration beside the found plan, e.g. fsdp=8 or dp=4,tp=8 "
-                        "(roles dp, fsdp, tp; outer axis first, tp innermost)")
+                        "(roles dp, fsdp, tp, sp = tp with sequence parallel; outer axis first, tp or sp innermost)")
     t.add_argument("--zero", type=int, choices=(1, 2), help="with --degrees dp=...: ZeRO-1 (optimizer states) or "
                    "ZeRO-2 (and gradients) sharded over the dp axis")
     t.add_argument("--no-search", action="store_true", help="with --degrees: price the given configuration only")
