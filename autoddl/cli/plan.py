@@ -377,7 +377,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print()
         print(chosen.plan.summary().to_string(index=False))
     chosen.plan.save(args.out)
-    print(f"wrote {args.out} ({chosen.plan.name} plan{' given by ' + ('--degrees ' if args.degrees else '') + chosen.name if given else ''})")
+    by = f" given by {'--degrees ' if args.degrees else ''}{chosen.name}" if given else ""
+    print(f"wrote {args.out} ({chosen.plan.name} plan{by})")
     _print_next(args.out, chosen.plan, planned)
     return 0
 

@@ -24,7 +24,8 @@ from autoddl.loader import ModelFileError, load_model_file
 from autoddl.trainers import TrainerConfig
 from autoddl.trainers.formats import DEFAULT_OUT, NAMES, TRAINERS, check_expressible, read_config, write_config
 from autoddl.training import Training
-from search.expressible import best_config, check_priceable, price_config, recompute_variants, same_plan, slower, structured_configs
+from search.expressible import (best_config, check_priceable, price_config, recompute_variants, same_plan, slower,
+                                structured_configs)
 from search.planner import parse_degrees, recompute_blocks, resolve_cluster
 
 # the gradient-reduce dtype a trainer uses when it is not told (torchtitan: float32 only; Megatron-LM:
@@ -98,8 +99,8 @@ def search_with_trainer(args: argparse.Namespace, progress) -> tuple[Planned, _T
     blocks = recompute_blocks(tracer(1, training_of(args))[0])
     config, ignored = read_config(trainer, text, devices=planned.num_devices, num_layers=len(blocks), source=where)
     check_priceable(config)                       # before the search, not after it
-    user = UserConfig(config, f"your {NAMES[trainer]} {os.path.basename(where) if where != '--from-megatron' else 'flags'}",
-                      ignored)
+    what = "flags" if where == "--from-megatron" else os.path.basename(where)
+    user = UserConfig(config, f"your {NAMES[trainer]} {what}", ignored)
     args.micro_batch_size, args.global_batch_size = config.micro_batch_size, config.global_batch_size
     args.precision, args.reduce_dtype = config.precision, config.reduce_dtype
     args.recompute = config.recompute if config.recompute_every == 1 else "none"

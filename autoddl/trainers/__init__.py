@@ -151,15 +151,15 @@ class TrainerConfig:
         return text
 
 
-def leftover(devices: int | None, known: int, what: str, source: str) -> int:
+def leftover(devices: int | None, known: int, what: str, source: str, others: str = "the other degrees") -> int:
     """The degree that takes the devices the others leave (torchtitan's -1, Megatron's data-parallel
-    size), with errors naming ``what`` and ``source``."""
+    size), with errors naming ``what``, the ``others`` (the keys or flags multiplied) and ``source``."""
     if devices is None:
         raise TrainerConfigError(f"{source}: {what} is left to the device count; give --devices (or a cluster "
                                  "of that many devices) so that it can be worked out")
     if devices % known:
-        raise TrainerConfigError(f"{source}: the other degrees multiply to {known}, which does not divide the "
-                                 f"{devices} devices; {what} would not be an integer")
+        raise TrainerConfigError(f"{source}: {others} = {known} does not divide the {devices} devices; {what} "
+                                 "would not be an integer")
     return devices // known
 
 

@@ -171,7 +171,8 @@ def from_megatron(text: str, *, devices: int | None = None, num_layers: int | No
                                      "parallelism; drop it to price the rest")
     tp, pp = num("--tensor-model-parallel-size", 1), num("--pipeline-model-parallel-size", 1)
     num_layers = num("--num-layers", num_layers)
-    data = leftover(devices, tp * pp, "the data-parallel size (world / (tensor x pipeline sizes))", source)
+    data = leftover(devices, tp * pp, "the data-parallel size (world / (tensor x pipeline sizes))", source,
+                    f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}")
     sharding = _sharding(f, source)
     fsdp = data if sharding == 3 else 1
     config = TrainerConfig(dp=data // fsdp, fsdp=fsdp, tp=tp, pp=pp, zero=sharding if sharding in (1, 2) and data > 1
@@ -204,7 +205,8 @@ def _precision(f: dict, source: str) -> dict[str, str]:
     if f.get("--bf16"):
         return {"precision": "bf16", "reduce_dtype": "bf16" if f.get("--grad-reduce-in-bf16") else "fp32"}
     if f.get("--fp16"):
-        return {"precision": "fp16", "reduce_dtype": "fp32" if f.get("--accumulate-allreduce-grads-in-fp32") else "fp16"}
+        fp32 = f.get("--accumulate-allreduce-grads-in-fp32")
+        return {"precision": "fp16", "reduce_dtype": "fp32" if fp32 else "fp16"}
     return {"precision": "fp32", "reduce_dtype": "fp32"}
 
 

@@ -170,8 +170,9 @@ def _degrees(get, devices: int | None, source: str) -> dict[str, int]:
     names = {"dp": "data_parallel_replicate_degree", "tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree"}
     out = {role: positive_int(get("parallelism", key), f"parallelism.{key}", source) for role, key in names.items()}
     shard = get("parallelism", "data_parallel_shard_degree")
+    others = " x ".join(f"{names[r]} {out[r]}" for r in names)
     out["fsdp"] = (leftover(devices, out["dp"] * out["tp"] * out["pp"], "parallelism.data_parallel_shard_degree = -1",
-                            source) if shard == -1 else
+                            source, others) if shard == -1 else
                    positive_int(shard, "parallelism.data_parallel_shard_degree", source))
     return out
 
