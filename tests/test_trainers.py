@@ -322,3 +322,16 @@ def test_cli_emit_round_trips_through_from(tmp_path, capsys):
 def test_cli_errors(argv, words, capsys):
     assert main(PLAN + argv + ["--out", "/dev/null"]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_degrees_role_sp_is_tensor_parallel_with_sequence_parallel():
+    from search.planner import degrees_spec, parse_degrees
+
+    cluster = SimpleNamespace(num_devices=8, devices_per_node=4, name="two nodes")
+    spec, shape = degrees_spec(parse_degrees("fsdp=2,sp=4"), cluster)
+    assert (spec.name, spec.roles, shape) == ("fsdp_sp", ("zero", "sp"), (2, 4))
+    assert TrainerConfig.from_degrees(parse_degrees("dp=2,sp=4")).degrees() == [("dp", 2), ("sp", 4)]
+    with pytest.raises(PlanningError, match="tp .* and sp .* are one degree"):
+        degrees_spec(parse_degrees("tp=2,sp=4"), cluster)
+    with pytest.raises(PlanningError, match="sp must be the innermost"):
+        degrees_spec(parse_degrees("sp=4,dp=2"), cluster)
