@@ -335,3 +335,42 @@ def test_degrees_role_sp_is_tensor_parallel_with_sequence_parallel():
         degrees_spec(parse_degrees("tp=2,sp=4"), cluster)
     with pytest.raises(PlanningError, match="sp must be the innermost"):
         degrees_spec(parse_degrees("sp=4,dp=2"), cluster)
+
+
+def _scheme(ms: float, fits: bool = True):
+    return SimpleNamespace(step_time_s=ms / 1e3, breakdown=SimpleNamespace(fits_memory=fits))
+
+
+def test_best_config_keeps_the_fastest_that_fits_and_why_others_were_left():
+    from search.expressible import best_config
+
+    configs = [TrainerConfig(dp=4), TrainerConfig(fsdp=4), TrainerConfig(dp=2, tp=2), TrainerConfig(dp=2, fsdp=2)]
+    times = {(4, 1, 1): (10.0, False), (1, 4, 1): (20.0, True), (2, 1, 2): (15.0, True)}
+
+    def price(c):
+        if c.dp == 2 and c.fsdp == 2:
+            raise PlanningError("hsdp does not apply")
+        return _scheme(*times[(c.dp, c.fsdp, c.tp)])
+
+    def expressible(c):
+        if c.tp > 1 and not c.sequence_parallel:
+            raise TrainerConfigError("no tp without sp")
+    best, tried = best_config(configs, price, expressible)
+    assert best.config == TrainerConfig(fsdp=4)            # dp=4 is faster but does not fit
+    assert [p.reason for p in tried] == ["", "", "no tp without sp", "hsdp does not apply"]
+    nothing_fits, _ = best_config(configs[:1], price, expressible)
+    assert nothing_fits.config == TrainerConfig(dp=4)      # none fits: the fastest, shown as not fitting
+
+
+def test_same_plan_compares_mesh_signatures_and_storages():
+    import dataclasses
+
+    from autoddl.plan import Mesh, Plan
+    from autoddl.sbp import B, NdSbp, S
+    from search.expressible import same_plan
+
+    plan = Plan(name="found", mesh=Mesh((4,), ("dp",)), signatures={}, param_storage={"w": NdSbp((B,))},
+                graph_hash="h")
+    assert same_plan(plan, dataclasses.replace(plan, name="dp"))
+    assert not same_plan(plan, dataclasses.replace(plan, optimizer_storage={"w": NdSbp((S(0),))}))
+    assert not same_plan(plan, dataclasses.replace(plan, param_storage={"w": NdSbp((S(0),))}))
