@@ -67,7 +67,8 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
                         "(roles dp, fsdp, tp, sp = tp with sequence parallel; outer axis first, tp or sp innermost)")
     t.add_argument("--zero", type=int, choices=(1, 2), help="with --degrees dp=...: ZeRO-1 (optimizer states) or "
                    "ZeRO-2 (and gradients) sharded over the dp axis")
-    t.add_argument("--no-search", action="store_true", help="with --degrees: price the given configuration only")
+    t.add_argument("--no-search", action="store_true",
+                   help="with --degrees or --from-*: price the given configuration only")
     p.add_argument("--memory-breakdown", action="store_true",
                    help="memory per device by category: parameters (masters, working copies, gathered), "
                         "gradients, optimizer states, activations (saved and recomputed), other")
@@ -163,7 +164,8 @@ def _search(args: argparse.Namespace, progress, training: Training | None = None
         degrees_spec(degrees, planned)                 # refuse bad degrees before tracing
         given = _degrees_pricer(args, planned, degrees)
     elif args.no_search and given is None:
-        raise ValueError("--no-search prices only a given configuration: add --degrees, e.g. --degrees fsdp=8")
+        raise ValueError("--no-search prices only a given configuration: add --degrees (e.g. --degrees fsdp=8), "
+                         "--from-torchtitan or --from-megatron")
     tracer = tracer or _Tracer(args, load_model_file(args.model_py, **overrides))
     mf = tracer.mf
     outcome, given_scheme, graph, error = None, None, None, ""
