@@ -3,7 +3,11 @@
 Every flag below is Megatron-LM's own, checked against NVIDIA/Megatron-LM at commit
 d98e8a64ddf34856e74b24714e3bedb2f5a39553 (2026-08-22). Many flags are generated from config dataclass
 fields (``ArgumentGroupFactory``: ``--`` + the field name with ``_`` -> ``-``,
-megatron/training/argument_utils.py); FLAGS says where each one is defined. Semantics used here:
+megatron/training/argument_utils.py); FLAGS says where each one is defined. The user documentation at
+that commit uses the same flags: docs/user-guide/parallelism-guide.md (tensor, pipeline, virtual
+pipeline, sequence parallel, batch sizes, --use-distributed-optimizer) and
+docs/user-guide/features/megatron_fsdp.md (--use-megatron-fsdp, --data-parallel-sharding-strategy
+no_shard / optim / optim_grads / optim_grads_params = DDP / ZeRO-1 / ZeRO-2 / ZeRO-3). Semantics used here:
 
 - The data-parallel size is not a flag: it is the world size / (tensor x pipeline x context sizes).
 - --global-batch-size defaults to micro-batch size x data-parallel size (one micro-batch per step);

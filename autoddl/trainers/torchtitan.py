@@ -8,6 +8,7 @@ Every section and key below is torchtitan's own, checked against its source:
     job configs (``--job.config_file``); #2386 then moved configurations to Python functions whose
     ``ParallelismConfig`` / ``TrainingConfig`` fields keep the names of [parallelism] and
     [training] (torchtitan/config/configs.py), and the same names are its ``--section.option`` flags.
+    Its docs at that commit use the same keys (docs/debugging.md, docs/converging.md).
     Semantics used here (same file, and torchtitan/distributed/activation_checkpoint.py,
     torchtitan/models/llama3/infra/parallelize.py at that commit):
     - local_batch_size is per data-parallel rank; global_batch_size -1 means local x dp degree, a larger
