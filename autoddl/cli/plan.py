@@ -360,11 +360,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(line)
         for note in given.plan.notes:
             print(f"note: {note}")
-    if user is not None:
-        print(plan_trainers.user_line(result, user))
-    if emitted is not None:
-        print(f"wrote {plan_trainers.write_emitted(args, emitted, result)} ({emitted.config.describe()}"
-              + (f"; {emitted.relation}" if emitted.relation else "") + ")")
+    plan_trainers.report(args, result, user, emitted)
     for line in coverage_report(graph).lines():
         print(f"warning: {line}")
     if given is not None:

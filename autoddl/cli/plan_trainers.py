@@ -205,6 +205,15 @@ def _sequence_length(graph: OpGraph) -> int | None:
     return None
 
 
+def report(args: argparse.Namespace, result: Planned, user: UserConfig | None, emitted: Emitted | None) -> None:
+    """Prints the user's configuration beside the found plan, and writes what --emit chose."""
+    if user is not None:
+        print(user_line(result, user))
+    if emitted is not None:
+        print(f"wrote {write_emitted(args, emitted, result)} ({emitted.config.describe()}"
+              + (f"; {emitted.relation}" if emitted.relation else "") + ")")
+
+
 def write_emitted(args: argparse.Namespace, emitted: Emitted, result: Planned) -> str:
     """Writes the emitted configuration with its header; returns the path."""
     bd, plan, mf, planned = emitted.scheme.breakdown, emitted.scheme.plan, result.mf, result.planned
