@@ -374,3 +374,15 @@ def test_same_plan_compares_mesh_signatures_and_storages():
     assert same_plan(plan, dataclasses.replace(plan, name="dp"))
     assert not same_plan(plan, dataclasses.replace(plan, optimizer_storage={"w": NdSbp((S(0),))}))
     assert not same_plan(plan, dataclasses.replace(plan, param_storage={"w": NdSbp((S(0),))}))
+
+
+def test_reads_torchtitans_own_llama3_8b_preset():
+    """torchtitan's llama3_8b.toml (tests/data, verbatim): FSDP over every GPU, one sequence of 8192 per
+    GPU, bf16 parameters with float32 reduction (torchtitan's defaults), per-op selective recompute."""
+    text = (ROOT / "tests" / "data" / "torchtitan_llama3_8b.toml").read_text()
+    config, ignored = read_config("torchtitan", text, devices=8)
+    assert config == TrainerConfig(fsdp=8, precision="bf16", reduce_dtype="fp32", recompute="selective",
+                                   micro_batch_size=1, seq_len=8192)
+    assert ignored == [] and config.describe() == "fsdp=8, bf16 (gradients reduced in fp32), recompute selective, " \
+        "micro-batch 1"
+    assert read_config("torchtitan", text, devices=64)[0].fsdp == 64      # the preset's 64 A100s
