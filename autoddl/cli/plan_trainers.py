@@ -60,7 +60,6 @@ class Emitted:
     config: TrainerConfig
     scheme: object                      # search.planner.Scheme
     relation: str                       # how it compares with the found plan
-    priced: int = 1                     # configurations priced to choose it
 
 
 def _user_source(args: argparse.Namespace) -> tuple[str, str, str] | None:
@@ -91,6 +90,8 @@ def search_with_trainer(args: argparse.Namespace, progress) -> tuple[Planned, _T
     source = _user_source(args)
     if args.emit and args.reduce_dtype is None and args.precision != "fp32" and source is None:
         args.reduce_dtype = TRAINER_REDUCE[args.emit][args.precision]
+    if args.emit and args.degrees:
+        check_expressible(args.emit, _degrees_config(args))        # before the search, not after it
     tracer = _Tracer(args, load_model_file(args.model_py, **model_overrides(args)))
     if source is None:
         return _search(args, progress, tracer=tracer), tracer, None
@@ -99,6 +100,8 @@ def search_with_trainer(args: argparse.Namespace, progress) -> tuple[Planned, _T
     blocks = recompute_blocks(tracer(1, training_of(args))[0])
     config, ignored = read_config(trainer, text, devices=planned.num_devices, num_layers=len(blocks), source=where)
     check_priceable(config)                       # before the search, not after it
+    if args.emit:
+        check_expressible(args.emit, config)
     what = "flags" if where == "--from-megatron" else os.path.basename(where)
     user = UserConfig(config, f"your {NAMES[trainer]} {what}", ignored)
     args.micro_batch_size, args.global_batch_size = config.micro_batch_size, config.global_batch_size
@@ -166,8 +169,7 @@ def choose_emitted(args: argparse.Namespace, result: Planned, tracer: _Tracer, u
                     f"ms; this, the best of {sum(p.scheme is not None for p in tried)} configurations "
                     f"{NAMES[trainer]} expresses, is predicted {slower(config_s, found):.2f}x its step time")
     result.extra.append(best.scheme)
-    return Emitted(trainer, _complete(best.config, best.scheme, result), best.scheme, relation,
-                   sum(p.scheme is not None for p in tried))
+    return Emitted(trainer, _complete(best.config, best.scheme, result), best.scheme, relation)
 
 
 def _degrees_config(args: argparse.Namespace) -> TrainerConfig:
