@@ -435,9 +435,12 @@ def zero_baselines(graph: OpGraph, dp: Scheme | None, cluster: Cluster, limit: f
 
 # -- a given configuration (--degrees) ------------------------------------------------------------
 
-DEGREE_ROLES = {"dp": "dp", "fsdp": "zero", "tp": "tp"}    # --degrees role -> baseline role
-_SPEC_NAMES = {("dp",): "dp", ("zero",): "zero3", ("tp",): "tp", ("dp", "tp"): "dp_tp", ("zero", "tp"): "fsdp_tp"}
-_ROLE_WORDS = {"dp": "data parallel", "fsdp": "ZeRO-3 / FSDP", "tp": "Megatron tensor parallel"}
+DEGREE_ROLES = {"dp": "dp", "fsdp": "zero", "tp": "tp", "sp": "sp"}    # --degrees role -> baseline role
+_SPEC_NAMES = {("dp",): "dp", ("zero",): "zero3", ("tp",): "tp", ("sp",): "sp", ("dp", "tp"): "dp_tp",
+               ("zero", "tp"): "fsdp_tp", ("dp", "sp"): "dp_sp", ("zero", "sp"): "fsdp_sp"}
+_ROLE_WORDS = {"dp": "data parallel", "fsdp": "ZeRO-3 / FSDP", "tp": "Megatron tensor parallel",
+               "sp": "Megatron tensor + sequence parallel"}
+MODEL_ROLES = ("tp", "sp")      # tensor parallel, without or with sequence parallel: the innermost degree
 
 
 def parse_degrees(text: str) -> list[tuple[str, int]]:
@@ -490,9 +493,14 @@ def degrees_spec(degrees: list[tuple[str, int]], cluster: Cluster) -> tuple[Base
                             f"{math.prod(d for _, d in degrees)})")
     axes = [(r, d) for r, d in degrees if d > 1] or [degrees[0]]
     roles = [r for r, _ in axes]
-    if "tp" in roles and roles[-1] != "tp":
-        raise PlanningError(f"--degrees {text}: tp must be the innermost (last) degree, inside a node; "
-                            f"e.g. --degrees {','.join(f'{r}={d}' for r, d in axes if r != 'tp')},tp={dict(axes)['tp']}")
+    model = [r for r in roles if r in MODEL_ROLES]
+    if len(model) > 1:
+        raise PlanningError(f"--degrees {text}: tp (tensor parallel) and sp (tensor parallel with sequence "
+                            "parallel) are one degree; give one of them")
+    if model and roles[-1] != model[0]:
+        m = model[0]
+        raise PlanningError(f"--degrees {text}: {m} must be the innermost (last) degree, inside a node; "
+                            f"e.g. --degrees {','.join(f'{r}={d}' for r, d in axes if r != m)},{m}={dict(axes)[m]}")
     if len(axes) > 1 and per_node > 1 and per_node % axes[-1][1]:
         raise PlanningError(f"--degrees {text}: the innermost degree {axes[-1][0]}={axes[-1][1]} must divide the "
                             f"{per_node} devices of a node (it runs inside one); put the axis that spans nodes first")
@@ -524,7 +532,7 @@ def price_degrees(graph: OpGraph, cluster: Cluster, degrees: list[tuple[str, int
     plan.notes.append(f"the configuration given by --degrees {text}: {spec.description}, priced as given "
                       "(not searched)")
     if zero:
-        if spec.name not in ("dp", "dp_tp"):
+        if spec.name not in ("dp", "dp_tp", "dp_sp"):
             raise PlanningError(f"--zero {zero} shards optimizer states over the dp axis; --degrees {text} has "
                                 "none (fsdp already shards parameters, gradients and optimizer states)")
         plan = with_zero(graph, plan, zero, name=plan.name)

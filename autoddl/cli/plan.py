@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -63,10 +64,11 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
                    help="samples per optimizer step: G / (M x data-parallel degree) micro-steps")
     t.add_argument("--degrees", metavar="ROLE=N,...",
                    help="price this expert configuration beside the found plan, e.g. fsdp=8 or dp=4,tp=8 "
-                        "(roles dp, fsdp, tp; outer axis first, tp innermost)")
+                        "(roles dp, fsdp, tp, sp = tp with sequence parallel; outer axis first, tp or sp innermost)")
     t.add_argument("--zero", type=int, choices=(1, 2), help="with --degrees dp=...: ZeRO-1 (optimizer states) or "
                    "ZeRO-2 (and gradients) sharded over the dp axis")
-    t.add_argument("--no-search", action="store_true", help="with --degrees: price the given configuration only")
+    t.add_argument("--no-search", action="store_true",
+                   help="with --degrees or --from-*: price the given configuration only")
     p.add_argument("--memory-breakdown", action="store_true",
                    help="memory per device by category: parameters (masters, working copies, gathered), "
                         "gradients, optimizer states, activations (saved and recomputed), other")
@@ -114,10 +116,12 @@ class Planned:
     trace_s: float
     search_error: str = ""                             # why the search found nothing (with --degrees)
     graphs: dict = field(default_factory=dict)         # (batch, param_dtype) -> traced graph
+    extra: list = field(default_factory=list)          # more priced schemes (--emit's best configuration)
 
     @property
     def schemes(self) -> list[Scheme]:
-        return (list(self.outcome.schemes) if self.outcome else []) + ([self.given] if self.given else [])
+        return (list(self.outcome.schemes) if self.outcome else []) + ([self.given] if self.given else []) + \
+            list(self.extra)
 
 
 class _Tracer:
@@ -143,8 +147,13 @@ def _provenance(scheme: Scheme | None, args: argparse.Namespace, overrides: dict
         scheme.plan.batch_size = batch
 
 
+GivenPricer = Callable[["_Tracer", Training], tuple[Scheme, OpGraph, "int | None"]]
+
+
 def _search(args: argparse.Namespace, progress, training: Training | None = None,
-            tracer: _Tracer | None = None) -> Planned:
+            tracer: _Tracer | None = None, given: GivenPricer | None = None) -> Planned:
+    """The search under ``training`` and, beside it, the user's configuration: ``--degrees``, or
+    ``given`` ((tracer, training) -> its scheme, graph and traced batch; --from-torchtitan/-megatron)."""
     overrides = model_overrides(args)
     training = training or training_of(args)
     cluster = Cluster.from_yaml(args.cluster)
@@ -153,29 +162,38 @@ def _search(args: argparse.Namespace, progress, training: Training | None = None
     degrees = parse_degrees(args.degrees) if args.degrees else None
     if degrees:
         degrees_spec(degrees, planned)                 # refuse bad degrees before tracing
-    elif args.no_search:
-        raise ValueError("--no-search prices only a given configuration: add --degrees, e.g. --degrees fsdp=8")
+        given = _degrees_pricer(args, planned, degrees)
+    elif args.no_search and given is None:
+        raise ValueError("--no-search prices only a given configuration: add --degrees (e.g. --degrees fsdp=8), "
+                         "--from-torchtitan or --from-megatron")
     tracer = tracer or _Tracer(args, load_model_file(args.model_py, **overrides))
     mf = tracer.mf
-    outcome, given, graph, error = None, None, None, ""
+    outcome, given_scheme, graph, error = None, None, None, ""
     if not args.no_search:
         graph, batch, tr = tracer(planned.num_devices, training)
         try:
             outcome = search(graph, planned, model_name=graph.model_name, mesh=mesh, memory_gb=args.memory_gb,
                              optimizer=args.optimizer, progress=progress, training=tr)
         except NoFeasiblePlanError as exc:
-            if not degrees:
+            if given is None:
                 raise
             error = str(exc)
         for scheme in outcome.schemes if outcome else ():
             _provenance(scheme, args, overrides, batch, mf)
-    if degrees:
-        g2, batch2, tr2 = tracer(data_parallel_degree(degrees), training)
-        given = price_degrees(g2, planned, degrees, model_name=g2.model_name, memory_gb=args.memory_gb,
-                              optimizer=args.optimizer, training=tr2, zero=args.zero or 0)
-        _provenance(given, args, overrides, batch2, mf)
+    if given is not None:
+        given_scheme, g2, batch2 = given(tracer, training)
+        _provenance(given_scheme, args, overrides, batch2, mf)
         graph = graph or g2
-    return Planned(mf, cluster, planned, outcome, given, graph, tracer.seconds, error, tracer.graphs)
+    return Planned(mf, cluster, planned, outcome, given_scheme, graph, tracer.seconds, error, tracer.graphs)
+
+
+def _degrees_pricer(args: argparse.Namespace, planned: Cluster, degrees: list[tuple[str, int]]) -> GivenPricer:
+    def price(tracer: _Tracer, training: Training) -> tuple[Scheme, OpGraph, int | None]:
+        g2, batch2, tr2 = tracer(data_parallel_degree(degrees), training)
+        scheme = price_degrees(g2, planned, degrees, model_name=g2.model_name, memory_gb=args.memory_gb,
+                               optimizer=args.optimizer, training=tr2, zero=args.zero or 0)
+        return scheme, g2, batch2
+    return price
 
 
 # -- tables ---------------------------------------------------------------------------------------
@@ -250,9 +268,9 @@ def _print_schemes(schemes: list[Scheme], graphs: dict[str, OpGraph | None], bre
 
 def _graphs_by_scheme(result: Planned) -> dict[str, OpGraph | None]:
     out: dict[str, OpGraph | None] = {s.name: result.graph for s in (result.outcome.schemes if result.outcome else [])}
-    if result.given is not None:
-        p = result.given.plan
-        out[result.given.name] = result.graphs.get((p.batch_size, p.training.param_dtype), result.graph)
+    for given in ([result.given] if result.given is not None else []) + list(result.extra):
+        p = given.plan
+        out[given.name] = result.graphs.get((p.batch_size, p.training.param_dtype), result.graph)
     return out
 
 
@@ -298,11 +316,17 @@ def add_plan(subparsers) -> None:
     p.add_argument("--scheme", default="found", choices=SCHEMES,
                    help="which plan to write: found (default) or a baseline (with --degrees: the given one)")
     p.add_argument("--verbose", action="store_true", help="print the per-op table of the found plan")
+    from autoddl.cli.plan_trainers import add_trainer_options
+
+    add_trainer_options(p)
     p.set_defaults(func=run_plan)
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    result = _search(args, progress=lambda m: print("  " + m, file=sys.stderr))
+    from autoddl.cli import plan_trainers
+
+    result, tracer, user = plan_trainers.search_with_trainer(args, progress=lambda m: print("  " + m, file=sys.stderr))
+    emitted = plan_trainers.choose_emitted(args, result, tracer, user) if args.emit else None
     mf, graph, cluster, outcome, given = result.mf, result.graph, result.cluster, result.outcome, result.given
     print(f"model:    {mf.name} ({mf.path}) {graph.parameter_count / 1e6:,.1f}M parameters, "
           f"{len(graph.ops())} ops, traced in {result.trace_s:.2f} s")
@@ -336,6 +360,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(line)
         for note in given.plan.notes:
             print(f"note: {note}")
+    plan_trainers.report(args, result, user, emitted)
     for line in coverage_report(graph).lines():
         print(f"warning: {line}")
     if given is not None:
@@ -350,7 +375,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print()
         print(chosen.plan.summary().to_string(index=False))
     chosen.plan.save(args.out)
-    print(f"wrote {args.out} ({chosen.plan.name} plan{' given by --degrees ' + chosen.name if given else ''})")
+    by = f" given by {'--degrees ' if args.degrees else ''}{chosen.name}" if given else ""
+    print(f"wrote {args.out} ({chosen.plan.name} plan{by})")
     _print_next(args.out, chosen.plan, planned)
     return 0
 

@@ -1,0 +1,127 @@
+"""Pricing trainer configurations, and the best plan a trainer can express.
+
+A ``TrainerConfig`` (autoddl/trainers) is priced as the expert configuration of its degrees
+(``price_config``: the one call into ``search.planner.price_degrees``). ``structured_configs``
+lists a trainer's structured space on a cluster: every split of the devices into a data-parallel
+part (replicated, sharded, both, with the trainer's ZeRO stages) and a tensor-parallel degree that
+stays inside a node, with and without sequence parallel as the trainer allows; ``best_config``
+prices each and keeps the fastest that fits. Pipeline degrees join once ``pp`` is a role of
+``--degrees`` (the planner's pipeline pricing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from autoddl.cluster import Cluster
+from autoddl.graph import OpGraph
+from autoddl.trainers import TrainerConfig, TrainerConfigError
+from autoddl.training import RECOMPUTE_POLICIES, Training
+from search.planner import PlanningError, Scheme, price_degrees, recompute_blocks
+
+TRAINERS = ("torchtitan", "megatron")
+
+
+def price_config(graph: OpGraph, cluster: Cluster, config: TrainerConfig, *, base: Training | None = None,
+                 name: str = "", memory_gb: float | None = None, optimizer: str = "adamw") -> Scheme:
+    """``config`` priced by the full cost model as its ``--degrees`` expert plan, under its precision
+    and recompute; ``base`` gives the rest (micro-steps, buckets). ``graph`` is traced at the
+    configuration's micro-step batch and precision. The scheme is named ``name``."""
+    check_priceable(config)
+    base = base or Training()
+    training = dataclasses.replace(config.training(recompute_blocks(graph), bucket_mb=base.bucket_mb),
+                                   micro_batches=base.micro_batches)
+    scheme = price_degrees(graph, cluster, config.degrees(), model_name=graph.model_name, memory_gb=memory_gb,
+                           optimizer=optimizer, training=training, zero=config.zero)
+    if name:
+        scheme.plan.notes = [n.replace("the configuration given by --degrees", f"{name}, as --degrees")
+                             for n in scheme.plan.notes]
+        scheme.name = name
+    return scheme
+
+
+def check_priceable(config: TrainerConfig) -> None:
+    """Raises PlanningError for what ``price_config`` cannot price yet (pipeline stages)."""
+    if config.pp > 1:
+        raise PlanningError(f"{config.describe()}: pipeline pricing needs the pp role of --degrees "
+                            "(search.planner.parse_degrees / price_degrees), which this planner does not have yet; "
+                            "price the configuration with pipeline parallel degree 1")
+
+
+def structured_configs(trainer: str, cluster: Cluster, settings: TrainerConfig) -> list[TrainerConfig]:
+    """``trainer``'s structured configurations on ``cluster`` (module docstring), each with
+    ``settings``'s precision, recompute and batch sizes (its degrees are ignored)."""
+    if trainer not in TRAINERS:
+        raise ValueError(f"trainer {trainer!r}: choose one of {list(TRAINERS)}")
+    n, per_node = cluster.num_devices, cluster.devices_per_node
+    out = []
+    for tp in _divisors(n):
+        if tp > 1 and tp != n and per_node % tp:
+            continue                                   # tensor parallel stays inside a node
+        rest = n // tp
+        for dp in _divisors(rest):
+            for zero in _zero_stages(trainer, dp, rest // dp):
+                for sp in _sequence_parallel(trainer, tp):
+                    out.append(dataclasses.replace(settings, dp=dp, fsdp=rest // dp, tp=tp, pp=1, zero=zero,
+                                                   sequence_parallel=sp, schedule=None, virtual_stages=1))
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _zero_stages(trainer: str, dp: int, fsdp: int) -> tuple[int, ...]:
+    if trainer == "torchtitan" or dp == 1:
+        return (0,)                                    # torchtitan shards with FSDP only
+    return (0, 1, 2) if fsdp == 1 else ()              # Megatron: no replicated x sharded (HSDP) flags
+
+
+def _sequence_parallel(trainer: str, tp: int) -> tuple[bool, ...]:
+    if tp == 1:
+        return (False,)
+    return (True,) if trainer == "torchtitan" else (False, True)
+
+
+def recompute_variants(config: TrainerConfig, recompute: str) -> list[TrainerConfig]:
+    """``config`` under ``recompute``, or under each policy for ``auto`` (a trainer takes one)."""
+    policies = RECOMPUTE_POLICIES if recompute == "auto" else (recompute,)
+    return [dataclasses.replace(config, recompute=p, recompute_every=1) for p in policies]
+
+
+@dataclass
+class Priced:
+    config: TrainerConfig
+    scheme: Scheme | None
+    reason: str = ""                                   # why it was not priced
+
+
+def best_config(configs: list[TrainerConfig], price: Callable[[TrainerConfig], Scheme],
+                expressible: Callable[[TrainerConfig], object]) -> tuple[Priced | None, list[Priced]]:
+    """(the fastest configuration that fits, else the fastest; every one tried). A configuration
+    ``expressible`` rejects (TrainerConfigError) or that does not apply (PlanningError) is kept
+    with the reason."""
+    tried = []
+    for config in configs:
+        try:
+            expressible(config)
+            tried.append(Priced(config, price(config)))
+        except (TrainerConfigError, PlanningError) as exc:
+            tried.append(Priced(config, None, str(exc)))
+    priced = [p for p in tried if p.scheme is not None]
+    fitting = [p for p in priced if p.scheme.breakdown.fits_memory] or priced
+    best = min(fitting, key=lambda p: p.scheme.step_time_s, default=None)
+    return best, tried
+
+
+def same_plan(a, b) -> bool:
+    """Two plans with the same mesh, signatures and storages (ZeRO ones included)."""
+    return (a.mesh.shape == b.mesh.shape and a.signatures == b.signatures and a.param_storage == b.param_storage
+            and a.optimizer_storage == b.optimizer_storage and a.grad_storage == b.grad_storage)
+
+
+def slower(config_s: float, found_s: float) -> float:
+    return config_s / found_s if found_s > 0 else math.inf
