@@ -38,7 +38,8 @@ from autoddl.sbp import B, P, NdSbp, Signature, S
 
 # one module per op family; importing registers their rules
 from autoddl.ops import (  # noqa: E402,F401  (imported for their registrations)
-    attention, conv, creation, embedding, loss, matmul, norm, pointwise, pool, reduction, view,
+    attention, conv, creation, embedding, indexing, loss, matmul, norm, pointwise, pool, reduction, scan, sort,
+    view,
 )
 
 __all__ = [
