@@ -486,8 +486,6 @@ def test_hf_mask_routing_and_scan_ops_execute_correctly():
         (make_node("aten.histc.default", t(16), 4, 0, 3), "[S(0)] -> [P]"),
         (make_node("aten.__and__.Tensor", t(dtype=torch.bool), t(4, 1, 8, 8, dtype=torch.bool)), "[B], [S(2)] -> [S(2)]"),
         (make_node("aten.empty_like.default", t(4, 8, dtype=i64)), "[S(1)] -> [S(1)]"),
-        (make_node("aten.gather.default", t(4, 8), 1, t(4, 6, dtype=i64)), "[S(0)], [S(0)] -> [S(0)]"),
-        (make_node("aten.gather.default", t(1, 8, dtype=i64), 1, t(1, 6, dtype=i64)), "[B], [S(1)] -> [S(1)]"),
     ]
     for node, expected in cases:
         assert R.has_rule(node), node.target

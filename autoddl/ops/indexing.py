@@ -16,12 +16,6 @@ result's shape) at those positions: a dim taken whole may be split (``x``, ``val
 the result alike, indices B); the indexed dims never. With ``accumulate`` every write
 adds, so ``x`` P and ``values`` P give P; without it, duplicate positions keep one write
 chosen by the backend, which need not be the same piece on every device: no P.
-
-``gather(x, dim, index)``: ``out[..i..] = x[..index[..i..] at dim..]``, shaped as ``index``.
-Along ``dim`` the index values are whole-dim positions: ``index`` S(dim) with ``x`` B gives
-S(dim). On another dim d both read the same row, so ``x`` and ``index`` split d together,
-when they have the same size there (gather allows a smaller index). ``x`` P, index B -> P.
-(BERT's position ids: ``gather(buffered_ids.expand(batch, max_len), 1, positions)``.)
 """
 
 from __future__ import annotations
@@ -97,18 +91,4 @@ def index_put(node: OpNode) -> list[Sig1D] | None:
         sigs.append(((S(d),) + (B,) * n_index + (v,), (S(d),)))
     if bound_args(node).get("accumulate") and is_float(node.outputs[0]):
         sigs.append(((P,) + (B,) * n_index + (P,), (P,)))
-    return sigs
-
-
-@register("gather")
-def gather(node: OpNode) -> list[Sig1D] | None:
-    bound = bound_args(node)
-    x, index = (m.shape for m in node.input_metas[:2])
-    if len(node.inputs) != 2 or len(x) != len(index):
-        return None
-    dim = bound["dim"] % max(len(x), 1)
-    sigs: list[Sig1D] = [((B, S(dim)), (S(dim),))]
-    sigs += [((S(d), S(d)), (S(d),)) for d in range(len(x)) if d != dim and x[d] == index[d]]
-    if is_float(node.outputs[0]):
-        sigs.append(((P, B), (P,)))
     return sigs
