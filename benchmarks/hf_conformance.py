@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import os
 import sys
 import time
@@ -170,6 +169,8 @@ def table(names, check: bool) -> list[dict]:
 
 
 def main(argv=None) -> None:
+    from autoddl.atomic import write_csv_atomic
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="", help="comma-separated case names (default: all of CASES)")
     p.add_argument("--no-check", action="store_true", help="skip the 2-rank --check runs")
@@ -183,10 +184,7 @@ def main(argv=None) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     warnings.simplefilter("ignore")
     rows = table(names, check=not args.no_check)
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv_atomic(args.out, [{k: row.get(k) for k in COLUMNS} for row in rows], COLUMNS)
     print(f"wrote {args.out} ({len(rows)} rows)")
 
 

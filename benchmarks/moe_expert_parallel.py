@@ -1,6 +1,6 @@
-"""Expert parallelism priced: writes results/moe_expert_parallel.csv (planning only, ~1 min).
+"""Expert parallelism priced: writes results/moe_expert_parallel.csv (planning only, ~15 s).
 
-A Mixtral of ~1.6B parameters (HF ``MixtralConfig``: hidden 1024, 8 experts of FFN 3584,
+A Mixtral of 0.43B parameters (HF ``MixtralConfig``: hidden 1024, 8 experts of FFN 3584,
 top-2, 4 layers, vocabulary 32000; built on the meta device, nothing allocated) at batch 8 x
 sequence 1024, planned on one mesh axis of each cluster. Three plans per cluster:
 
@@ -51,7 +51,7 @@ def trace_mixtral():
     with torch.device("meta"):
         model = transformers.MixtralForCausalLM(config).train()
     ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    return autoddl.trace(model, {"input_ids": ids}, loss_fn, targets={"labels": ids}, name="mixtral-1.6b")
+    return autoddl.trace(model, {"input_ids": ids}, loss_fn, targets={"labels": ids}, name="mixtral-0.4b")
 
 
 def expert_parallel(plan, graph):
