@@ -180,10 +180,13 @@ class _Lowering:
         self.inner(node, sig, "forward")
 
     def inner(self, node: OpNode, sig: Signature, phase: str) -> None:
-        """The collectives the op's local kernel runs itself (autoddl.ops.inner_collectives), synchronous."""
+        """The collectives the op's local kernel runs itself (autoddl.ops.inner_collectives), synchronous;
+        in backward those autograd runs again (``in_backward``)."""
         from autoddl import ops
 
         for c in ops.inner_collectives(node, sig, self.mesh):
+            if phase == "backward" and not c.in_backward:
+                continue
             self.emit(phase=phase, stream=comm_stream(c.axis), op=node.name, collective=c.kind, axis=c.axis,
                       nbytes=c.nbytes, tensor=f"{node.name} {c.what}")
 
@@ -372,6 +375,7 @@ class _Lowering:
             share = work_divisor(sig, self.mesh)
             self.emit(phase="backward", stream=COMPUTE, op=node.name, local_flops=node.flops / share,
                       local_bytes=(node.bytes_read + node.bytes_written) / share)
+            self.inner(node, sig, "backward")
             for source in firsts.get(node.name, []):
                 if isinstance(source, BoxKey):
                     edge = self.prog.edges[source]

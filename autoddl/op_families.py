@@ -61,7 +61,10 @@ INDEX_OPS = frozenset({"index_put", "index_put_", "scatter", "scatter_", "masked
 MATMUL_OPS = frozenset({"linear", "mm", "addmm", "matmul", "bmm"})
 
 # Ops whose backward is two products of the forward's size (input and weight gradients).
-MATMUL_LIKE = MATMUL_OPS | {"baddbmm"} | CONV_OPS | SDPA_OPS
+# Mixture-of-experts layers traced as one op (autoddl/moe.py): two expert matmuls per routed token.
+MOE_OPS = frozenset({"autoddl.moe_experts.default"})
+
+MATMUL_LIKE = MATMUL_OPS | {"baddbmm"} | CONV_OPS | SDPA_OPS | MOE_OPS
 
 # Ops that cost nothing to run: views, aliases and reading one output of a multi-output op.
 ZERO_COST = VIEW_OPS | {"getitem"}

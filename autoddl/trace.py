@@ -30,6 +30,7 @@ from torch import nn
 
 from autoddl.flops import op_bytes, op_flops, short_name
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
+from autoddl.moe import fuse_experts
 from autoddl.precision import cast_forward_inputs, working_copy
 
 
@@ -162,6 +163,7 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[..., torch.Te
     meta_inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in step)
     meta_inputs = cast_forward_inputs(meta_inputs, step.n_args + len(step.kwarg_names), param_dtype)
     meta_model = to_meta(model, param_dtype)
+    fuse_experts(meta_model)           # MoE layers as one op (autoddl/moe.py)
     plain = loss_fn is None and not step.kwarg_names and not step.has_targets
     root: nn.Module = meta_model if plain else _Step(meta_model, loss_fn, step.layout())
     with _captured_torch_output() as printed:

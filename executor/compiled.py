@@ -72,6 +72,11 @@ class LocalStep:
         mesh axis ``axis``, waited for."""
         return wait(funcol.all_reduce(t, op, self.boxer.groups[axis]))
 
+    def all_to_all(self, t: torch.Tensor, axis: int, output_split_sizes: list, input_split_sizes: list) -> torch.Tensor:
+        """What an expert-parallel kernel dispatches with (autoddl/ops/moe.py): one all-to-all on mesh
+        axis ``axis``, waited for; differentiable (backward runs the reverse all-to-all)."""
+        return wait(funcol.all_to_all_single_autograd(t, output_split_sizes, input_split_sizes, self.boxer.groups[axis]))
+
     def param_use(self, index: int) -> torch.Tensor:
         """Parameter use ``index`` in its use layout, as a leaf whose gradient is hooked: a standing
         leaf sharing the parameter's storage when the use needs no move nor cast (made once), else
@@ -224,7 +229,8 @@ class ProgramCompiler:
         return out
 
     def kernel(self, node: OpNode, sig) -> Any:
-        local = ops.local_kernel(node, sig, self.mesh, self.step.boxer.coord, all_reduce=self.step.all_reduce)
+        local = ops.local_kernel(node, sig, self.mesh, self.step.boxer.coord, all_reduce=self.step.all_reduce,
+                                 all_to_all=self.step.all_to_all)
         if local is not None:
             return local
         if node.target == "getitem":

@@ -232,9 +232,12 @@ def _node_vectors(node: OpNode, cands: list[Signature], mesh: tuple[int, ...], c
             step = op_compute_time_s(node, sig, mesh, cluster, needs_backward=needs_grad)
             if recomputed:
                 step += op_forward_time_s(node, sig, mesh, cluster)
-            inner = [(c.kind, c.axis, c.nbytes) for c in ops.inner_collectives(node, sig, mesh)]
-            if inner:       # the kernel's own collectives, forward (and again when recomputed)
-                step += (1 + recomputed) * transitions_time_s(inner, mesh, cluster)
+            inner = ops.inner_collectives(node, sig, mesh)
+            if inner:       # the kernel's own collectives, forward (and again when recomputed), and
+                # those autograd runs again in backward
+                step += (1 + recomputed) * transitions_time_s([(c.kind, c.axis, c.nbytes) for c in inner], mesh, cluster)
+                step += transitions_time_s([(c.kind, c.axis, c.nbytes) for c in inner if c.in_backward and needs_grad],
+                                           mesh, cluster)
             cost[j] = training.micro_batches * step
             if saves:
                 mem[j] = sum(m.nbytes * nd.shard_fraction(mesh)

@@ -168,7 +168,7 @@ def test_python_dash_m(write_model):
     assert "(top 1 of 5 ops by FLOPs)" in proc.stdout
 
 
-CUMSUM_MODEL = """
+UNRULED_MODEL = """
 import torch
 from torch import nn
 
@@ -179,7 +179,7 @@ class M(nn.Module):
         self.fc = nn.Linear(8, 8)
 
     def forward(self, x):
-        return torch.cumsum(self.fc(x), dim=1)
+        return torch.trace(self.fc(x))
 
 
 def build_model():
@@ -192,11 +192,11 @@ def example_inputs():
 
 
 def test_trace_and_plan_warn_about_ops_they_only_approximate(write_model, capsys):
-    """An op without an SBP rule (cumsum) is named with its count by trace and by plan."""
-    path = str(write_model(CUMSUM_MODEL, "cums.py"))
+    """An op without an SBP rule (trace: a matrix trace) is named with its count by trace and by plan."""
+    path = str(write_model(UNRULED_MODEL, "cums.py"))
     code, out, err = run(["trace", path], capsys)
     assert code == 0, err
-    assert "warning:    1 ops without an SBP rule (planned replicated, all-B): aten.cumsum.default x1" in out
+    assert "warning:    1 ops without an SBP rule (planned replicated, all-B): aten.trace.default x1" in out
     code, out, err = run(["plan", path, "--devices", "2", "--out", os.devnull], capsys)
     assert code == 0, err
-    assert "warning: 1 ops without an SBP rule (planned replicated, all-B): aten.cumsum.default x1" in out
+    assert "warning: 1 ops without an SBP rule (planned replicated, all-B): aten.trace.default x1" in out

@@ -2,7 +2,8 @@
 
 Issue 11, item 1. Every case of benchmarks/hf_conformance.py (examples/hf/hf.py:
 Llama, Mistral, Qwen2, Gemma, Phi-3, GPT-NeoX, GPT-2, BERT, RoBERTa, T5, ViT,
-the Whisper encoder, Mixtral with HF's grouped_mm experts and with batched_mm) is
+the Whisper encoder, Mixtral with HF's grouped_mm experts and with batched_mm, both traced
+as one MoE op per layer, autoddl/moe.py) is
 
 - traced on the meta device with the HF model unwrapped (keyword inputs, labels as
   targets): parameter count against the HF model's own ``num_parameters()``, every
@@ -64,17 +65,21 @@ def test_every_linear_layer_costs_its_hand_formula(name):
         assert node.flops == expected, (node.name, node.module_path)
 
 
-def test_mixtral_experts_cost_one_expert_matmul_per_routed_token():
-    """The issue's MoE case: HF's grouped_mm custom op was priced ~1/3000 of its work."""
-    mf, graph, _ = traced("mixtral")
+@pytest.mark.parametrize("name", ["mixtral", "mixtral_batched"])
+def test_mixtral_experts_cost_one_expert_matmul_per_routed_token(name):
+    """The issue's MoE case: HF's grouped_mm custom op was priced ~1/3000 of its work. Either HF
+    implementation traces as one autoddl::moe_experts op per layer (autoddl/moe.py), costed as the
+    two expert matmuls of every routed token plus the gate (2I) and the weighted sum (2H)."""
+    mf, graph, _ = traced(name)
     cfg = mf.model.config
     input_ids = mf.forward_kwargs["input_ids"]
     routed = input_ids.numel() * cfg.num_experts_per_tok                 # (token, expert) pairs
     gate_up = 2 * routed * cfg.hidden_size * (2 * cfg.intermediate_size)
     down = 2 * routed * cfg.intermediate_size * cfg.hidden_size
-    grouped = [n for n in graph.ops() if n.target == "transformers.grouped_mm_fallback.default"]
-    assert len(grouped) == 2 * cfg.num_hidden_layers
-    assert sum(n.flops for n in grouped) == cfg.num_hidden_layers * (gate_up + down)
+    rest = routed * (2 * cfg.intermediate_size + 2 * cfg.hidden_size)
+    moe = [n for n in graph.ops() if n.target == "autoddl.moe_experts.default"]
+    assert len(moe) == cfg.num_hidden_layers
+    assert sum(n.flops for n in moe) == cfg.num_hidden_layers * (gate_up + down + rest)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -38,7 +38,8 @@ from autoddl.sbp import B, P, NdSbp, Signature, S
 
 # one module per op family; importing registers their rules
 from autoddl.ops import (  # noqa: E402,F401  (imported for their registrations)
-    attention, conv, creation, embedding, loss, matmul, norm, pointwise, pool, reduction, view,
+    attention, conv, creation, embedding, indexing, loss, matmul, moe, norm, pointwise, pool, reduction, scan,
+    sort, view,
 )
 
 __all__ = [
@@ -56,11 +57,11 @@ def aten_op(node: OpNode) -> Callable[..., Any]:
     if node.target == "getitem":
         return _getitem
     parts = node.target.split(".")
-    if len(parts) != 3 or parts[0] != "aten":
-        raise ValueError(f"autoddl.ops: op {node.name} has target {node.target!r}, not an aten op "
-                         "'aten.<name>.<overload>'")
+    if len(parts) != 3:
+        raise ValueError(f"autoddl.ops: op {node.name} has target {node.target!r}, not a torch op "
+                         "'<namespace>.<name>.<overload>' (e.g. aten.mm.default)")
     try:
-        return getattr(getattr(torch.ops.aten, parts[1]), parts[2])
+        return getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
     except AttributeError:
         raise ValueError(f"autoddl.ops: torch {torch.__version__} has no op {node.target!r} "
                          f"(node {node.name})") from None
@@ -235,27 +236,35 @@ def inner_collectives(node: OpNode, sig: Signature, mesh_shape: Sequence[int]) -
 
 
 def local_kernel(node: OpNode, sig: Signature, mesh_shape: Sequence[int],
-                 coord: Sequence[int], all_reduce: Callable[..., Any] | None = None) -> Callable[..., Any] | None:
+                 coord: Sequence[int], all_reduce: Callable[..., Any] | None = None,
+                 all_to_all: Callable[..., Any] | None = None) -> Callable[..., Any] | None:
     """A replacement for the aten op on device ``coord`` when ``sig`` needs one, else None.
 
     The callable takes the same arguments as the aten op (local tensors, ``local_args``). A
-    signature with inner collectives needs ``all_reduce(tensor, axis, op) -> tensor`` (op "sum" or
-    "max" over mesh axis ``axis``, a new tensor, every rank of the axis calling it alike)."""
+    signature with inner collectives needs the callables that run them, every rank of the axis
+    calling them alike: ``all_reduce(tensor, axis, op) -> tensor`` (op "sum" or "max" over mesh
+    axis ``axis``, a new tensor) and ``all_to_all(tensor, axis, output_split_sizes,
+    input_split_sizes) -> tensor`` (differentiable)."""
     rule = RULES.get(node.op_name)
     if rule is None or rule.local_kernel is None:
         return None
-    if inner_collectives(node, sig, mesh_shape):
-        if all_reduce is None:
-            raise ValueError(f"op {node.name} ({node.target}) under {sig} communicates inside its kernel "
-                             "(autoddl.ops.inner_collectives); pass local_kernel an all_reduce that runs them")
-        return rule.local_kernel(node, sig, tuple(mesh_shape), tuple(coord), all_reduce=all_reduce)
+    needed = {c.kind.value for c in inner_collectives(node, sig, mesh_shape)}
+    given = {"all_reduce": all_reduce, "all_to_all": all_to_all}
+    missing = sorted(k for k in needed if given.get(k) is None)
+    if missing:
+        raise ValueError(f"op {node.name} ({node.target}) under {sig} communicates inside its kernel "
+                         f"(autoddl.ops.inner_collectives); pass local_kernel {' and '.join(missing)} to run them")
+    if needed:
+        return rule.local_kernel(node, sig, tuple(mesh_shape), tuple(coord), all_reduce=all_reduce,
+                                 all_to_all=all_to_all)
     return rule.local_kernel(node, sig, tuple(mesh_shape), tuple(coord))
 
 
-def local_callable(node: OpNode, sig: Signature, mesh_shape: Sequence[int],
-                   coord: Sequence[int], all_reduce: Callable[..., Any] | None = None) -> Callable[..., Any]:
+def local_callable(node: OpNode, sig: Signature, mesh_shape: Sequence[int], coord: Sequence[int],
+                   all_reduce: Callable[..., Any] | None = None,
+                   all_to_all: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """What device ``coord`` runs for ``node`` under ``sig``: the local kernel or the aten op."""
-    return local_kernel(node, sig, mesh_shape, coord, all_reduce) or aten_op(node)
+    return local_kernel(node, sig, mesh_shape, coord, all_reduce, all_to_all) or aten_op(node)
 
 
 def localize_devices(args: Any, kwargs: dict[str, Any], device: str | torch.device) -> tuple[Any, dict[str, Any]]:

@@ -183,7 +183,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
                                            ignore_index, divisor)
 
 
-def class_loss_kernel(node: OpNode, sig: Signature, mesh_shape, coord, all_reduce=None):
+def class_loss_kernel(node: OpNode, sig: Signature, mesh_shape, coord, all_reduce=None, all_to_all=None):
     """The vocabulary-parallel kernel when the class dim is split, else mean_loss_kernel's."""
     axes = _class_axes(sig)
     if not axes:

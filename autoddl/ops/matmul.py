@@ -116,3 +116,15 @@ def einsum(node: OpNode) -> list[Sig1D] | None:
         return None
     ins = [[L if m.shape[i] != 1 else None for i, L in enumerate(s)] for s, m in zip(specs, node.input_metas)]
     return _with_bias(node, einsum_sigs(ins, list(rhs)), tuple(range(len(specs))), None)
+
+
+@register("transformers.grouped_mm_fallback.default")
+def grouped_mm(node: OpNode) -> list[Sig1D] | None:
+    """transformers' grouped matmul: x (S, K) rows sorted by expert, w (E, K, N), offs (E,) the end
+    row of each expert's group -> (S, N); per group an mm, so einsum rules on k and n. The groups'
+    bounds are global row numbers (offs), so the rows are never split here; the expert dim of
+    ``w`` neither (autoddl/ops/moe.py splits the experts of a whole MoE layer)."""
+    if len(node.inputs) != 3:
+        return None
+    core = einsum_sigs([["s", "k"], [None, "k", "n"]], ["s", "n"])
+    return [(ops + (B,), (o,)) for ops, o in core if ops[0] != S(0)]

@@ -1,5 +1,8 @@
 """Element-wise ops (unary, binary with broadcasting, where, copies, dtype casts, dropout).
 
+Also the Python bitwise operators on masks (``&``, ``|``, ``^``, ``~``: ``__and__`` ...) and
+``empty_like``, whose uninitialised output takes its input's shape and so its split.
+
 A split output dim d takes S on every operand that has d at full size (aligned from
 the right, numpy broadcasting) and B on an operand that lacks it or has it as size 1.
 P passes only where the op is linear in that operand: add/sub of P and P; mul of P by
@@ -22,14 +25,14 @@ UNARY = (
     "reciprocal", "square", "floor", "ceil", "round", "sign", "logical_not", "bitwise_not",
     "clamp", "clamp_", "clamp_min", "clamp_max", "pow", "pow_", "threshold", "nan_to_num",
     "isnan", "isinf", "dropout", "fill", "fill_", "zeros_like", "ones_like", "full_like",
-    "sigmoid_", "tanh_", "exp_", "sqrt_", "rsqrt_",
+    "sigmoid_", "tanh_", "exp_", "sqrt_", "rsqrt_", "empty_like", "__invert__",
 )
 LINEAR_UNARY = ("neg", "neg_", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "_to_copy", "to")
 BINARY = (
     "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "maximum", "minimum", "eq", "ne",
     "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or",
     "bitwise_xor", "where", "masked_fill", "masked_fill_", "lerp", "addcmul", "addcdiv", "copy_",
-    "rsub", "floor_divide", "remainder", "fmod", "atan2", "type_as", "copy",
+    "rsub", "floor_divide", "remainder", "fmod", "atan2", "type_as", "copy", "__and__", "__or__", "__xor__",
 )
 
 

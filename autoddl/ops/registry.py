@@ -15,8 +15,9 @@ middle (Megatron's vocabulary-parallel cross-entropy all-reduces the row max,
 then the sum of exponentials and the target logit). A rule lists those apart
 (``inner_sigs``) with ``inner``, the collectives its kernel runs
 (``InnerCollective``: kind, mesh axis, bytes, reduce op, in call order); its
-``local_kernel`` then takes an ``all_reduce(tensor, axis, op) -> tensor``
-keyword through which it runs them. They are offered only to a caller that
+``local_kernel`` then takes an ``all_reduce(tensor, axis, op) -> tensor`` and an
+``all_to_all(tensor, axis, output_split_sizes, input_split_sizes) -> tensor`` keyword
+through which it runs them (expert parallelism's dispatch, autoddl/ops/moe.py). They are offered only to a caller that
 says it prices and runs such collectives (``inner_collectives=True``).
 """
 
@@ -46,8 +47,9 @@ class InnerCollective:
     kind: CollectiveKind
     axis: int
     nbytes: int
-    reduce_op: str                      # "sum" | "max"
+    reduce_op: str                      # "sum" | "max" ("" for an all-to-all)
     what: str = ""                      # what it reduces, for explain and the audit's labels
+    in_backward: bool = False           # autograd runs it again (reversed) in backward
 
 
 InnerFn = Callable[[OpNode, Signature, MeshShape], list[InnerCollective]]

@@ -68,7 +68,8 @@ def build_model(arch: str = "llama", experts: str = "grouped_mm") -> torch.nn.Mo
 
     ``experts`` is the MoE expert implementation (Mixtral): HF's default ``grouped_mm``
     (a custom op, ``transformers::grouped_mm_fallback``, on CPU) or ``batched_mm``
-    (each token gathers its experts' weights: plain aten ops)."""
+    (each token gathers its experts' weights: plain aten ops). autoddl traces either as one
+    ``autoddl::moe_experts`` op per layer (autoddl/moe.py), so both give the same graph."""
     model_cls, config_cls, config_kw, _ = _arch(arch)
     config = getattr(transformers, config_cls)(**config_kw)
     config._attn_implementation = "eager" if arch == "t5" else "sdpa"
