@@ -35,13 +35,14 @@ CollectiveHook = Callable[[CollectiveKind, int, int, str], None]
 
 @dataclass
 class Boxer:
-    """What a rank needs to run moves: its mesh coordinate, one process group per mesh axis,
+    """What a rank needs to run moves: its mesh coordinate, one process group per mesh axis (by name:
+    functional collectives resolve it, and holding no group object lets destroy_process_group free it),
     the backend (which decides how a kind is carried out) and an optional hook told of every
     collective before it is issued (the audit labels records with it)."""
 
     mesh_shape: tuple[int, ...]
     coord: tuple[int, ...]
-    groups: Sequence[object]
+    groups: Sequence[str]
     backend: str
     on_collective: CollectiveHook | None = None
 

@@ -23,11 +23,17 @@ import atexit
 import copy
 import datetime
 import os
+import weakref
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+# torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when first imported,
+# and functional collectives import it on first use. Imported after init_process_group, it keeps the
+# world group (and its gloo threads) alive past destroy_process_group until the interpreter tears its
+# modules down; imported here, before any group exists, its defaults are None and destroy frees it.
+import torch.distributed.nn.functional  # noqa: F401
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -129,7 +135,7 @@ class DistributedModel(nn.Module):
         self.module = copy.deepcopy(model)  # the caller's model stays a plain single-device reference
         self.program = lower(graph, plan)
         boxer = Boxer(tuple(plan.mesh.shape), tuple(mesh.get_coordinate()),
-                      [mesh.get_group(a) for a in range(mesh.ndim)], dist.get_backend(), self._on_collective)
+                      [mesh.get_group(a).group_name for a in range(mesh.ndim)], dist.get_backend(), self._on_collective)
         self.boxer = boxer
         self.local_params = self._place_parameters(boxer)
         training = plan.training
@@ -539,14 +545,25 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     from autoddl.trace import trace
 
     graph = trace(model, example_inputs, loss_fn, name=type(model).__name__, param_dtype=plan.training.param_dtype)
-    if not dist.is_initialized():       # ours to start, so ours to shut down when the script ends
-        atexit.register(_destroy_process_group)
+    owns_group = not dist.is_initialized()
     mesh = init_mesh(plan, device, timeout_s=timeout_s)
+    if owns_group:                      # ours to start, so ours to shut down when the script ends
+        atexit.register(_shut_down, weakref.ref(mesh))
     return ParallelModule(model, graph, plan, mesh)
 
 
-def _destroy_process_group() -> None:
-    """At exit: a process group left alive makes gloo's threads abort the process ("terminate called
-    without an active exception") while the interpreter tears down."""
-    if dist.is_initialized():
+def _shut_down(mesh_ref: "weakref.ref[DeviceMesh]") -> None:
+    """At exit, while the interpreter is whole: wait for every rank (a barrier: no rank closes its
+    connections while a peer still uses them), destroy the process group, and drop the groups the
+    mesh keeps (the user's DTensors keep the mesh), so that the groups and their gloo threads end
+    here. Left to the interpreter's teardown, they made gloo abort the process now and then under
+    load ("terminate called without an active exception")."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    finally:
         dist.destroy_process_group()
+        mesh = mesh_ref()
+        if mesh is not None:
+            getattr(mesh, "_pg_registry", {}).clear()   # DeviceMesh's name -> group cache (torch 2.13)

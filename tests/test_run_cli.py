@@ -296,7 +296,14 @@ USER_SCRIPT = textwrap.dedent('''
     from autoddl.loader import load_model_file
     from autoddl.plan import Plan
     from torch.distributed.tensor import DTensor
+    import atexit, glob
 
+    def threads_at_exit():  # registered before parallelize's own exit handler, so it runs after it
+        names = sorted(open(p).read().strip() for p in glob.glob("/proc/self/task/*/comm"))
+        with open(os.path.join(sys.argv[2], f"threads{os.environ['RANK']}.json"), "w") as f:
+            json.dump(names, f)
+
+    atexit.register(threads_at_exit)
     plan = Plan.load(sys.argv[1])
     torch.manual_seed(0)
     mf = load_model_file(plan.model, device="cpu")
@@ -344,9 +351,10 @@ def _busy_loop(seconds: float) -> None:
 
 @pytest.mark.distributed
 def test_parallelize_in_a_users_torchrun_script(setup, tmp_path):
-    """The script never shuts the process group down itself: parallelize() does at exit. CI once saw
-    rank 0 abort at exit (SIGABRT) twice in two runs; two runs in a row, each beside a process
-    that keeps one core busy, must all exit 0."""
+    """The script never shuts the process group down itself: parallelize() does at exit, and the
+    group's gloo threads are gone once it has (a group left to the interpreter's teardown made rank 0
+    abort at exit now and then under load). Two runs in a row, each beside a process that keeps one
+    core busy, must all exit 0."""
     _, _, paths = setup
     script = tmp_path / "train.py"
     script.write_text(USER_SCRIPT)
@@ -373,6 +381,8 @@ def test_parallelize_in_a_users_torchrun_script(setup, tmp_path):
             assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert r["losses"][1][0] < r["losses"][0][0]  # it trains
         assert r["grad_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
+        threads = json.loads((tmp_path / f"threads{rank}.json").read_text())
+        assert not [t for t in threads if "gloo" in t], threads
 
 
 def test_plan_and_run_bf16_selective_recompute_micro_steps(tmp_path, capsys):
