@@ -48,13 +48,16 @@ def local_bytes(nbytes: int, nd: NdSbp, mesh_shape: Sequence[int]) -> int:
     return int(round(nbytes * nd.shard_fraction(mesh_shape)))
 
 
-def local_parameters(graph: OpGraph, plan: Plan, layout: Callable[[Plan, str], NdSbp] = storage_of
-                     ) -> tuple[int, int]:
+def local_parameters(graph: OpGraph, plan: Plan, layout: Callable[[Plan, str], NdSbp] = storage_of,
+                     only: frozenset[str] | None = None) -> tuple[int, int]:
     """(bytes, elements) of the parameters one device keeps in ``layout`` (default: their storage;
-    used ones only: see used_parameters), at the masters' dtype (float32 for floating parameters)."""
+    used ones only: see used_parameters; ``only`` these when given: a pipeline rank's), at the
+    masters' dtype (float32 for floating parameters)."""
     mesh = plan.mesh.shape
     nbytes = numel = 0
     for fqn, node in used_parameters(graph).items():
+        if only is not None and fqn not in only:
+            continue
         frac = layout(plan, fqn).shard_fraction(mesh)
         meta = node.outputs[0]
         nbytes += int(round(meta.numel * (MASTER_ITEMSIZE if meta.is_floating else meta.itemsize) * frac))
@@ -62,10 +65,10 @@ def local_parameters(graph: OpGraph, plan: Plan, layout: Callable[[Plan, str], N
     return nbytes, numel
 
 
-def master_parameters(graph: OpGraph, plan: Plan) -> tuple[int, int]:
+def master_parameters(graph: OpGraph, plan: Plan, only: frozenset[str] | None = None) -> tuple[int, int]:
     """(bytes, elements) of the float32 masters the optimizer updates on one device: each
     parameter's piece in its optimizer storage (ZeRO-1/2 shard it; else its storage)."""
-    return local_parameters(graph, plan, optimizer_storage_of)
+    return local_parameters(graph, plan, optimizer_storage_of, only)
 
 
 def param_state_bytes(numel_local: float, training: Training, optimizer: str) -> float:

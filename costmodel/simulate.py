@@ -5,15 +5,17 @@ One pass over the tasks in issue order (every dependency is issued earlier):
 ``end = start + duration``. Streams are the compute stream and one
 communication stream per mesh axis, so an asynchronous gradient bucket runs
 while backward goes on, and is exposed only where the optimizer (or the next
-bucket) has to wait for it. Durations:
+bucket) has to wait for it. With pipeline stages every pp rank has its own streams (and a
+``p2p`` stream for its sends), so a rank idles where its schedule waits for another's
+activations: the bubble, priced as the schedule runs. Durations:
 
 - compute: the roofline of the op's local share (costmodel.compute), forward (again, when
   recomputed in backward) or backward; an op of a checkpointed block also pays what the
   checkpoint adds per op (``costmodel.compute.recompute_overhead_s``);
 - collective: alpha-beta on the link of its mesh axis, as the backend carries it out
   (costmodel.collectives);
-- optimizer: the memory-bound step over the local parameters, plus the executor's fixed
-  per-step cost (``cluster.executor.step_us``).
+- optimizer: the memory-bound step over the local parameters (a pp rank's own), plus the
+  executor's fixed per-step cost (``cluster.executor.step_us``).
 """
 
 from __future__ import annotations
@@ -48,17 +50,25 @@ class Timeline:
     def step_time_s(self) -> float:
         return max((t.end_s for t in self.tasks), default=0.0)
 
-    def busy_s(self, *, stream: str | None = None, phase: str | None = None, collective: bool | None = None
-               ) -> float:
+    def busy_s(self, *, stream: str | None = None, phase: str | None = None, collective: bool | None = None,
+               pp_rank: int | None = None) -> float:
         """Summed durations of the tasks matching every given filter."""
         return sum(t.duration_s for t in self.tasks
                    if (stream is None or t.task.stream == stream) and (phase is None or t.task.phase == phase)
-                   and (collective is None or t.task.is_collective == collective))
+                   and (collective is None or t.task.is_collective == collective)
+                   and (pp_rank is None or t.task.pp_rank == pp_rank))
+
+    @property
+    def busiest_rank(self) -> int:
+        """The pp rank whose compute stream is busiest (0 without pipeline stages)."""
+        ranks = {t.task.pp_rank for t in self.tasks} or {0}
+        return max(sorted(ranks), key=lambda r: self.busy_s(stream=COMPUTE, pp_rank=r))
 
     @property
     def exposed_comm_s(self) -> float:
-        """Step time not covered by the compute stream: communication nothing overlapped."""
-        return max(0.0, self.step_time_s - self.busy_s(stream=COMPUTE))
+        """Step time not covered by the (busiest rank's) compute stream: communication nothing
+        overlapped, and with pipeline stages the bubble too (CostBreakdown separates it)."""
+        return max(0.0, self.step_time_s - self.busy_s(stream=COMPUTE, pp_rank=self.busiest_rank))
 
 
 @dataclass(frozen=True)
@@ -81,15 +91,15 @@ class RecomputeInfo:
                    frozenset(firsts[b] for b in blocks), frozenset(ops[0].name for ops in blocks.values()))
 
 
-def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recompute: RecomputeInfo | None = None
-                ) -> float:
+def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recompute: RecomputeInfo | None = None,
+                params: frozenset[str] | None = None) -> float:
     """Duration of one task (module docstring); ``recompute``: :meth:`RecomputeInfo.of` the plan
-    (found when not given)."""
+    (found when not given); ``params``: the parameters an optimizer task updates (None: all)."""
     mesh = tuple(plan.mesh.shape)
     if task.is_collective:
         return cluster_collective_time_s(task.collective, task.nbytes, mesh, task.axis, cluster)
     if task.phase == "optimizer":
-        param_bytes, param_numel = master_parameters(graph, plan)
+        param_bytes, param_numel = master_parameters(graph, plan, params)
         return optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster) + cluster.executor.step_us * 1e-6
     node = graph[task.op]
     sig = signature_of(plan, node)
@@ -109,14 +119,21 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
 def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster) -> Timeline:
     """The timeline of ``program`` on ``cluster`` (module docstring)."""
     end: list[float] = []
-    stream_free: dict[str, float] = {}
+    stream_free: dict[tuple[int, str], float] = {}
     timed: list[TimedTask] = []
     recompute = RecomputeInfo.of(graph, plan)
+    rank_params = program.pipeline.rank_params if program.pipeline is not None else ()
+    memo: dict[tuple, float] = {}       # a pipeline copies each chunk's tasks once per micro-batch
     for task in program.tasks:
-        start = max([end[d] for d in task.deps] + [stream_free.get(task.stream, 0.0)])
-        finish = start + task_time_s(task, graph, plan, cluster, recompute)
+        key = (task.phase, task.op, task.stream, task.collective, task.axis, task.nbytes, task.pp_rank)
+        if key not in memo:
+            params = rank_params[task.pp_rank] if rank_params and task.phase == "optimizer" else None
+            memo[key] = task_time_s(task, graph, plan, cluster, recompute, params)
+        stream = (task.pp_rank, task.stream)
+        start = max([end[d] for d in task.deps] + [stream_free.get(stream, 0.0)])
+        finish = start + memo[key]
         end.append(finish)
-        stream_free[task.stream] = finish
+        stream_free[stream] = finish
         timed.append(TimedTask(task, start, finish))
     return Timeline(timed)
 
