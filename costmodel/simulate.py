@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph
 from autoddl.plan import Plan
+from autoddl.pipeline import schedule_makespan
 from autoddl.program import COMPUTE, StepProgram, Task, block_of, recomputed_ops, signature_of
 from costmodel.collectives import cluster_collective_time_s
 from costmodel.compute import op_backward_time_s, op_forward_time_s, optimizer_time_s, recompute_overhead_s
@@ -136,6 +137,27 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
         stream_free[stream] = finish
         timed.append(TimedTask(task, start, finish))
     return Timeline(timed)
+
+
+def bubble_s(timeline: Timeline, program: StepProgram) -> float:
+    """The pipeline bubble: the step time the schedule would take with free sends and each action
+    taking its compute (as simulated), less the busiest pp rank's compute (0 without stages).
+    With equal stages this is (P - 1) / m of the compute for 1F1B and GPipe, (P - 1) / (V m) for
+    interleaved 1F1B (autoddl/pipeline.py)."""
+    layout = program.pipeline
+    if layout is None:
+        return 0.0
+    spent: dict[tuple[int, str, int, int], float] = {}
+    for t in timeline.tasks:
+        task = t.task
+        if task.stream == COMPUTE and task.phase != "optimizer":
+            chunk = layout.stage_of_op[task.op] // layout.stages
+            key = (task.pp_rank, "F" if task.phase == "forward" else "B", task.micro_step, chunk)
+            spent[key] = spent.get(key, 0.0) + t.duration_s
+    makespan = schedule_makespan(layout.actions, layout.virtual_stages,
+                                 lambda r, a: spent.get((r, a.kind, a.micro_batch, a.chunk), 0.0))
+    busiest = max(sum(v for k, v in spent.items() if k[0] == r) for r in range(layout.stages))
+    return max(0.0, makespan - busiest)
 
 
 def chrome_trace(timeline: Timeline, ranks: int = 1) -> dict:
