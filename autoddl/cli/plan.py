@@ -26,7 +26,7 @@ from autoddl.graph import NodeKind, OpGraph
 from autoddl.loader import ModelFile, ModelFileError, load_for_plan, load_model_file
 from autoddl.ops import coverage_report
 from autoddl.plan import Mesh, Plan
-from autoddl.training import DEFAULT_BUCKET_MB, DTYPES, RECOMPUTE_CHOICES, RECOMPUTE_POLICIES, Training
+from autoddl.training import DEFAULT_BUCKET_MB, DTYPES, RECOMPUTE_CHOICES, RECOMPUTE_POLICIES, SCHEDULES, Training
 from search.planner import (SCHEMES, Scheme, SearchOutcome, data_parallel_degree, degrees_spec, parse_degrees,
                             price_degrees, recompute_blocks, resolve_cluster, search)
 from search.problem import NoFeasiblePlanError
@@ -62,8 +62,12 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
     t.add_argument("--global-batch-size", type=int, metavar="G",
                    help="samples per optimizer step: G / (M x data-parallel degree) micro-steps")
     t.add_argument("--degrees", metavar="ROLE=N,...",
-                   help="price this expert configuration beside the found plan, e.g. fsdp=8 or dp=4,tp=8 "
-                        "(roles dp, fsdp, tp; outer axis first, tp innermost)")
+                   help="price this expert configuration beside the found plan, e.g. fsdp=8, dp=4,tp=8 or "
+                        "pp=8,dp=16,tp=8 (roles pp, dp, fsdp, tp; outer axis first: pp outermost, tp innermost)")
+    t.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                   help="with a pp degree: the pipeline schedule (default 1f1b)")
+    t.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="with --schedule interleaved: chunks (virtual stages) per pp rank (default 1)")
     t.add_argument("--zero", type=int, choices=(1, 2), help="with --degrees dp=...: ZeRO-1 (optimizer states) or "
                    "ZeRO-2 (and gradients) sharded over the dp axis")
     t.add_argument("--no-search", action="store_true", help="with --degrees: price the given configuration only")
@@ -172,7 +176,8 @@ def _search(args: argparse.Namespace, progress, training: Training | None = None
     if degrees:
         g2, batch2, tr2 = tracer(data_parallel_degree(degrees), training)
         given = price_degrees(g2, planned, degrees, model_name=g2.model_name, memory_gb=args.memory_gb,
-                              optimizer=args.optimizer, training=tr2, zero=args.zero or 0)
+                              optimizer=args.optimizer, training=tr2, zero=args.zero or 0,
+                              schedule=args.schedule, virtual_stages=args.virtual_stages)
         _provenance(given, args, overrides, batch2, mf)
         graph = graph or g2
     return Planned(mf, cluster, planned, outcome, given, graph, tracer.seconds, error, tracer.graphs)
@@ -228,6 +233,7 @@ def _print_schemes(schemes: list[Scheme], graphs: dict[str, OpGraph | None], bre
     rows, skipped = [], []
     show_recompute = any(s.plan is not None and _recompute_label(s.plan, graphs.get(s.name)) != "none"
                          for s in schemes)
+    show_bubble = any(s.plan is not None and s.breakdown.bubble_s > 0 for s in schemes)
     for s in schemes:
         if s.plan is None:
             skipped.append(f"{s.name}: not applicable: {s.reason}")
@@ -236,11 +242,12 @@ def _print_schemes(schemes: list[Scheme], graphs: dict[str, OpGraph | None], bre
         rows.append((s.name, str(s.plan.mesh), f"{bd.step_time_s * 1e3:.3f}", f"{bd.compute_s * 1e3:.3f}",
                      f"{(bd.boxing_forward_s + bd.boxing_backward_s) * 1e3:.3f}", f"{bd.grad_sync_s * 1e3:.3f}",
                      f"{bd.optimizer_s * 1e3:.3f}")
+                    + ((f"{bd.bubble_s * 1e3:.3f}",) if show_bubble else ())
                     + ((_recompute_label(s.plan, graphs.get(s.name)),) if show_recompute else ())
                     + (_rate(s.plan), f"{c.model_tflops_per_device:.1f}" if c.model_tflops_per_device else "-")
                     + _memory_cells(bd, breakdown) + ("yes" if bd.fits_memory else "NO",))
     header = (("scheme", "mesh", "step ms", "compute ms", "boxing ms", "grad sync ms", "optimizer ms")
-              + (("recompute",) if show_recompute else ()) + (_rate_column(schemes), "TFLOP/s/dev")
+              + (("bubble ms",) if show_bubble else ()) + (("recompute",) if show_recompute else ()) + (_rate_column(schemes), "TFLOP/s/dev")
               + _memory_header(breakdown) + ("fits",))
     numeric = [i for i, h in enumerate(header) if h not in ("scheme", "mesh", "recompute", "fits")]
     print(table(header, rows, numeric=numeric))
