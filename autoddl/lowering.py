@@ -434,9 +434,9 @@ class _Lowering:
         first_of = {u.fqn: self.first_consumer[u.index] for u in reversed(self.prog.param_uses)}
         stage_of_task = [self.stage(t.op if t.op in self.stage_of else first_of.get(t.op, "")) for t in self.prog.tasks]
         ranks: list[set[str]] = [set() for _ in range(p)]
-        for use in self.prog.param_uses:
-            for node in self.graph.consumers(self.graph.parameters()[use.fqn].name):
-                ranks[self.stage(node.name) % p].add(use.fqn)
+        for fqn, param in used_parameters(self.graph).items():
+            for node in self.graph.consumers(param.name):
+                ranks[self.stage(node.name) % p].add(fqn)
         layout = PipelineLayout(p, tr.virtual_stages, tr.micro_batches, tr.schedule,
                                 tuple(map(tuple, schedule_actions(tr.schedule, p, tr.micro_batches, tr.virtual_stages))),
                                 self.stage_of, tuple(boundary_tensors(self.graph, self.plan, self.stage_of, self.rg)),

@@ -129,6 +129,7 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
     On tp/sp axes no activation is split on dim 0 (the all-B candidate is always allowed)."""
     param_slots = {slot: ref.node for slot, ref in enumerate(node.inputs) if ref.node in params}
     model_axes = [axis for axis, role in enumerate(roles) if role in ("tp", "sp")]
+    batch_axes = [axis for axis, role in enumerate(roles) if role in ("dp", "zero")]
     seq_axes = [axis for axis, role in enumerate(roles) if role == "sp"]
     megatron = _megatron_layer(node, param_slots)
     best, best_key = -1, (np.inf,)
@@ -161,6 +162,8 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
                    if ref.node not in params and ref.node in index and assignment[index[ref.node]] >= 0]
         if any(_megatron_forbids(src, dst, roles, axis, node) for src, dst in sources for axis in model_axes):
             continue
+        if any(d[axis].is_partial() and not s[axis].is_partial() for s, d in sources for axis in batch_axes):
+            continue                          # data parallel never turns an activation into a partial sum
         boxed = int(any(_collective_needed(src, dst) for src, dst in sources))
         if megatron and "sp" in roles:      # the weight (not a bias) split, then as few collectives as can be
             splits = sum(sig.inputs[slot][axis].is_split() for slot in param_slots for axis in model_axes
