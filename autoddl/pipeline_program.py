@@ -21,7 +21,7 @@ the task that waits for it (what costmodel/simulate.py's one pass needs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.pipeline import P2P, Action, Boundary, issue_order
@@ -66,33 +66,68 @@ def pipeline_tasks(tasks: list[Task], stage_of_task: list[int], layout: Pipeline
         for a in acts:
             if a.kind == "B":
                 last_b[(r, a.chunk)] = a.micro_batch
+    templates: dict[tuple[int, str, bool], Template] = {}
     out: list[Task] = []
     ready: dict[tuple[str, int, int], tuple[int, ...]] = {}   # (F|B, micro-batch, virtual stage) -> what to wait for
     last: list[int | None] = [None] * layout.stages
     for r, a, vs, src in issue_order(layout.actions, layout.virtual_stages):
         entry = tuple(sorted(set(ready.get(src, ()) + ((last[r],) if last[r] is not None else ()))))
         keep_deferred = a.kind == "B" and last_b[(r, a.chunk)] == a.micro_batch
-        last[r] = _copy_chunk(out, chunks.get((vs, a.kind), []), entry, a.micro_batch, r, async_ids,
-                              set() if keep_deferred else deferred) or last[r]
+        key = (vs, a.kind, keep_deferred)
+        if key not in templates:
+            templates[key] = _template(chunks.get((vs, a.kind), []), async_ids, set() if keep_deferred else deferred)
+        host = _copy_chunk(out, templates[key], entry, a.micro_batch, r)
+        last[r] = host if host is not None else last[r]
         ready[(a.kind, a.micro_batch, vs)] = _sends(out, layout, a, vs, r, last[r])
     return out, last
 
 
-def _copy_chunk(out: list[Task], chunk: list[Task], entry: tuple[int, ...], micro_batch: int, rank: int,
-                async_ids: set[int], skip: set[int]) -> int | None:
-    """Append one micro-batch's copy of ``chunk``; returns its last host task (None when empty)."""
-    new_id: dict[int, tuple[int, ...]] = {}
+Template = tuple[list[tuple[Task, tuple[int, ...], bool]], "int | None"]
+
+
+def _template(chunk: list[Task], async_ids: set[int], skip: set[int]) -> Template:
+    """How a copy of ``chunk`` is laid out: per kept task, its dependencies as offsets from the
+    copy's first task and whether it waits for the copy's entry (a task with no dependency inside
+    the chunk does; a skipped task hands its own on); and the offset of the last host task."""
+    at: dict[int, tuple[frozenset[int], bool]] = {}
+    rows: list[tuple[Task, tuple[int, ...], bool]] = []
     host = None
     for t in chunk:
-        deps = tuple(sorted({d for old in t.deps if old in new_id for d in new_id[old]})) or entry
+        offsets: set[int] = set()
+        entry = False
+        for old in t.deps:
+            if old in at:
+                offsets |= at[old][0]
+                entry |= at[old][1]
+        entry = entry or not offsets
         if t.id in skip:
-            new_id[t.id] = deps
+            at[t.id] = (frozenset(offsets), entry)
             continue
-        out.append(replace(t, id=len(out), deps=deps, micro_step=micro_batch, pp_rank=rank))
-        new_id[t.id] = (len(out) - 1,)
+        at[t.id] = (frozenset({len(rows)}), False)
+        rows.append((t, tuple(sorted(offsets)), entry))
         if t.id not in async_ids:
-            host = len(out) - 1
-    return host
+            host = len(rows) - 1
+    return rows, host
+
+
+def _copy_chunk(out: list[Task], template: Template, entry: tuple[int, ...], micro_batch: int, rank: int
+                ) -> int | None:
+    """Append one micro-batch's copy of a chunk laid out as ``template``; returns its last host task
+    (None when it has none)."""
+    rows, host = template
+    base = len(out)
+    for t, offsets, waits in rows:
+        deps = tuple(base + o for o in offsets) + (entry if waits else ())
+        out.append(_clone(t, len(out), deps, micro_batch, rank))
+    return None if host is None else base + host
+
+
+def _clone(t: Task, id: int, deps: tuple[int, ...], micro_step: int, pp_rank: int) -> Task:
+    """``dataclasses.replace(t, ...)`` without its per-call field introspection (a pipeline copies
+    hundreds of thousands of tasks)."""
+    new = object.__new__(Task)
+    new.__dict__.update(t.__dict__, id=id, deps=deps, micro_step=micro_step, pp_rank=pp_rank)
+    return new
 
 
 def _sends(out: list[Task], layout: PipelineLayout, a: Action, vs: int, rank: int, after: int | None

@@ -20,7 +20,7 @@ activations: the bubble, priced as the schedule runs. Durations:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph
@@ -46,6 +46,7 @@ class TimedTask:
 @dataclass
 class Timeline:
     tasks: list[TimedTask]
+    _sums: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def step_time_s(self) -> float:
@@ -54,10 +55,14 @@ class Timeline:
     def busy_s(self, *, stream: str | None = None, phase: str | None = None, collective: bool | None = None,
                pp_rank: int | None = None) -> float:
         """Summed durations of the tasks matching every given filter."""
-        return sum(t.duration_s for t in self.tasks
-                   if (stream is None or t.task.stream == stream) and (phase is None or t.task.phase == phase)
-                   and (collective is None or t.task.is_collective == collective)
-                   and (pp_rank is None or t.task.pp_rank == pp_rank))
+        if self._sums is None:              # one pass: (stream, phase, collective, rank) -> seconds
+            self._sums = {}
+            for t in self.tasks:
+                key = (t.task.stream, t.task.phase, t.task.is_collective, t.task.pp_rank)
+                self._sums[key] = self._sums.get(key, 0.0) + t.duration_s
+        return sum(v for (s, p, c, r), v in self._sums.items()
+                   if (stream is None or s == stream) and (phase is None or p == phase)
+                   and (collective is None or c == collective) and (pp_rank is None or r == pp_rank))
 
     @property
     def busiest_rank(self) -> int:
