@@ -115,6 +115,11 @@ def stage_of_ops(graph: OpGraph, plan: Plan) -> dict[str, int]:
         raise ValueError(f"plan {plan.name!r}: training.stage_cuts {list(cuts)} must name {n - 1} distinct "
                          f"repeated blocks after the first, in forward order (the first block of virtual stages "
                          f"1..{n - 1}), e.g. {list(equal_cuts(blocks, n))}")
+    return stages_from_cuts(graph, cuts)
+
+
+def stages_from_cuts(graph: OpGraph, cuts: Sequence[str]) -> dict[str, int]:
+    """Op name -> virtual stage when stage s + 1 starts at block ``cuts[s]`` (unchecked)."""
     starts = {c: s + 1 for s, c in enumerate(cuts)}
     out, stage = {}, 0
     for node in graph.ops():

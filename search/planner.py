@@ -569,6 +569,19 @@ def price_degrees(graph: OpGraph, cluster: Cluster, degrees: list[tuple[str, int
     return Scheme(text, plan, bd)
 
 
+def inner_tp_plan(graph: OpGraph, cluster: Cluster, tp: int, training: Training, optimizer: str = "adamw") -> Plan:
+    """The plan inside one pipeline stage of one data-parallel rank: Megatron tp over a (tp,) mesh
+    (the dp baseline on (1,) when tp is 1), unpriced (search/pipeline_search.py's fast estimate)."""
+    shape, spec = (tp,), baseline_specs(1)[2 if tp > 1 else 0]
+    form = formulate(graph, cluster.resized(tp), shape, optimizer=optimizer, training=training)
+    base = build_baseline(form, spec)
+    if not base.applicable:
+        raise PlanningError(f"tp={tp}: {spec.description} does not apply to {graph.model_name or 'this model'}: "
+                            f"{base.reason}")
+    return assignment_plan(spec.name, form, base.assignment, graph.fingerprint(), graph.model_name, cluster,
+                           optimizer, training)
+
+
 def pipeline_training(graph: OpGraph, training: Training, pp: int, schedule: str, virtual_stages: int,
                       text: str) -> Training:
     """``training`` under pipeline ``schedule``, after checking it fits the model and the micro-batches."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 from autoddl.cluster import Cluster
@@ -25,9 +26,29 @@ from costmodel.memory import activation_bytes, local_bytes, param_state_bytes
 from costmodel.simulate import simulate
 
 
-def block_costs(graph: OpGraph, plan: Plan, cluster: Cluster) -> tuple[list[str], list[float], list[float]]:
-    """(blocks in forward order, seconds per block, bytes per block) of ``plan`` without stages (one
-    micro-batch): the module docstring's attribution."""
+@dataclass
+class BlockCosts:
+    """Per repeated block (forward order) of one micro-batch of a plan without stages: forward and
+    backward seconds (compute and the synchronous collectives of its ops; backward includes
+    recompute), the bytes it keeps, and the one-micro-batch timeline's gradient-sync and optimizer
+    seconds (asynchronous, of the whole model)."""
+
+    blocks: list[str]
+    forward_s: list[float]
+    backward_s: list[float]
+    nbytes: list[float]
+    activation_bytes: list[float]
+    grad_sync_s: float
+    optimizer_s: float
+
+    @property
+    def seconds(self) -> list[float]:
+        return [f + b for f, b in zip(self.forward_s, self.backward_s)]
+
+
+def block_costs(graph: OpGraph, plan: Plan, cluster: Cluster) -> BlockCosts:
+    """The :class:`BlockCosts` of ``plan`` (no stages; one micro-batch): the module docstring's
+    attribution."""
     blocks = repeated_blocks(graph)
     if not blocks:
         raise ValueError(f"{graph.model_name or 'the model'} has no repeated blocks (module paths with a numeric "
@@ -39,19 +60,23 @@ def block_costs(graph: OpGraph, plan: Plan, cluster: Cluster) -> tuple[list[str]
         current = b if b != "root" else current
         owner[node.name] = current
     one = dataclasses.replace(plan, training=dataclasses.replace(plan.training, micro_batches=1))
-    seconds = dict.fromkeys(blocks, 0.0)
-    for t in simulate(lower(graph, one), graph, one, cluster).tasks:
-        if t.task.op in owner:
-            seconds[owner[t.task.op]] += t.duration_s
-    nbytes = dict.fromkeys(blocks, 0.0)
+    forward, backward = dict.fromkeys(blocks, 0.0), dict.fromkeys(blocks, 0.0)
+    timeline = simulate(lower(graph, one), graph, one, cluster)
+    for t in timeline.tasks:
+        if t.task.op in owner and t.task.phase in ("forward", "backward", "recompute"):
+            (forward if t.task.phase == "forward" else backward)[owner[t.task.op]] += t.duration_s
+    saved = dict.fromkeys(blocks, 0.0)
     for name, size in activation_bytes(graph, one).items():
         if name in owner:
-            nbytes[owner[name]] += size
+            saved[owner[name]] += size
+    nbytes = dict(saved)
     for fqn, node in used_parameters(graph).items():
         first = graph.consumers(node.name)[0].name
         local = local_bytes(node.outputs[0].numel, storage_of(one, fqn), one.mesh.shape)
         nbytes[owner[first]] += param_state_bytes(local, one.training, one.optimizer)
-    return blocks, [seconds[b] for b in blocks], [nbytes[b] for b in blocks]
+    return BlockCosts(blocks, [forward[b] for b in blocks], [backward[b] for b in blocks],
+                      [nbytes[b] for b in blocks], [saved[b] for b in blocks],
+                      timeline.busy_s(phase="grad_sync", collective=True), timeline.busy_s(phase="optimizer"))
 
 
 def balanced_cuts(seconds: list[float], nbytes: list[float], n: int) -> list[int]:
@@ -85,5 +110,10 @@ def balanced_cuts(seconds: list[float], nbytes: list[float], n: int) -> list[int
 
 def stage_cuts(graph: OpGraph, plan: Plan, cluster: Cluster, n: int) -> tuple[str, ...]:
     """``Training.stage_cuts`` for ``n`` virtual stages of ``plan`` (the plan inside one stage)."""
-    blocks, seconds, nbytes = block_costs(graph, plan, cluster)
-    return tuple(blocks[i] for i in balanced_cuts(seconds, nbytes, n))
+    costs = block_costs(graph, plan, cluster)
+    return cuts_of(costs, n)
+
+
+def cuts_of(costs: BlockCosts, n: int) -> tuple[str, ...]:
+    """``Training.stage_cuts`` for ``n`` virtual stages from ``costs``."""
+    return tuple(costs.blocks[i] for i in balanced_cuts(costs.seconds, costs.nbytes, n))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import textwrap
 import time
@@ -27,8 +28,9 @@ from autoddl.loader import ModelFile, ModelFileError, load_for_plan, load_model_
 from autoddl.ops import coverage_report
 from autoddl.plan import Mesh, Plan
 from autoddl.training import DEFAULT_BUCKET_MB, DTYPES, RECOMPUTE_CHOICES, RECOMPUTE_POLICIES, SCHEDULES, Training
-from search.planner import (SCHEMES, Scheme, SearchOutcome, data_parallel_degree, degrees_spec, parse_degrees,
-                            price_degrees, recompute_blocks, resolve_cluster, search)
+from search.pipeline_search import best_fitting, search_3d
+from search.planner import (SCHEMES, Scheme, SearchOutcome, data_parallel_degree, degrees_spec, inner_tp_plan,
+                            parse_degrees, price_degrees, recompute_blocks, resolve_cluster, search)
 from search.problem import NoFeasiblePlanError
 
 EXPECTED_ERRORS.append(NoFeasiblePlanError)
@@ -70,7 +72,11 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
                    help="with --schedule interleaved: chunks (virtual stages) per pp rank (default 1)")
     t.add_argument("--zero", type=int, choices=(1, 2), help="with --degrees dp=...: ZeRO-1 (optimizer states) or "
                    "ZeRO-2 (and gradients) sharded over the dp axis")
-    t.add_argument("--no-search", action="store_true", help="with --degrees: price the given configuration only")
+    t.add_argument("--no-search", action="store_true",
+                   help="with --degrees or --pipeline: price the given configuration / the 3-D search only")
+    t.add_argument("--pipeline", action="store_true",
+                   help="also search pipeline stages: pp x dp|fsdp x tp, schedule, micro-batch size (needs "
+                        "--global-batch-size); the best is priced and written as the given plan")
     p.add_argument("--memory-breakdown", action="store_true",
                    help="memory per device by category: parameters (masters, working copies, gathered), "
                         "gradients, optimizer states, activations (saved and recomputed), other")
@@ -139,6 +145,15 @@ class _Tracer:
             self.seconds += time.perf_counter() - t0
         return self.graphs[key], batch, dataclasses.replace(training, micro_batches=k)
 
+    def at(self, batch: int, param_dtype: str) -> OpGraph:
+        """The graph of a micro-step of ``batch`` samples (traced once)."""
+        key = (batch, param_dtype)
+        if key not in self.graphs:
+            t0 = time.perf_counter()
+            self.graphs[key] = self.mf.with_batch_size(batch).trace(param_dtype)
+            self.seconds += time.perf_counter() - t0
+        return self.graphs[key]
+
 
 def _provenance(scheme: Scheme | None, args: argparse.Namespace, overrides: dict, batch: int | None,
                 mf: ModelFile) -> None:
@@ -157,8 +172,11 @@ def _search(args: argparse.Namespace, progress, training: Training | None = None
     degrees = parse_degrees(args.degrees) if args.degrees else None
     if degrees:
         degrees_spec(degrees, planned)                 # refuse bad degrees before tracing
-    elif args.no_search:
+    elif args.no_search and not args.pipeline:
         raise ValueError("--no-search prices only a given configuration: add --degrees, e.g. --degrees fsdp=8")
+    if args.pipeline and (degrees or not args.global_batch_size):
+        raise ValueError("--pipeline searches pipeline stages for a --global-batch-size (give one) and replaces "
+                         "--degrees (drop it)")
     tracer = tracer or _Tracer(args, load_model_file(args.model_py, **overrides))
     mf = tracer.mf
     outcome, given, graph, error = None, None, None, ""
@@ -168,7 +186,7 @@ def _search(args: argparse.Namespace, progress, training: Training | None = None
             outcome = search(graph, planned, model_name=graph.model_name, mesh=mesh, memory_gb=args.memory_gb,
                              optimizer=args.optimizer, progress=progress, training=tr)
         except NoFeasiblePlanError as exc:
-            if not degrees:
+            if not degrees and not args.pipeline:
                 raise
             error = str(exc)
         for scheme in outcome.schemes if outcome else ():
@@ -180,7 +198,38 @@ def _search(args: argparse.Namespace, progress, training: Training | None = None
                               schedule=args.schedule, virtual_stages=args.virtual_stages)
         _provenance(given, args, overrides, batch2, mf)
         graph = graph or g2
+    if args.pipeline:
+        given, g3, batch3 = _search_pipeline(args, tracer, planned, training, progress)
+        _provenance(given, args, overrides, batch3, mf)
+        graph = graph or g3
     return Planned(mf, cluster, planned, outcome, given, graph, tracer.seconds, error, tracer.graphs)
+
+
+def _search_pipeline(args: argparse.Namespace, tracer: "_Tracer", planned: Cluster, training: Training, progress
+                     ) -> tuple[Scheme, OpGraph, int]:
+    """search/pipeline_search.py's 3-D search; the best fast estimates priced by the full cost model."""
+    limit = (args.memory_gb or planned.device.memory_gb) * 1e9
+    sizes = (args.micro_batch_size,) if args.micro_batch_size else (1, 2)
+    estimates = search_3d(lambda batch: tracer.at(batch, training.param_dtype),
+                          lambda g, tp, tr: inner_tp_plan(g, planned, tp, tr, args.optimizer),
+                          planned, training, args.global_batch_size, limit, sizes, progress)
+    best = best_fitting(estimates, limit)
+    if not best:
+        least = min((e.memory_bytes for e in estimates), default=math.inf)
+        raise NoFeasiblePlanError(least, limit)
+    priced = []
+    for e in best:
+        dp = e.degrees[1][1]
+        graph = tracer.at(e.micro_batch_size * dp, training.param_dtype)
+        tr = dataclasses.replace(training, recompute=e.recompute,
+                                 micro_batches=args.global_batch_size // (e.micro_batch_size * dp))
+        scheme = price_degrees(graph, planned, e.degrees, model_name=graph.model_name, memory_gb=args.memory_gb,
+                               optimizer=args.optimizer, training=tr, schedule=e.schedule,
+                               virtual_stages=e.virtual_stages)
+        progress(f"3-D search: {e.text}: estimated {e.step_time_s:.3f} s, priced {scheme.step_time_s:.3f} s")
+        priced.append((scheme, graph, e.micro_batch_size * dp))
+    fits = [p for p in priced if p[0].breakdown.fits_memory] or priced
+    return min(fits, key=lambda p: p[0].step_time_s)
 
 
 # -- tables ---------------------------------------------------------------------------------------
