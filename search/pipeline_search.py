@@ -38,7 +38,7 @@ from costmodel.collectives import cluster_collective_time_s
 from costmodel.memory import param_state_bytes
 from search.stages import BlockCosts, block_costs, cuts_of
 
-FULL_PRICES = 2          # candidates priced by the full cost model after the fast estimate
+FULL_PRICES = 1          # candidates priced by the full cost model after the fast estimate
 RECOMPUTE_TRIES = ("none", "selective", "full")
 
 
