@@ -3,6 +3,7 @@ through parse_degrees / price_degrees and the CLI, and the stage cut balanced by
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,49 @@ def test_cli_prices_a_pipelined_configuration_with_the_bubble_column(tmp_path, c
     assert plan.cost.bubble_s > 0
     code = main(["run", str(out), "--nproc", "2"])
     assert code != 0 and "does not run stages yet" in capsys.readouterr().err
+
+
+# -- the 3-D search ------------------------------------------------------------------------------------
+
+def test_factorisations_keep_tp_in_a_node_and_pp_outermost(h100_32):
+    from search.pipeline_search import factorisations
+
+    assert sorted(factorisations(h100_32, 8)) == sorted([
+        (4, 8, 1), (8, 4, 1),                          # no tp: dp inside a node (pp=2 x dp=16 is not)
+        (2, 8, 2), (4, 4, 2), (8, 2, 2),
+        (2, 4, 4), (4, 2, 4), (8, 1, 4),
+        (2, 2, 8), (4, 1, 8)])                         # pp=8 x tp=8 would need 64 devices
+    assert max(pp for pp, _, _ in factorisations(h100_32, 3)) == 2     # at most one stage per block (and divides)
+
+
+def test_fast_estimate_is_near_the_full_price(gpt8, h100_32):
+    from search.pipeline_search import estimate
+    from search.planner import inner_tp_plan
+    from search.stages import block_costs
+
+    mf, graph16 = gpt8
+    one = mf.with_batch_size(8).trace("float32")            # one dp rank's micro-batch (of 16 over dp=2)
+    inner = inner_tp_plan(one, h100_32, 8, Training())
+    costs = block_costs(one, inner, h100_32.resized(8))
+    step, memory = estimate(costs, one, inner, h100_32, 2, 2, 8, "dp", "1f1b", 1, 8)
+    full = price_degrees(graph16, h100_32, parse_degrees("pp=2,dp=2,tp=8"), training=Training(micro_batches=8)).plan
+    assert step == pytest.approx(full.cost.step_time_s, rel=0.15)
+    stateful = full.cost.memory_bytes_per_device - full.cost.memory["boxing_buffer"] - full.cost.memory["recomputed"]
+    assert memory == pytest.approx(stateful, rel=0.15)
+
+
+def test_cli_pipeline_search_writes_the_best_3d_plan(tmp_path, capsys):
+    out = tmp_path / "p3.json"
+    code = main(["plan", str(GPT), "--preset", "tiny", "--set", "n_layer=8", "--cluster", str(H100),
+                 "--pipeline", "--global-batch-size", "64", "--micro-batch-size", "2", "--no-search",
+                 "--out", str(out)])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "3-D search, micro-batch size 2:" in err and "priced" in err
+    plan = Plan.load(out)
+    assert plan.mesh.axis_names[0] == "pp" and plan.cost.fits_memory
+    dp = math.prod(d for n, d in zip(plan.mesh.axis_names, plan.mesh.shape) if n in ("dp", "fsdp"))
+    assert plan.training.micro_batches == 64 // (2 * dp)
+    code = main(["plan", str(GPT), "--preset", "tiny", "--cluster", str(H100), "--pipeline", "--no-search",
+                 "--out", str(out)])
+    assert code != 0 and "--pipeline searches pipeline stages for a --global-batch-size" in capsys.readouterr().err
