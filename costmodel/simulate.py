@@ -167,19 +167,25 @@ def bubble_s(timeline: Timeline, program: StepProgram) -> float:
 
 def chrome_trace(timeline: Timeline, ranks: int = 1) -> dict:
     """The timeline as Chrome-trace / Perfetto JSON: one process per rank, one thread (track) per
-    stream, one complete event per task (times in µs). Every rank runs the same program, so the
-    ranks' tracks are the same; they are there to sit beside a measured trace of each rank."""
+    stream, one complete event per task (times in µs). Without pipeline stages every rank runs the
+    same program, so the ``ranks`` processes' tracks are the same (they are there to sit beside a
+    measured trace of each rank); with stages, one process per pp rank, holding its own tasks."""
     streams = sorted({t.task.stream for t in timeline.tasks}, key=lambda s: (s != COMPUTE, s))
     tid = {s: i for i, s in enumerate(streams)}
+    pp_ranks = sorted({t.task.pp_rank for t in timeline.tasks})
+    staged = pp_ranks != [0]
     events: list[dict] = []
-    for rank in range(ranks):
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank} (predicted)"}})
+    for rank in (pp_ranks if staged else range(ranks)):
+        label = f"pp rank {rank} (predicted)" if staged else f"rank {rank} (predicted)"
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": label}})
         events += [{"ph": "M", "name": "thread_name", "pid": rank, "tid": tid[s], "args": {"name": s}}
                    for s in streams]
         for t in timeline.tasks:
             task = t.task
+            if staged and task.pp_rank != rank:
+                continue
             name = (f"{task.collective.value} {task.tensor}" if task.is_collective
-                    else f"{task.phase} {task.op}")
+                    else f"{task.phase} {task.op}") + (f" mb{task.micro_step}" if staged else "")
             events.append({"ph": "X", "name": name, "cat": task.phase, "pid": rank, "tid": tid[task.stream],
                            "ts": t.start_s * 1e6, "dur": t.duration_s * 1e6,
                            "args": {"bytes": task.nbytes, "axis": task.axis, "local_flops": task.local_flops}})

@@ -228,3 +228,18 @@ def test_rank_memory_holds_the_micro_batches_in_flight(gpt, schedule, held):
 def _unused(graph) -> int:
     """Elements of parameters no node reads (torch.export's unused tied alias)."""
     return sum(n.outputs[0].numel for n in graph.parameters().values() if graph.nx.out_degree(n.name) == 0)
+
+
+def test_chrome_trace_of_a_pipelined_step_has_one_process_per_pp_rank(blocks):
+    from costmodel.simulate import chrome_trace, simulate
+
+    cluster = Cluster.from_yaml(H100).resized(2)
+    plan = _pp(blocks, cluster, 2, Training(micro_batches=4))
+    program = lower(blocks, plan)
+    timeline = simulate(program, blocks, plan, cluster)
+    events = chrome_trace(timeline, ranks=8)["traceEvents"]
+    tasks = [e for e in events if e["ph"] == "X"]
+    assert sorted({e["pid"] for e in events}) == [0, 1]
+    for r in (0, 1):
+        assert len([e for e in tasks if e["pid"] == r]) == len([t for t in program.tasks if t.pp_rank == r])
+    assert any(e["name"].startswith("send_recv ") and e["name"].endswith("mb3") for e in tasks)

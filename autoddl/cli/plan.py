@@ -545,11 +545,12 @@ def add_explain(subparsers) -> None:
     p.set_defaults(func=run_explain)
 
 
-ROLE_WORDS = {"dp": "data parallel", "fsdp": "ZeRO-3 / FSDP", "tp": "tensor parallel", "sp": "sequence parallel",
+ROLE_WORDS = {"pp": "pipeline stages", "dp": "data parallel", "fsdp": "ZeRO-3 / FSDP", "tp": "tensor parallel", "sp": "sequence parallel",
               "rep": "replicated"}
 NARROW = {"op": 16, "signature": 30, "runner-up": 10, "weight layouts": 18, "collectives": 18}  # 100 wide
 SHORT_PHASE = {"forward": "fwd", "backward": "bwd", "grad_sync": "sync", "optimizer": "opt"}
-SHORT_KIND = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A", "broadcast": "BC"}
+SHORT_KIND = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A", "broadcast": "BC",
+              "send_recv": "P2P"}
 
 
 def plan_in_words(plan: Plan) -> str:
@@ -640,12 +641,14 @@ def _write_trace(path: str, graph, plan: Plan, program, cluster: Cluster) -> Non
     import json
 
     from autoddl.atomic import write_text_atomic
-    from costmodel.simulate import chrome_trace, simulate
+    from costmodel.simulate import bubble_s, chrome_trace, simulate
 
     timeline = simulate(program, graph, plan, cluster)
     write_text_atomic(path, json.dumps(chrome_trace(timeline, ranks=min(plan.devices, 8))))
+    bubble = bubble_s(timeline, program)
     print(f"wrote {path}: the simulated step, {timeline.step_time_s * 1e3:.3f} ms "
-          f"({timeline.exposed_comm_s * 1e3:.3f} ms communication not overlapped)")
+          f"({max(0.0, timeline.exposed_comm_s - bubble) * 1e3:.3f} ms communication not overlapped"
+          + (f", {bubble * 1e3:.3f} ms pipeline bubble)" if program.pipeline is not None else ")"))
 
 
 def _assignment_of(plan: Plan, form) -> np.ndarray:
