@@ -22,6 +22,7 @@ class CollectiveKind(str, Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_TO_ALL = "all_to_all"
     BROADCAST = "broadcast"
+    SEND_RECV = "send_recv"          # point to point between pipeline stages (autoddl/pipeline_program.py)
 
     def __str__(self) -> str:
         return self.value

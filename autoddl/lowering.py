@@ -47,6 +47,8 @@ from typing import Sequence
 from autoddl.boxing import Move, boxing_moves, gradient_moves, grad_ndsbp, needed_grad_ndsbp
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
+from autoddl.pipeline import boundary_tensors, pipeline_degree, schedule_actions, stage_of_ops
+from autoddl.pipeline_program import PipelineLayout, pipeline_tasks
 from autoddl.plan import Plan
 from autoddl.precision import itemsize
 from autoddl.program import (COMPUTE, BoxKey, Bucket, EdgeBox, GatherGroup, InputSource, ParamSync, ParamUse,
@@ -124,6 +126,11 @@ class _Lowering:
         self.wait_for: list[int] = []                      # prefetched gathers the next op waits for
         self.deferred: dict[str, frozenset[int]] = {}      # op -> axes its output gradient arrives P on
         self.deferred_syncs: set[int] = set()              # sync tasks only the last micro-step runs
+        self.stage_of: dict[str, int] = stage_of_ops(graph, plan) if pipeline_degree(plan) > 1 else {}
+
+    def stage(self, op: str) -> int:
+        """The virtual pipeline stage op ``op`` runs in (0 without stages)."""
+        return self.stage_of.get(op, 0)
 
     def run(self) -> StepProgram:
         ops = self.graph.ops()
@@ -142,6 +149,9 @@ class _Lowering:
         self.loss_output()
         self.pack_buckets(ops)
         self.backward(ops)
+        if self.stage_of:
+            self.pipeline()
+            return self.prog
         self.prog.tasks, ids = repeat_micro_steps(self.prog.tasks, self.plan.training.micro_batches, self.last,
                                                       self.deferred_syncs)
         self.async_tasks = [new for step in ids for old in self.async_tasks for new in step[old]]
@@ -220,7 +230,7 @@ class _Lowering:
                 moves = boxing_moves(producer.outputs[0].nbytes, storage_of(self.plan, key[0]), key[1], self.mesh)
                 if key in self.gather_of or [m.kind for m in moves] != [CollectiveKind.ALL_GATHER]:
                     continue
-                group = (layer_group(key[0]), moves[0].axis)
+                group = (layer_group(key[0]), moves[0].axis, self.stage(node.name))
                 if group not in groups:
                     groups[group] = len(self.gather_specs)
                     self.gather_specs.append([group[0], group[1], 0])
@@ -326,12 +336,12 @@ class _Lowering:
         ready = sorted((u for u in self.prog.param_uses if u.grad is not None),
                        key=lambda u: (-position[self.first_consumer[u.index]], u.index))
         cap = self.plan.training.bucket_bytes
-        open_: dict[tuple[CollectiveKind, int], list[ParamUse]] = {}
+        open_: dict[tuple[CollectiveKind, int, int], list[ParamUse]] = {}
         closed: list[list[ParamUse]] = []
         for use in ready:
             if cap <= 0 or len(use.grad_sync) != 1 or use.grad_sync[0].kind not in BUCKETED_KINDS:
                 continue
-            key = (use.grad_sync[0].kind, use.grad_sync[0].axis)
+            key = (use.grad_sync[0].kind, use.grad_sync[0].axis, self.stage(self.first_consumer[use.index]))
             members = open_.setdefault(key, [])
             members.append(use)
             limit = min(cap, FIRST_BUCKET_BYTES) if not closed else cap
@@ -420,6 +430,35 @@ class _Lowering:
             if not syncs_every_micro_step([self.prog.param_uses[i] for i in b.uses]):
                 self.deferred_syncs.add(task.id)
 
+    # -- pipeline stages ----------------------------------------------------------------------------
+    def pipeline(self) -> None:
+        """The one-micro-batch tasks run as the schedule says, then each rank's optimizer
+        (autoddl/pipeline_program.py)."""
+        tr, p = self.plan.training, pipeline_degree(self.plan)
+        first_of = {u.fqn: self.first_consumer[u.index] for u in reversed(self.prog.param_uses)}
+        stage_of_task = [self.stage(t.op if t.op in self.stage_of else first_of.get(t.op, "")) for t in self.prog.tasks]
+        ranks: list[set[str]] = [set() for _ in range(p)]
+        for fqn, param in used_parameters(self.graph).items():
+            for node in self.graph.consumers(param.name):
+                ranks[self.stage(node.name) % p].add(fqn)
+        layout = PipelineLayout(p, tr.virtual_stages, tr.micro_batches, tr.schedule,
+                                tuple(map(tuple, schedule_actions(tr.schedule, p, tr.micro_batches, tr.virtual_stages))),
+                                self.stage_of, tuple(boundary_tensors(self.graph, self.plan, self.stage_of, self.rg)),
+                                tuple(frozenset(r) for r in ranks))
+        async_ids = set(self.async_tasks) | {t.id for t in self.prog.tasks if t.phase == "grad_sync"}
+        self.prog.tasks, last = pipeline_tasks(self.prog.tasks, stage_of_task, layout, async_ids, self.deferred_syncs)
+        self.prog.pipeline = layout
+        self.prog.param_syncs = []
+        for r in range(p):
+            waits = tuple(t.id for t in self.prog.tasks if t.pp_rank == r and t.stream != COMPUTE)
+            deps = tuple(sorted(set(waits + ((last[r],) if last[r] is not None else ()))))
+            self.emit(deps=deps, phase="optimizer", stream=COMPUTE, op="optimizer", pp_rank=r, tensor=f"pp rank {r}")
+            for sync in param_syncs(self.graph, self.plan, layout.rank_params[r]):
+                self.prog.param_syncs.append(sync)
+                self.emit(phase="optimizer", stream=comm_stream(sync.axis), op="optimizer", pp_rank=r,
+                          collective=CollectiveKind.ALL_GATHER, axis=sync.axis, nbytes=sync.nbytes,
+                          tensor=f"param sync axis{sync.axis} pp rank {r}")
+
     def optimizer(self) -> None:
         syncs = tuple(t.id for t in self.prog.tasks if t.phase == "grad_sync") + tuple(self.async_tasks)
         deps = tuple(sorted(set(syncs + ((self.last,) if self.last is not None else ()))))
@@ -431,12 +470,15 @@ class _Lowering:
                       tensor=f"param sync axis{sync.axis}")
 
 
-def param_syncs(graph: OpGraph, plan: Plan) -> list[ParamSync]:
-    """ZeRO-1/2: per mesh axis, the parameters whose optimizer storage is one all-gather away from
-    their storage, gathered together in their working dtype after the optimizer (as DeepSpeed
-    all-gathers the updated partitions). Any other pair of layouts is refused."""
+def param_syncs(graph: OpGraph, plan: Plan, only: frozenset[str] | None = None) -> list[ParamSync]:
+    """ZeRO-1/2: per mesh axis, the parameters (``only`` these, when given: a pipeline rank's) whose
+    optimizer storage is one all-gather away from their storage, gathered together in their working
+    dtype after the optimizer (as DeepSpeed all-gathers the updated partitions). Any other pair of
+    layouts is refused."""
     by_axis: dict[int, list[tuple[str, int]]] = {}
     for fqn, node in used_parameters(graph).items():
+        if only is not None and fqn not in only:
+            continue
         optimizer, storage = optimizer_storage_of(plan, fqn), storage_of(plan, fqn)
         if optimizer == storage:
             continue

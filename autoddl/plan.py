@@ -83,6 +83,7 @@ class CostReport:
     memory_limit_bytes: int
     fits_memory: bool
     exposed_comm_s: float = 0.0
+    bubble_s: float = 0.0                       # the pipeline bubble (costmodel.simulate.bubble_s)
     memory: dict[str, int] = field(default_factory=dict)
     collectives: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     tokens_per_s: float | None = None

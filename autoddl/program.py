@@ -11,7 +11,8 @@
   backward, up to ``plan.training.bucket_mb``, launched asynchronously as each
   fills (as DistributedDataParallel's Reducer does);
 - the ordered ``tasks`` with dependencies, each on a stream (``compute``, or
-  ``comm<axis>`` for the collectives of a mesh axis): forward ops and the
+  ``comm<axis>`` for the collectives of a mesh axis, ``p2p`` for pipeline sends) of one
+  pipeline rank (``pp_rank``; autoddl/pipeline_program.py): forward ops and the
   collectives boxing their inputs, backward ops in reverse with their gradients'
   collectives, the buckets, the remaining syncs, the optimizer.
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import TYPE_CHECKING, Sequence, Union
 
 from autoddl.boxing import Move
 from autoddl.collective_kinds import CollectiveKind
@@ -37,6 +38,9 @@ from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
 from autoddl.op_families import MATMUL_LIKE, ZERO_COST
 from autoddl.plan import Plan
 from autoddl.sbp import NdSbp, Signature
+
+if TYPE_CHECKING:
+    from autoddl.pipeline_program import PipelineLayout
 
 COMPUTE = "compute"
 PHASES = ("forward", "recompute", "backward", "grad_sync", "optimizer")
@@ -257,6 +261,7 @@ class Task:
     local_flops: float = 0.0         # compute: this rank's share of the op's forward FLOPs
     local_bytes: float = 0.0
     micro_step: int = 0              # which micro-step of the optimizer step (Training.micro_batches)
+    pp_rank: int = 0                 # which pipeline rank runs it (autoddl/pipeline.py; 0 without stages)
 
     @property
     def is_collective(self) -> bool:
@@ -276,6 +281,7 @@ class StepProgram:
     loss: BoxKey | None = None
     loss_async: bool = False         # the loss's all-reduce is waited for at the step's end only
     param_syncs: list["ParamSync"] = field(default_factory=list)   # ZeRO-1/2: after the optimizer
+    pipeline: "PipelineLayout | None" = None   # stages and schedule (autoddl/pipeline_program.py)
 
     def collectives(self) -> list[Task]:
         """The collective tasks in issue order (what the audit compares with)."""

@@ -18,7 +18,11 @@ tasks of the step program, which the cost model prices and the executor runs.
 - ``recompute_blocks``: block -> policy, overriding ``recompute`` for those blocks.
 - ``micro_batches``: micro-steps per optimizer step (gradient accumulation): the traced
   graph is one micro-step; gradients are synced once, during the last micro-step's
-  backward (sharded gradients are reduce-scattered every micro-step, as FSDP does).
+  backward (sharded gradients are reduce-scattered every micro-step, as FSDP does). With
+  pipeline stages, the micro-batches the schedule pipelines.
+- ``schedule`` / ``virtual_stages`` / ``stage_cuts``: with a ``pp`` mesh axis, the pipeline
+  schedule (gpipe, 1f1b, interleaved), the chunks per pp rank (interleaved only) and the first
+  block of each virtual stage after the first (empty: equal block counts): autoddl/pipeline.py.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ DEFAULT_BUCKET_MB = 25.0   # DistributedDataParallel's default bucket_cap_mb (to
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}   # --precision name -> torch dtype name
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 RECOMPUTE_CHOICES = RECOMPUTE_POLICIES + ("auto",)
+SCHEDULES = ("gpipe", "1f1b", "interleaved")   # pipeline schedules (autoddl/pipeline.py)
 
 
 def dtype_name(name: str, what: str) -> str:
@@ -54,6 +59,9 @@ class Training:
     recompute: str = "none"
     recompute_blocks: dict[str, str] = field(default_factory=dict)
     micro_batches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    stage_cuts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.bucket_mb >= 0:
@@ -71,10 +79,21 @@ class Training:
         if not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
             raise ValueError(f"training.micro_batches must be an integer >= 1 (micro-steps per optimizer step), "
                              f"got {self.micro_batches!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"training.schedule {self.schedule!r} is not a pipeline schedule; choose one of "
+                             f"{list(SCHEDULES)}")
+        if not (isinstance(self.virtual_stages, int) and self.virtual_stages >= 1):
+            raise ValueError(f"training.virtual_stages must be an integer >= 1 (chunks per pp rank), "
+                             f"got {self.virtual_stages!r}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(f"training.virtual_stages {self.virtual_stages} needs schedule 'interleaved' "
+                             f"(got {self.schedule!r}); gpipe and 1f1b run one chunk per pp rank")
+        object.__setattr__(self, "stage_cuts", tuple(self.stage_cuts))
 
     def __hash__(self) -> int:
         return hash((self.bucket_mb, self.param_dtype, self.reduce_dtype, self.recompute,
-                     tuple(sorted(self.recompute_blocks.items())), self.micro_batches))
+                     tuple(sorted(self.recompute_blocks.items())), self.micro_batches, self.schedule,
+                     self.virtual_stages, self.stage_cuts))
 
     @property
     def bucket_bytes(self) -> int:
@@ -98,7 +117,7 @@ class Training:
         return "none" if policy == "auto" else policy
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "stage_cuts": list(self.stage_cuts)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, *, source: str = "plan") -> "Training":

@@ -8,6 +8,11 @@ found plan's mesh with coordinate descent's gap to it.
 
     python benchmarks/search_bench.py                 # everything (about 20 min on 2 cores)
     python benchmarks/search_bench.py --only gpt:gpt2-small --clusters dgx-a100-8
+    python benchmarks/search_bench.py --pipeline-only # the 3-D rows alone: results/search_pipeline.csv
+
+The 3-D rows (``PIPELINE_RUNS``, issue 12) plan models that need a whole cluster end to end, as a
+user would: ``autoddl plan ... --pipeline --no-search`` (trace, 3-D search, full pricing of the
+best), timed by the wall clock around the command; the written plan gives the rest.
 """
 
 from __future__ import annotations
@@ -37,17 +42,26 @@ MODELS = {
 }
 CLUSTERS = ["dgx-a100-8", "h100-4x8", "v100-16x1", "local-cpu"]
 EXTRA = [("llama", "llama3-8b", "h100-4x8", 64, (8, 8))]   # 64 devices as an 8x8 mesh
+PIPELINE_RUNS = [        # (model, preset, cluster, devices, extra `autoddl plan` arguments)
+    ("gpt", "gpt3-175b", "dgx-a100-8", 1024, ["--precision", "fp16", "--recompute", "full",
+                                              "--global-batch-size", "1536"]),
+    ("llama", "llama3-70b", "h100-4x8", 256, ["--precision", "bf16", "--recompute", "full",
+                                              "--global-batch-size", "512"]),
+]
+PIPELINE_COLUMNS = ["model", "preset", "cluster", "devices", "arguments", "plan_s", "degrees", "schedule",
+                    "virtual_stages", "micro_batches", "step_s", "bubble_s", "model_tflops_per_device",
+                    "memory_gb", "fits"]
 COLUMNS = ["model", "preset", "cluster", "devices", "mesh_searched", "ops", "params", "trace_s", "search_s",
            "plan_s", "found_mesh", "found_step_ms", "found_memory_gb", "best_baseline", "best_baseline_step_ms",
            "speedup_vs_best_baseline", "found_le_baseline", "exact_step_objective_ms", "cd_objective_ms",
            "exact_gap_pct", "exact_note"]
 
 
-def write_atomic(path: Path, rows: list[dict]) -> None:
+def write_atomic(path: Path, rows: list[dict], columns: list[str] = COLUMNS) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         w.writerows(rows)
     os.replace(tmp, path)
@@ -90,13 +104,53 @@ def run_one(graph, trace_s: float, model: str, preset: str, cluster: Cluster, me
     return row
 
 
+def run_pipeline(model: str, preset: str, cluster: str, devices: int, extra: list[str]) -> dict:
+    """One 3-D row: `autoddl plan --pipeline --no-search` end to end, timed around the command."""
+    from autoddl.cli import main as cli
+    from autoddl.plan import Plan
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        args = ["plan", str(ROOT / "examples" / f"{model}.py"), "--preset", preset, "--cluster",
+                str(ROOT / "configs" / f"{cluster}.yaml"), "--devices", str(devices), "--pipeline", "--no-search",
+                "--out", str(out)] + extra
+        t0 = time.perf_counter()
+        code = cli(args)
+        seconds = time.perf_counter() - t0
+        if code != 0:
+            raise RuntimeError(f"autoddl {' '.join(args)} exited {code}")
+        plan = Plan.load(out)
+    c, tr = plan.cost, plan.training
+    return {"model": model, "preset": preset, "cluster": cluster, "devices": devices, "arguments": " ".join(extra),
+            "plan_s": round(seconds, 1), "degrees": ",".join(f"{n}={d}" for n, d in zip(plan.mesh.axis_names,
+                                                                                         plan.mesh.shape)),
+            "schedule": tr.schedule, "virtual_stages": tr.virtual_stages, "micro_batches": tr.micro_batches,
+            "step_s": round(c.step_time_s, 3), "bubble_s": round(c.bubble_s, 3),
+            "model_tflops_per_device": round(c.model_tflops_per_device, 1),
+            "memory_gb": round(c.memory_bytes_per_device / 1e9, 2), "fits": c.fits_memory}
+
+
+def main_pipeline(out: Path) -> int:
+    rows = []
+    for run in PIPELINE_RUNS:
+        rows.append(run_pipeline(*run))
+        write_atomic(out, rows, PIPELINE_COLUMNS)
+        print(rows[-1], flush=True)
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", help="model:preset pairs, e.g. gpt:gpt2-small")
     ap.add_argument("--clusters", nargs="*", default=CLUSTERS)
     ap.add_argument("--out", default=str(ROOT / "results" / "search.csv"))
     ap.add_argument("--exact-limit-s", type=float, default=60.0)
+    ap.add_argument("--pipeline-only", action="store_true", help="only the 3-D rows (PIPELINE_RUNS)")
+    ap.add_argument("--pipeline-out", default=str(ROOT / "results" / "search_pipeline.csv"))
     args = ap.parse_args(argv)
+    if args.pipeline_only:
+        return main_pipeline(Path(args.pipeline_out))
     wanted = {tuple(x.split(":", 1)) for x in args.only} if args.only else None
     out = Path(args.out)
     rows: list[dict] = []
@@ -125,7 +179,7 @@ def main(argv=None) -> int:
                   f"best baseline {row.get('best_baseline', '')} {row.get('best_baseline_step_ms', '')}, "
                   f"{row.get('exact_note', '')}", flush=True)
     print(f"wrote {out}")
-    return 0
+    return main_pipeline(Path(args.pipeline_out)) if wanted is None else 0
 
 
 if __name__ == "__main__":

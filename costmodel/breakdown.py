@@ -4,11 +4,13 @@
 of ``autoddl.program.lower(graph, plan)``: communication that overlaps compute
 (gradient buckets during backward) is hidden as it runs. Beside it:
 ``compute_s`` (compute-stream busy time), ``comm_s`` (every collective's
-duration, added up: ``boxing_forward_s + boxing_backward_s + grad_sync_s``; the backward boxing
+duration, added up: ``boxing_forward_s + boxing_backward_s + grad_sync_s``; with stages the boxing includes the rank's
+sends of activations and their gradients; the backward boxing
 includes the recomputed blocks' collectives, the grad sync ZeRO-1/2's all-gather of the
 updated parameters),
-``exposed_comm_s`` (step time the compute stream does not cover), the
-optimizer, and memory per device. :func:`predicted_collectives` lists the
+``exposed_comm_s`` (step time the compute stream does not cover, less the bubble), the
+optimizer, and memory per device. With pipeline stages the times are the busiest pp rank's, and
+``bubble_s`` is the pipeline bubble (costmodel.simulate.bubble_s), its own term. :func:`predicted_collectives` lists the
 program's collectives, kinds after the backend's emulation, for the executor's
 audit (compare as a multiset of ``(kind, axis, bytes, phase)``).
 """
@@ -27,7 +29,7 @@ from autoddl.plan import CostReport, Plan
 from autoddl.program import COMPUTE, StepProgram, lower, signature_of
 from costmodel.collectives import Collective, carried_out_as
 from costmodel.memory import activation_bytes, memory_bytes
-from costmodel.simulate import Timeline, simulate
+from costmodel.simulate import Timeline, bubble_s, simulate
 
 PER_OP_COLUMNS = ["op", "target", "output_shape", "signature", "compute_us", "comm_us", "memory_mb"]
 
@@ -48,6 +50,7 @@ class CostBreakdown:
     collectives: list[Collective] = field(default_factory=list)
     step_overhead_s: float = 0.0
     exposed_comm_s: float = 0.0
+    bubble_s: float = 0.0
     timeline: Timeline | None = None
 
     @property
@@ -78,7 +81,7 @@ class CostBreakdown:
             "comm_s": float(self.comm_s), "boxing_forward_s": float(self.boxing_forward_s),
             "boxing_backward_s": float(self.boxing_backward_s), "grad_sync_s": float(self.grad_sync_s),
             "optimizer_s": float(self.optimizer_s), "step_overhead_s": float(self.step_overhead_s),
-            "exposed_comm_s": float(self.exposed_comm_s),
+            "exposed_comm_s": float(self.exposed_comm_s), "bubble_s": float(self.bubble_s),
             "memory_bytes_per_device": int(self.memory_bytes_per_device),
             "memory_limit_bytes": int(self.memory_limit_bytes), "fits_memory": bool(self.fits_memory),
             "memory": {k: int(v) for k, v in self.memory.items()},
@@ -103,20 +106,23 @@ def plan_cost(graph: OpGraph, plan: Plan, cluster: Cluster) -> CostBreakdown:
     timeline = simulate(program, graph, plan, cluster)
     collectives = predicted_collectives(graph, plan, cluster, program)
     memory = memory_bytes(graph, plan, collectives, program)
+    rank = timeline.busiest_rank
+    bubble = bubble_s(timeline, program)
     return CostBreakdown(
-        step_time_s=timeline.step_time_s, compute_s=timeline.busy_s(stream=COMPUTE, collective=False)
-        - timeline.busy_s(phase="optimizer", collective=False),
-        comm_s=timeline.busy_s(collective=True),
-        boxing_forward_s=timeline.busy_s(phase="forward", collective=True),
-        boxing_backward_s=timeline.busy_s(phase="backward", collective=True)
-        + timeline.busy_s(phase="recompute", collective=True),        # a recomputed block's boxing
-        grad_sync_s=timeline.busy_s(phase="grad_sync", collective=True)
-        + timeline.busy_s(phase="optimizer", collective=True),        # ZeRO-1/2's parameter all-gather
-        optimizer_s=timeline.busy_s(phase="optimizer", collective=False) - cluster.executor.step_us * 1e-6,
+        step_time_s=timeline.step_time_s, compute_s=timeline.busy_s(stream=COMPUTE, collective=False, pp_rank=rank)
+        - timeline.busy_s(phase="optimizer", collective=False, pp_rank=rank),
+        comm_s=timeline.busy_s(collective=True, pp_rank=rank),
+        boxing_forward_s=timeline.busy_s(phase="forward", collective=True, pp_rank=rank),
+        boxing_backward_s=timeline.busy_s(phase="backward", collective=True, pp_rank=rank)
+        + timeline.busy_s(phase="recompute", collective=True, pp_rank=rank),        # a recomputed block's boxing
+        grad_sync_s=timeline.busy_s(phase="grad_sync", collective=True, pp_rank=rank)
+        + timeline.busy_s(phase="optimizer", collective=True, pp_rank=rank),        # ZeRO-1/2's parameter all-gather
+        optimizer_s=timeline.busy_s(phase="optimizer", collective=False, pp_rank=rank)
+        - cluster.executor.step_us * 1e-6,
         memory_bytes_per_device=memory["total"], memory=memory, per_op=_per_op(graph, plan, timeline),
         memory_limit_bytes=int(cluster.device.memory_gb * 1e9), collectives=collectives,
-        step_overhead_s=cluster.executor.step_us * 1e-6, exposed_comm_s=timeline.exposed_comm_s,
-        timeline=timeline,
+        step_overhead_s=cluster.executor.step_us * 1e-6, exposed_comm_s=max(0.0, timeline.exposed_comm_s - bubble),
+        bubble_s=bubble, timeline=timeline,
     )
 
 

@@ -15,6 +15,8 @@ all_to_all      the logical tensor (piece = M/n)       (n-1)/n * (M/n)/b + (n-1)
                 (each device sends (n-1)/n of its M/n piece in n-1 pairwise steps)
 broadcast       the broadcast tensor                   M/b + (n-1) * a
                 (pipelined ring: bandwidth term ~M/b for large M, n-1 hops of latency)
+send_recv       the tensor one rank sends another      M/b + a
+                (pipeline stages: one hop on the link the two stages cross; n is the pp degree)
 ==============  =====================================  ===========================================
 
 ``n == 1`` costs 0 for every kind. The backend table says how each kind is
@@ -83,6 +85,8 @@ def native_time_s(kind: CollectiveKind, nbytes: float, n_devices: int,
         return (n - 1) / n * (m / n) / b + (n - 1) * a
     if kind is CollectiveKind.BROADCAST:
         return m / b + (n - 1) * a
+    if kind is CollectiveKind.SEND_RECV:
+        return m / b + a
     raise ValueError(f"no time formula for collective kind {kind!r}")
 
 

@@ -9,7 +9,8 @@
 - ``working_params``: under a mixed-precision policy, the working copies in ``param_dtype``
   of the parameters not gathered for use (those are in ``gathered_params``), at their storage size;
 - ``buffers``: module buffers, local by their signature's output NdSbp;
-- ``activations``: what autograd saves for backward, taken as the user inputs plus
+- ``activations``: what autograd saves for backward (with pipeline stages, for every micro-batch
+  the rank's schedule holds at once: :func:`pipeline_rank_bytes`), taken as the user inputs plus
   every output of a non-view op that some op consumes, each at its local size under
   the producing signature's output NdSbp (views alias their source and add nothing),
   in the traced (working) dtype. An op recomputed in backward (``recomputed_ops``) saves
@@ -30,6 +31,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from autoddl.graph import NodeKind, OpGraph
+from autoddl.pipeline import in_flight_peak, input_stage
 from autoddl.plan import Plan
 from autoddl.precision import MASTER_ITEMSIZE, itemsize
 from autoddl.program import (StepProgram, block_of, grad_storage_of, optimizer_storage_of, recomputed_ops,
@@ -48,13 +50,16 @@ def local_bytes(nbytes: int, nd: NdSbp, mesh_shape: Sequence[int]) -> int:
     return int(round(nbytes * nd.shard_fraction(mesh_shape)))
 
 
-def local_parameters(graph: OpGraph, plan: Plan, layout: Callable[[Plan, str], NdSbp] = storage_of
-                     ) -> tuple[int, int]:
+def local_parameters(graph: OpGraph, plan: Plan, layout: Callable[[Plan, str], NdSbp] = storage_of,
+                     only: frozenset[str] | None = None) -> tuple[int, int]:
     """(bytes, elements) of the parameters one device keeps in ``layout`` (default: their storage;
-    used ones only: see used_parameters), at the masters' dtype (float32 for floating parameters)."""
+    used ones only: see used_parameters; ``only`` these when given: a pipeline rank's), at the
+    masters' dtype (float32 for floating parameters)."""
     mesh = plan.mesh.shape
     nbytes = numel = 0
     for fqn, node in used_parameters(graph).items():
+        if only is not None and fqn not in only:
+            continue
         frac = layout(plan, fqn).shard_fraction(mesh)
         meta = node.outputs[0]
         nbytes += int(round(meta.numel * (MASTER_ITEMSIZE if meta.is_floating else meta.itemsize) * frac))
@@ -62,10 +67,10 @@ def local_parameters(graph: OpGraph, plan: Plan, layout: Callable[[Plan, str], N
     return nbytes, numel
 
 
-def master_parameters(graph: OpGraph, plan: Plan) -> tuple[int, int]:
+def master_parameters(graph: OpGraph, plan: Plan, only: frozenset[str] | None = None) -> tuple[int, int]:
     """(bytes, elements) of the float32 masters the optimizer updates on one device: each
     parameter's piece in its optimizer storage (ZeRO-1/2 shard it; else its storage)."""
-    return local_parameters(graph, plan, optimizer_storage_of)
+    return local_parameters(graph, plan, optimizer_storage_of, only)
 
 
 def param_state_bytes(numel_local: float, training: Training, optimizer: str) -> float:
@@ -78,13 +83,16 @@ def param_state_bytes(numel_local: float, training: Training, optimizer: str) ->
     return numel_local * (2 * MASTER_ITEMSIZE + working) + optimizer_state_bytes(numel_local, optimizer)
 
 
-def working_param_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None = None) -> int:
-    """Working copies (``param_dtype``) of the parameters not gathered for use, at storage size."""
+def working_param_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None = None,
+                        only: frozenset[str] | None = None) -> int:
+    """Working copies (``param_dtype``) of the parameters not gathered for use, at storage size
+    (``only`` these parameters when given)."""
     if not plan.training.mixed:
         return 0
     grouped = {program.param_uses[i].fqn for g in program.gathers for i in g.uses} if program else set()
     return sum(local_bytes(n.outputs[0].nbytes, storage_of(plan, fqn), plan.mesh.shape)
-               for fqn, n in used_parameters(graph).items() if fqn not in grouped and n.outputs[0].is_floating)
+               for fqn, n in used_parameters(graph).items()
+               if fqn not in grouped and n.outputs[0].is_floating and (only is None or fqn in only))
 
 
 def activation_bytes(graph: OpGraph, plan: Plan) -> dict[str, int]:
@@ -110,10 +118,12 @@ def recomputed_bytes(graph: OpGraph, plan: Plan) -> int:
                 for block in recomputed_ops(graph, plan).values()), default=0)
 
 
-def gathered_param_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None = None) -> int:
+def gathered_param_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None = None,
+                         only: frozenset[str] | None = None) -> int:
     """Parameters materialised larger than stored. Gathered one at a time for its op: the largest
     per-op sum. Gathered by layer group (``program.gathers``): a group freed after forward
-    (``reshard``) is alive with at most the next one, prefetched; the others until the step ends."""
+    (``reshard``) is alive with at most the next one, prefetched; the others until the step ends.
+    ``only``: count these parameters only (a pipeline rank's)."""
     mesh = plan.mesh.shape
     grouped = {program.param_uses[i].fqn for g in program.gathers for i in g.uses} if program else set()
     params = graph.parameters()
@@ -123,7 +133,7 @@ def gathered_param_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None
         total = 0
         for slot, ref in enumerate(op.inputs):
             p = graph[ref.node]
-            if p.kind is not NodeKind.PARAMETER or p.target in grouped:
+            if p.kind is not NodeKind.PARAMETER or p.target in grouped or (only is not None and p.target not in only):
                 continue
             sig = sig or signature_of(plan, op)
             meta = params[p.target].outputs[0]
@@ -131,12 +141,14 @@ def gathered_param_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None
             if used > local_bytes(meta.nbytes, storage_of(plan, p.target), mesh):
                 total += used
         best = max(best, total)
-    if not program or not program.gathers:
+    gathers = [g for g in (program.gathers if program else [])
+               if only is None or program.param_uses[g.uses[0]].fqn in only]
+    if not gathers:
         return best
     size = [sum(local_bytes(program.param_uses[i].meta.nbytes, program.param_uses[i].dst, mesh) for i in g.uses)
-            for g in program.gathers]
-    kept = sum(n for n, g in zip(size, program.gathers) if not g.reshard)
-    pairs = max((size[i] + (size[i + 1] if i + 1 < len(size) else 0) for i, g in enumerate(program.gathers)
+            for g in gathers]
+    kept = sum(n for n, g in zip(size, gathers) if not g.reshard)
+    pairs = max((size[i] + (size[i + 1] if i + 1 < len(size) else 0) for i, g in enumerate(gathers)
                  if g.reshard), default=0)
     return best + kept + pairs
 
@@ -150,28 +162,63 @@ def boxing_buffer_bytes(collectives: Sequence[Collective], graph: OpGraph, mesh_
 
 def memory_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective] = (),
                  program: StepProgram | None = None) -> dict[str, int]:
-    """Bytes per device by category (see module docstring), plus ``total``.
+    """Bytes per device by category (see module docstring), plus ``total``; with pipeline stages,
+    those of the pp rank that needs the most (:func:`pipeline_rank_bytes`).
 
     ``collectives`` are the step's collectives after backend emulation
     (:func:`costmodel.breakdown.predicted_collectives`); they size ``boxing_buffer``.
     """
+    if program is not None and program.pipeline is not None:
+        ranks = [pipeline_rank_bytes(graph, plan, collectives, program, r) for r in range(program.pipeline.stages)]
+        return max(ranks, key=lambda mem: mem["total"])
+    return _rank_bytes(graph, plan, collectives, program, None, sum(activation_bytes(graph, plan).values()))
+
+
+def _rank_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective], program: StepProgram | None,
+                only: frozenset[str] | None, activations: int) -> dict[str, int]:
+    """The categories of one device holding the parameters ``only`` (None: all) and ``activations``."""
     mesh = plan.mesh.shape
-    master_bytes, master_numel = master_parameters(graph, plan)
+    master_bytes, master_numel = master_parameters(graph, plan, only)
     # the parameters kept whole in their storage are the masters too, unless working copies stand in
     # for them (mixed precision: float32 masters only in the optimizer storage)
-    param_bytes = master_bytes if plan.training.mixed else local_parameters(graph, plan)[0]
+    param_bytes = master_bytes if plan.training.mixed else local_parameters(graph, plan, only=only)[0]
     buffers = sum(local_bytes(n.outputs[0].nbytes, signature_of(plan, n).outputs[0], mesh)
                   for n in graph.nodes_of(NodeKind.BUFFER) if n.outputs)
     mem = {
         "parameters": param_bytes,
-        "gradients": local_parameters(graph, plan, grad_storage_of)[0],
+        "gradients": local_parameters(graph, plan, grad_storage_of, only)[0],
         "optimizer_states": int(optimizer_state_bytes(master_numel, plan.optimizer)),
-        "working_params": working_param_bytes(graph, plan, program),
+        "working_params": working_param_bytes(graph, plan, program, only),
         "buffers": buffers,
-        "activations": sum(activation_bytes(graph, plan).values()),
+        "activations": activations,
         "recomputed": recomputed_bytes(graph, plan),
-        "gathered_params": gathered_param_bytes(graph, plan, program),
+        "gathered_params": gathered_param_bytes(graph, plan, program, only),
         "boxing_buffer": boxing_buffer_bytes(collectives, graph, mesh),
     }
     mem["total"] = sum(mem[k] for k in CATEGORIES)
     return mem
+
+
+def chunk_activation_bytes(graph: OpGraph, plan: Plan, program: StepProgram) -> list[int]:
+    """Per virtual stage, the activations one micro-batch leaves saved there: its ops' and inputs'
+    (``activation_bytes``; an input counts where it is first read) and the tensors it receives."""
+    layout = program.pipeline
+    stage = {**input_stage(graph, layout.stage_of_op), **layout.stage_of_op}
+    out = [0] * layout.virtual
+    for name, nbytes in activation_bytes(graph, plan).items():
+        out[stage[name]] += nbytes
+    for b in layout.boundaries:
+        out[b.src + 1] += b.nbytes
+    return out
+
+
+def pipeline_rank_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective], program: StepProgram,
+                        rank: int) -> dict[str, int]:
+    """One pp rank's memory: its parameters (``PipelineLayout.rank_params``), and the activations of
+    the micro-batches its schedule holds at once (``autoddl.pipeline.in_flight_peak`` over its
+    chunks: GPipe m micro-batches, 1F1B P - rank)."""
+    layout = program.pipeline
+    per_stage = chunk_activation_bytes(graph, plan, program)
+    chunks = [per_stage[c * layout.stages + rank] for c in range(layout.virtual_stages)]
+    held = in_flight_peak(layout.actions[rank], chunks)
+    return _rank_bytes(graph, plan, collectives, program, layout.rank_params[rank], held)

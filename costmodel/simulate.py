@@ -5,24 +5,27 @@ One pass over the tasks in issue order (every dependency is issued earlier):
 ``end = start + duration``. Streams are the compute stream and one
 communication stream per mesh axis, so an asynchronous gradient bucket runs
 while backward goes on, and is exposed only where the optimizer (or the next
-bucket) has to wait for it. Durations:
+bucket) has to wait for it. With pipeline stages every pp rank has its own streams (and a
+``p2p`` stream for its sends), so a rank idles where its schedule waits for another's
+activations: the bubble, priced as the schedule runs. Durations:
 
 - compute: the roofline of the op's local share (costmodel.compute), forward (again, when
   recomputed in backward) or backward; an op of a checkpointed block also pays what the
   checkpoint adds per op (``costmodel.compute.recompute_overhead_s``);
 - collective: alpha-beta on the link of its mesh axis, as the backend carries it out
   (costmodel.collectives);
-- optimizer: the memory-bound step over the local parameters, plus the executor's fixed
-  per-step cost (``cluster.executor.step_us``).
+- optimizer: the memory-bound step over the local parameters (a pp rank's own), plus the
+  executor's fixed per-step cost (``cluster.executor.step_us``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph
 from autoddl.plan import Plan
+from autoddl.pipeline import schedule_makespan
 from autoddl.program import COMPUTE, StepProgram, Task, block_of, recomputed_ops, signature_of
 from costmodel.collectives import cluster_collective_time_s
 from costmodel.compute import op_backward_time_s, op_forward_time_s, optimizer_time_s, recompute_overhead_s
@@ -43,22 +46,35 @@ class TimedTask:
 @dataclass
 class Timeline:
     tasks: list[TimedTask]
+    _sums: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def step_time_s(self) -> float:
         return max((t.end_s for t in self.tasks), default=0.0)
 
-    def busy_s(self, *, stream: str | None = None, phase: str | None = None, collective: bool | None = None
-               ) -> float:
+    def busy_s(self, *, stream: str | None = None, phase: str | None = None, collective: bool | None = None,
+               pp_rank: int | None = None) -> float:
         """Summed durations of the tasks matching every given filter."""
-        return sum(t.duration_s for t in self.tasks
-                   if (stream is None or t.task.stream == stream) and (phase is None or t.task.phase == phase)
-                   and (collective is None or t.task.is_collective == collective))
+        if self._sums is None:              # one pass: (stream, phase, collective, rank) -> seconds
+            self._sums = {}
+            for t in self.tasks:
+                key = (t.task.stream, t.task.phase, t.task.is_collective, t.task.pp_rank)
+                self._sums[key] = self._sums.get(key, 0.0) + t.duration_s
+        return sum(v for (s, p, c, r), v in self._sums.items()
+                   if (stream is None or s == stream) and (phase is None or p == phase)
+                   and (collective is None or c == collective) and (pp_rank is None or r == pp_rank))
+
+    @property
+    def busiest_rank(self) -> int:
+        """The pp rank whose compute stream is busiest (0 without pipeline stages)."""
+        ranks = {t.task.pp_rank for t in self.tasks} or {0}
+        return max(sorted(ranks), key=lambda r: self.busy_s(stream=COMPUTE, pp_rank=r))
 
     @property
     def exposed_comm_s(self) -> float:
-        """Step time not covered by the compute stream: communication nothing overlapped."""
-        return max(0.0, self.step_time_s - self.busy_s(stream=COMPUTE))
+        """Step time not covered by the (busiest rank's) compute stream: communication nothing
+        overlapped, and with pipeline stages the bubble too (CostBreakdown separates it)."""
+        return max(0.0, self.step_time_s - self.busy_s(stream=COMPUTE, pp_rank=self.busiest_rank))
 
 
 @dataclass(frozen=True)
@@ -81,15 +97,15 @@ class RecomputeInfo:
                    frozenset(firsts[b] for b in blocks), frozenset(ops[0].name for ops in blocks.values()))
 
 
-def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recompute: RecomputeInfo | None = None
-                ) -> float:
+def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recompute: RecomputeInfo | None = None,
+                params: frozenset[str] | None = None) -> float:
     """Duration of one task (module docstring); ``recompute``: :meth:`RecomputeInfo.of` the plan
-    (found when not given)."""
+    (found when not given); ``params``: the parameters an optimizer task updates (None: all)."""
     mesh = tuple(plan.mesh.shape)
     if task.is_collective:
         return cluster_collective_time_s(task.collective, task.nbytes, mesh, task.axis, cluster)
     if task.phase == "optimizer":
-        param_bytes, param_numel = master_parameters(graph, plan)
+        param_bytes, param_numel = master_parameters(graph, plan, params)
         return optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster) + cluster.executor.step_us * 1e-6
     node = graph[task.op]
     sig = signature_of(plan, node)
@@ -109,33 +125,67 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
 def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster) -> Timeline:
     """The timeline of ``program`` on ``cluster`` (module docstring)."""
     end: list[float] = []
-    stream_free: dict[str, float] = {}
+    stream_free: dict[tuple[int, str], float] = {}
     timed: list[TimedTask] = []
     recompute = RecomputeInfo.of(graph, plan)
+    rank_params = program.pipeline.rank_params if program.pipeline is not None else ()
+    memo: dict[tuple, float] = {}       # a pipeline copies each chunk's tasks once per micro-batch
     for task in program.tasks:
-        start = max([end[d] for d in task.deps] + [stream_free.get(task.stream, 0.0)])
-        finish = start + task_time_s(task, graph, plan, cluster, recompute)
+        key = (task.phase, task.op, task.stream, task.collective, task.axis, task.nbytes, task.pp_rank)
+        if key not in memo:
+            params = rank_params[task.pp_rank] if rank_params and task.phase == "optimizer" else None
+            memo[key] = task_time_s(task, graph, plan, cluster, recompute, params)
+        stream = (task.pp_rank, task.stream)
+        start = max([end[d] for d in task.deps] + [stream_free.get(stream, 0.0)])
+        finish = start + memo[key]
         end.append(finish)
-        stream_free[task.stream] = finish
+        stream_free[stream] = finish
         timed.append(TimedTask(task, start, finish))
     return Timeline(timed)
 
 
+def bubble_s(timeline: Timeline, program: StepProgram) -> float:
+    """The pipeline bubble: the step time the schedule would take with free sends and each action
+    taking its compute (as simulated), less the busiest pp rank's compute (0 without stages).
+    With equal stages this is (P - 1) / m of the compute for 1F1B and GPipe, (P - 1) / (V m) for
+    interleaved 1F1B (autoddl/pipeline.py)."""
+    layout = program.pipeline
+    if layout is None:
+        return 0.0
+    spent: dict[tuple[int, str, int, int], float] = {}
+    for t in timeline.tasks:
+        task = t.task
+        if task.stream == COMPUTE and task.phase != "optimizer":
+            chunk = layout.stage_of_op[task.op] // layout.stages
+            key = (task.pp_rank, "F" if task.phase == "forward" else "B", task.micro_step, chunk)
+            spent[key] = spent.get(key, 0.0) + t.duration_s
+    makespan = schedule_makespan(layout.actions, layout.virtual_stages,
+                                 lambda r, a: spent.get((r, a.kind, a.micro_batch, a.chunk), 0.0))
+    busiest = max(sum(v for k, v in spent.items() if k[0] == r) for r in range(layout.stages))
+    return max(0.0, makespan - busiest)
+
+
 def chrome_trace(timeline: Timeline, ranks: int = 1) -> dict:
     """The timeline as Chrome-trace / Perfetto JSON: one process per rank, one thread (track) per
-    stream, one complete event per task (times in µs). Every rank runs the same program, so the
-    ranks' tracks are the same; they are there to sit beside a measured trace of each rank."""
+    stream, one complete event per task (times in µs). Without pipeline stages every rank runs the
+    same program, so the ``ranks`` processes' tracks are the same (they are there to sit beside a
+    measured trace of each rank); with stages, one process per pp rank, holding its own tasks."""
     streams = sorted({t.task.stream for t in timeline.tasks}, key=lambda s: (s != COMPUTE, s))
     tid = {s: i for i, s in enumerate(streams)}
+    pp_ranks = sorted({t.task.pp_rank for t in timeline.tasks})
+    staged = pp_ranks != [0]
     events: list[dict] = []
-    for rank in range(ranks):
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank} (predicted)"}})
+    for rank in (pp_ranks if staged else range(ranks)):
+        label = f"pp rank {rank} (predicted)" if staged else f"rank {rank} (predicted)"
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": label}})
         events += [{"ph": "M", "name": "thread_name", "pid": rank, "tid": tid[s], "args": {"name": s}}
                    for s in streams]
         for t in timeline.tasks:
             task = t.task
+            if staged and task.pp_rank != rank:
+                continue
             name = (f"{task.collective.value} {task.tensor}" if task.is_collective
-                    else f"{task.phase} {task.op}")
+                    else f"{task.phase} {task.op}") + (f" mb{task.micro_step}" if staged else "")
             events.append({"ph": "X", "name": name, "cat": task.phase, "pid": rank, "tid": tid[task.stream],
                            "ts": t.start_s * 1e6, "dur": t.duration_s * 1e6,
                            "args": {"bytes": task.nbytes, "axis": task.axis, "local_flops": task.local_flops}})

@@ -120,7 +120,8 @@ def build_baseline(form: Formulation, spec: BaselineSpec) -> Baseline:
 
 def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, ...], params: set[str],
                assignment: np.ndarray, lazy_params: set[int], incoming, problem, index: dict[str, int]) -> int:
-    """The allowed candidate with the smallest key: (needs a forward collective on an activation,
+    """The allowed candidate with the smallest key: (gathers a batch-split activation on a dp / zero
+    axis, needs a forward collective on an activation,
     reduce-scatters onto the sequence (sp), minus the weight splits on tp/sp axes, compute + boxing
     seconds); for a linear or embedding on an sp axis (minus its weight's splits, needs a
     collective, slices a replicated activation, seconds). The leading terms make the expert pattern
@@ -129,6 +130,7 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
     On tp/sp axes no activation is split on dim 0 (the all-B candidate is always allowed)."""
     param_slots = {slot: ref.node for slot, ref in enumerate(node.inputs) if ref.node in params}
     model_axes = [axis for axis, role in enumerate(roles) if role in ("tp", "sp")]
+    batch_axes = [axis for axis, role in enumerate(roles) if role in ("dp", "zero")]
     seq_axes = [axis for axis, role in enumerate(roles) if role == "sp"]
     megatron = _megatron_layer(node, param_slots)
     best, best_key = -1, (np.inf,)
@@ -161,16 +163,19 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
                    if ref.node not in params and ref.node in index and assignment[index[ref.node]] >= 0]
         if any(_megatron_forbids(src, dst, roles, axis, node) for src, dst in sources for axis in model_axes):
             continue
+        if any(d[axis].is_partial() and not s[axis].is_partial() for s, d in sources for axis in batch_axes):
+            continue                          # data parallel never turns an activation into a partial sum
+        gathers = int(any(s[axis].is_split() and not d[axis].is_split() for s, d in sources for axis in batch_axes))
         boxed = int(any(_collective_needed(src, dst) for src, dst in sources))
         if megatron and "sp" in roles:      # the weight (not a bias) split, then as few collectives as can be
             splits = sum(sig.inputs[slot][axis].is_split() for slot in param_slots for axis in model_axes
                          if node.input_metas[slot].ndim == 2)
             sliced = sum(s.is_broadcast() and d.is_split() for src, dst in sources for s, d in zip(src, dst))
-            key = (-splits, boxed, sliced, total)
+            key = (gathers, -splits, boxed, sliced, total)
         else:
             splits = sum(sig.inputs[slot][axis].is_split() for slot in param_slots for axis in model_axes
                          if megatron or roles[axis] == "tp")
-            key = (boxed, -_scatters_sequence(sources, sig, seq_axes), -splits, total)
+            key = (gathers, boxed, -_scatters_sequence(sources, sig, seq_axes), -splits, total)
         if key < best_key:
             best, best_key, lazy_choice = j, key, chosen_lazy
     if best < 0:

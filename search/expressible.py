@@ -35,7 +35,9 @@ def price_config(graph: OpGraph, cluster: Cluster, config: TrainerConfig, *, bas
     training = dataclasses.replace(config.training(recompute_blocks(graph), bucket_mb=base.bucket_mb),
                                    micro_batches=base.micro_batches)
     scheme = price_degrees(graph, cluster, config.degrees(), model_name=graph.model_name, memory_gb=memory_gb,
-                           optimizer=optimizer, training=training, zero=config.zero)
+                           optimizer=optimizer, training=training, zero=config.zero,
+                           schedule=PRICED_SCHEDULES.get(config.schedule, "1f1b"),
+                           virtual_stages=config.virtual_stages)
     if name:
         scheme.plan.notes = [n.replace("the configuration given by --degrees", f"{name}, as --degrees")
                              for n in scheme.plan.notes]
@@ -43,12 +45,15 @@ def price_config(graph: OpGraph, cluster: Cluster, config: TrainerConfig, *, bas
     return scheme
 
 
+# torch.distributed.pipelining's schedule names (as the trainers take them) -> the schedules autoddl prices
+PRICED_SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved"}
+
+
 def check_priceable(config: TrainerConfig) -> None:
-    """Raises PlanningError for what ``price_config`` cannot price yet (pipeline stages)."""
-    if config.pp > 1:
-        raise PlanningError(f"{config.describe()}: pipeline pricing needs the pp role of --degrees "
-                            "(search.planner.parse_degrees / price_degrees), which this planner does not have yet; "
-                            "price the configuration with pipeline parallel degree 1")
+    """Raises PlanningError for what ``price_config`` cannot price (pipeline schedules autoddl has not)."""
+    if config.pp > 1 and config.schedule not in PRICED_SCHEDULES:
+        raise PlanningError(f"{config.describe()}: pipeline schedule {config.schedule} is not one autoddl prices; "
+                            f"use one of {', '.join(PRICED_SCHEDULES)}")
 
 
 def structured_configs(trainer: str, cluster: Cluster, settings: TrainerConfig) -> list[TrainerConfig]:

@@ -32,8 +32,9 @@ import numpy as np
 
 from autoddl.cluster import Cluster
 from autoddl.graph import NodeKind, OpGraph
+from autoddl.pipeline import pipeline_degree, repeated_blocks, with_pp_axis
 from autoddl.plan import Mesh, Plan, axis_roles
-from autoddl.program import block_of, lower
+from autoddl.program import lower
 from autoddl.training import Training
 from costmodel.breakdown import CostBreakdown, plan_cost, predicted_collectives
 from costmodel.memory import activation_bytes, memory_bytes, recomputed_bytes
@@ -41,6 +42,7 @@ from search.baselines import BaselineSpec, baseline_specs, build_baseline
 from search.coordinate_descent import coordinate_descent
 from search.formulate import Formulation, FormulationCache, formulate
 from search.meshes import mesh_shapes
+from search.stages import stage_cuts
 from search.problem import NoFeasiblePlanError, memory_tolerance
 from search.zero import ZERO_STAGES, data_parallel_axes, with_zero
 
@@ -124,7 +126,7 @@ def _largest_inner(n: int) -> int:
 
 def recompute_blocks(graph: OpGraph) -> list[str]:
     """The repeated blocks recompute is decided for, in forward order (``root`` is never recomputed)."""
-    return list(dict.fromkeys(b for b in (block_of(n) for n in graph.ops()) if b != "root"))
+    return repeated_blocks(graph)
 
 
 def recompute_levels(graph: OpGraph, training: Training) -> list[dict[str, str]]:
@@ -202,7 +204,10 @@ def memory_at_levels(graph: OpGraph, plan: Plan, cluster: Cluster) -> Callable[[
     ``plan.training`` in recompute only: of the cost model's categories (costmodel/memory.py) only
     ``activations`` and ``recomputed`` depend on what is recomputed (the parameters and their gathers
     do not, and a recomputed forward boxes no larger tensor than forward did), so the program is
-    lowered once and only those two are counted again."""
+    lowered once and only those two are counted again. With pipeline stages the activations are
+    those of the micro-batches in flight on the rank that needs the most: counted in full."""
+    if pipeline_degree(plan) > 1:
+        return lambda training: plan_memory(graph, dataclasses.replace(plan, training=training), cluster)
     program = lower(graph, plan)
     mem = memory_bytes(graph, plan, predicted_collectives(graph, plan, cluster, program), program)
     fixed = mem["total"] - mem["activations"] - mem["recomputed"]
@@ -435,11 +440,13 @@ def zero_baselines(graph: OpGraph, dp: Scheme | None, cluster: Cluster, limit: f
 
 # -- a given configuration (--degrees) ------------------------------------------------------------
 
-DEGREE_ROLES = {"dp": "dp", "fsdp": "zero", "tp": "tp", "sp": "sp"}    # --degrees role -> baseline role
+DEGREE_ROLES = {"pp": "pp", "dp": "dp", "fsdp": "zero", "tp": "tp", "sp": "sp"}    # --degrees role -> baseline role
 _SPEC_NAMES = {("dp",): "dp", ("zero",): "zero3", ("tp",): "tp", ("sp",): "sp", ("dp", "tp"): "dp_tp",
-               ("zero", "tp"): "fsdp_tp", ("dp", "sp"): "dp_sp", ("zero", "sp"): "fsdp_sp"}
-_ROLE_WORDS = {"dp": "data parallel", "fsdp": "ZeRO-3 / FSDP", "tp": "Megatron tensor parallel",
-               "sp": "Megatron tensor + sequence parallel"}
+               ("zero", "tp"): "fsdp_tp", ("dp", "sp"): "dp_sp", ("zero", "sp"): "fsdp_sp",
+               ("pp", "dp", "tp"): "megatron_3d", ("pp", "zero", "tp"): "fsdp_tp_pp",
+               ("pp", "dp", "sp"): "megatron_3d_sp", ("pp", "zero", "sp"): "fsdp_sp_pp"}
+_ROLE_WORDS = {"pp": "pipeline stages", "dp": "data parallel", "fsdp": "ZeRO-3 / FSDP",
+               "tp": "Megatron tensor parallel", "sp": "Megatron tensor + sequence parallel"}
 MODEL_ROLES = ("tp", "sp")      # tensor parallel, without or with sequence parallel: the innermost degree
 
 
@@ -477,9 +484,22 @@ def data_parallel_degree(degrees: list[tuple[str, int]]) -> int:
     return math.prod(d for r, d in degrees if r in ("dp", "fsdp"))
 
 
+def pipeline_split(degrees: list[tuple[str, int]]) -> tuple[int, list[tuple[str, int]]]:
+    """(the pp degree, the other degrees): pp must come first, the outermost axis (across nodes)."""
+    roles = [r for r, _ in degrees]
+    if "pp" not in roles:
+        return 1, list(degrees)
+    if roles[0] != "pp":
+        raise PlanningError(f"--degrees {degrees_text(degrees)}: pp must be the outermost (first) degree, its "
+                            "stages across nodes; e.g. --degrees pp=8,dp=16,tp=8")
+    inner = list(degrees[1:]) or [("dp", 1)]
+    return degrees[0][1], inner
+
+
 def degrees_spec(degrees: list[tuple[str, int]], cluster: Cluster) -> tuple[BaselineSpec, tuple[int, ...]]:
     """The expert plan and mesh of ``degrees`` on ``cluster``, after checking them (errors name the
-    degree and every device count involved). Degree-1 roles take no mesh axis."""
+    degree and every device count involved). Degree-1 roles take no mesh axis; a pp degree > 1 is
+    the outermost axis, its roles the spec's first."""
     text = degrees_text(degrees)
     n, per_node = cluster.num_devices, cluster.devices_per_node
     for role, d in degrees:
@@ -491,7 +511,8 @@ def degrees_spec(degrees: list[tuple[str, int]], cluster: Cluster) -> tuple[Base
         raise PlanningError(f"--degrees {text}: {product} = {math.prod(d for _, d in degrees)} devices, but cluster "
                             f"{cluster.name} has {n}; give degrees whose product is {n} (or --devices "
                             f"{math.prod(d for _, d in degrees)})")
-    axes = [(r, d) for r, d in degrees if d > 1] or [degrees[0]]
+    pp, inner = pipeline_split(degrees)
+    axes = [(r, d) for r, d in inner if d > 1] or [inner[0]]
     roles = [r for r, _ in axes]
     model = [r for r in roles if r in MODEL_ROLES]
     if len(model) > 1:
@@ -501,9 +522,12 @@ def degrees_spec(degrees: list[tuple[str, int]], cluster: Cluster) -> tuple[Base
         m = model[0]
         raise PlanningError(f"--degrees {text}: {m} must be the innermost (last) degree, inside a node; "
                             f"e.g. --degrees {','.join(f'{r}={d}' for r, d in axes if r != m)},{m}={dict(axes)[m]}")
-    if len(axes) > 1 and per_node > 1 and per_node % axes[-1][1]:
+    if len(axes) + (pp > 1) > 1 and per_node > 1 and per_node % axes[-1][1]:
         raise PlanningError(f"--degrees {text}: the innermost degree {axes[-1][0]}={axes[-1][1]} must divide the "
                             f"{per_node} devices of a node (it runs inside one); put the axis that spans nodes first")
+    if pp > 1:
+        axes = [("pp", pp)] + axes
+        roles = ["pp"] + roles
     base_roles = tuple(DEGREE_ROLES[r] for r in roles)
     name = _SPEC_NAMES.get(base_roles, "_".join(roles))
     words = ", ".join(f"{_ROLE_WORDS[r]} over {d}" for r, d in axes)
@@ -512,13 +536,22 @@ def degrees_spec(degrees: list[tuple[str, int]], cluster: Cluster) -> tuple[Base
 
 def price_degrees(graph: OpGraph, cluster: Cluster, degrees: list[tuple[str, int]], *, model_name: str = "",
                   memory_gb: float | None = None, optimizer: str = "adamw",
-                  training: Training | None = None, zero: int = 0) -> Scheme:
+                  training: Training | None = None, zero: int = 0, schedule: str = "1f1b",
+                  virtual_stages: int = 1) -> Scheme:
     """The expert configuration ``degrees`` (``parse_degrees``) built as a baseline on its mesh and
     priced under ``training`` by the full cost model (``recompute="auto"``: the first recompute level
-    at which it fits). Raises PlanningError when it does not apply, saying why."""
+    at which it fits). With a pp degree, the baseline of the other degrees runs inside each stage,
+    the stages cut where search/stages.py balances them, under pipeline ``schedule`` with
+    ``virtual_stages`` chunks per pp rank (both ignored without pp). Raises PlanningError when it
+    does not apply, saying why."""
     training = training or Training()
     text = degrees_text(degrees)
     spec, shape = degrees_spec(degrees, cluster)
+    pp = shape[0] if spec.roles[0] == "pp" else 1
+    if pp > 1:
+        training = pipeline_training(graph, training, pp, schedule, virtual_stages, text)
+        text += f" --schedule {schedule}" + (f" --virtual-stages {virtual_stages}" if virtual_stages > 1 else "")
+        spec, shape = BaselineSpec(spec.name, spec.roles[1:], spec.description), shape[1:]
     limit = (memory_gb if memory_gb is not None else cluster.device.memory_gb) * 1e9
     levels = recompute_levels(graph, training) if training.recompute == "auto" else [dict(training.recompute_blocks)]
     form = formulate(graph, cluster, shape, optimizer=optimizer, memory_limit_bytes=limit,
@@ -532,11 +565,54 @@ def price_degrees(graph: OpGraph, cluster: Cluster, degrees: list[tuple[str, int
     plan.notes.append(f"the configuration given by --degrees {text}: {spec.description}, priced as given "
                       "(not searched)")
     if zero:
-        if spec.name not in ("dp", "dp_tp", "dp_sp"):
+        if "dp" not in spec.roles:
             raise PlanningError(f"--zero {zero} shards optimizer states over the dp axis; --degrees {text} has "
                                 "none (fsdp already shards parameters, gradients and optimizer states)")
         plan = with_zero(graph, plan, zero, name=plan.name)
         text += f" --zero {zero}"
+    if pp > 1:
+        plan = staged(graph, plan, cluster, pp)
     plan, bd = fit_recompute(graph, plan, cluster, limit, levels) if len(levels) > 1 else \
         (plan, price(graph, plan, cluster, limit))
     return Scheme(text, plan, bd)
+
+
+def inner_tp_plan(graph: OpGraph, cluster: Cluster, tp: int, training: Training, optimizer: str = "adamw") -> Plan:
+    """The plan inside one pipeline stage of one data-parallel rank: Megatron tp over a (tp,) mesh
+    (the dp baseline on (1,) when tp is 1), unpriced (search/pipeline_search.py's fast estimate)."""
+    shape, spec = (tp,), baseline_specs(1)[2 if tp > 1 else 0]
+    form = formulate(graph, cluster.resized(tp), shape, optimizer=optimizer, training=training)
+    base = build_baseline(form, spec)
+    if not base.applicable:
+        raise PlanningError(f"tp={tp}: {spec.description} does not apply to {graph.model_name or 'this model'}: "
+                            f"{base.reason}")
+    return assignment_plan(spec.name, form, base.assignment, graph.fingerprint(), graph.model_name, cluster,
+                           optimizer, training)
+
+
+def pipeline_training(graph: OpGraph, training: Training, pp: int, schedule: str, virtual_stages: int,
+                      text: str) -> Training:
+    """``training`` under pipeline ``schedule``, after checking it fits the model and the micro-batches."""
+    try:
+        tr = dataclasses.replace(training, schedule=schedule, virtual_stages=virtual_stages)
+    except ValueError as exc:
+        raise PlanningError(f"--degrees {text}: {exc}") from None
+    blocks = len(recompute_blocks(graph))
+    if blocks < pp * virtual_stages:
+        raise PlanningError(f"--degrees {text}: {pp} stages x {virtual_stages} virtual stages need as many repeated "
+                            f"blocks; {graph.model_name or 'the model'} has {blocks}: use a smaller pp degree")
+    if schedule == "interleaved" and tr.micro_batches % pp:
+        raise PlanningError(f"--degrees {text}: interleaved 1F1B needs the micro-batch count ({tr.micro_batches}) to "
+                            f"be a multiple of pp={pp}; set --global-batch-size / --micro-batch-size so that it is")
+    return tr
+
+
+def staged(graph: OpGraph, plan: Plan, cluster: Cluster, pp: int) -> Plan:
+    """``plan`` (inside one stage) on an outer pp axis of ``pp``, cut into balanced stages."""
+    cuts = stage_cuts(graph, plan, cluster, pp * plan.training.virtual_stages)
+    out = with_pp_axis(plan, pp)
+    out.training = dataclasses.replace(out.training, stage_cuts=cuts)
+    out.notes.append(f"pipeline: {pp} stages x {plan.training.virtual_stages} virtual, {plan.training.schedule}, "
+                     f"{plan.training.micro_batches} micro-batches; stages start at blocks {', '.join(cuts)} "
+                     "(balanced by simulated time and memory)")
+    return out

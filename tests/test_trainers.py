@@ -4,6 +4,7 @@ the structured space, and ``autoddl plan --emit / --from-torchtitan / --from-meg
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 import subprocess
@@ -241,9 +242,23 @@ def test_structured_space_on_one_node_of_four():
     assert not any(c.dp > 1 and c.fsdp > 1 for c in megatron)
 
 
-def test_pipeline_configurations_wait_for_the_pp_role():
-    with pytest.raises(PlanningError, match="pipeline pricing needs the pp role"):
-        price_config(None, None, BOTH[4])
+def test_a_pipeline_schedule_autoddl_does_not_price_is_refused():
+    config = dataclasses.replace(BOTH[3], schedule="ZBVZeroBubble")
+    with pytest.raises(PlanningError, match="schedule ZBVZeroBubble is not one autoddl prices"):
+        price_config(None, None, config)
+
+
+def test_cli_from_megatron_prices_pipeline_stages_as_degrees(capsys):
+    """A user's Megatron pipeline configuration is priced as the same --degrees configuration
+    (pp outermost, 1F1B, as many micro-steps as the global batch needs)."""
+    flags = "--pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 8"
+    assert main(PLAN + [f"--from-megatron={flags}", "--no-search", "--out", "/dev/null"]) == 0
+    yours = _ms(r"your Megatron-LM flags \(pp=2,dp=2 \(1F1B\), fp32, recompute none, micro-batch 1, "
+                r"global batch 8\): ([\d.]+) ms", capsys.readouterr().out)
+    assert main(PLAN + ["--degrees", "pp=2,dp=2", "--schedule", "1f1b", "--micro-batch-size", "1",
+                        "--global-batch-size", "8", "--no-search", "--out", "/dev/null"]) == 0
+    given = _ms(r"given pp=2,dp=2[^:]*: mesh 2x2, predicted ([\d.]+) ms", capsys.readouterr().out)
+    assert yours == given
 
 
 # -- the command line ------------------------------------------------------------------------------
@@ -312,7 +327,6 @@ def test_cli_emit_round_trips_through_from(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, words", [
     (["--degrees", "dp=2,tp=2", "--no-search", "--emit", "torchtitan"], "tensor parallel without sequence parallel"),
-    (["--from-megatron", "--pipeline-model-parallel-size 2", "--no-search"], "pipeline pricing needs the pp role"),
     (["--from-megatron", "--tensor-model-parallel-size 3"], "--tensor-model-parallel-size 3 x "
                                                              "--pipeline-model-parallel-size 1 = 3 does not divide"),
     (["--from-torchtitan", "/nonexistent/job.toml"], "--from-torchtitan /nonexistent/job.toml: no such file"),

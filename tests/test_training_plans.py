@@ -317,7 +317,7 @@ def test_degrees_price_the_given_configuration_beside_the_found_plan(tmp_path, c
 
 
 @pytest.mark.parametrize("degrees, words", [
-    ("pp=2,tp=4", ["unknown role 'pp'", "dp, fsdp, tp"]),
+    ("xp=2,tp=4", ["unknown role 'xp'", "pp, dp, fsdp, tp"]),
     ("dp=2,tp=2", ["dp=2 x tp=2 = 4 devices", "has 8"]),
     ("dp=3,tp=8", ["dp=3 does not divide the 8 devices"]),
     ("tp=4,dp=2", ["tp must be the innermost"]),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import textwrap
 import time
@@ -26,10 +27,12 @@ from autoddl.cluster import DEFAULT_CLUSTER_PATH, Cluster
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.loader import ModelFile, ModelFileError, load_for_plan, load_model_file
 from autoddl.ops import coverage_report
+from autoddl.pipeline import pipeline_degree
 from autoddl.plan import Mesh, Plan
-from autoddl.training import DEFAULT_BUCKET_MB, DTYPES, RECOMPUTE_CHOICES, RECOMPUTE_POLICIES, Training
-from search.planner import (SCHEMES, Scheme, SearchOutcome, data_parallel_degree, degrees_spec, parse_degrees,
-                            price_degrees, recompute_blocks, resolve_cluster, search)
+from autoddl.training import DEFAULT_BUCKET_MB, DTYPES, RECOMPUTE_CHOICES, RECOMPUTE_POLICIES, SCHEDULES, Training
+from search.pipeline_search import best_fitting, search_3d
+from search.planner import (SCHEMES, Scheme, SearchOutcome, data_parallel_degree, degrees_spec, inner_tp_plan,
+                            parse_degrees, price_degrees, recompute_blocks, resolve_cluster, search)
 from search.problem import NoFeasiblePlanError
 
 EXPECTED_ERRORS.append(NoFeasiblePlanError)
@@ -63,12 +66,20 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
     t.add_argument("--global-batch-size", type=int, metavar="G",
                    help="samples per optimizer step: G / (M x data-parallel degree) micro-steps")
     t.add_argument("--degrees", metavar="ROLE=N,...",
-                   help="price this expert configuration beside the found plan, e.g. fsdp=8 or dp=4,tp=8 "
-                        "(roles dp, fsdp, tp, sp = tp with sequence parallel; outer axis first, tp or sp innermost)")
+                   help="price this expert configuration beside the found plan, e.g. fsdp=8, dp=4,tp=8 or "
+                        "pp=8,dp=16,tp=8 (roles pp, dp, fsdp, tp, sp = tp with sequence parallel; outer axis "
+                        "first: pp outermost, tp or sp innermost)")
+    t.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                   help="with a pp degree: the pipeline schedule (default 1f1b)")
+    t.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="with --schedule interleaved: chunks (virtual stages) per pp rank (default 1)")
     t.add_argument("--zero", type=int, choices=(1, 2), help="with --degrees dp=...: ZeRO-1 (optimizer states) or "
                    "ZeRO-2 (and gradients) sharded over the dp axis")
     t.add_argument("--no-search", action="store_true",
-                   help="with --degrees or --from-*: price the given configuration only")
+                   help="with --degrees, --from-* or --pipeline: price the given configuration / the 3-D search only")
+    t.add_argument("--pipeline", action="store_true",
+                   help="also search pipeline stages: pp x dp|fsdp x tp, schedule, micro-batch size (needs "
+                        "--global-batch-size); the best is priced and written as the given plan")
     p.add_argument("--memory-breakdown", action="store_true",
                    help="memory per device by category: parameters (masters, working copies, gathered), "
                         "gradients, optimizer states, activations (saved and recomputed), other")
@@ -139,6 +150,15 @@ class _Tracer:
             self.seconds += time.perf_counter() - t0
         return self.graphs[key], batch, dataclasses.replace(training, micro_batches=k)
 
+    def at(self, batch: int, param_dtype: str) -> OpGraph:
+        """The graph of a micro-step of ``batch`` samples (traced once)."""
+        key = (batch, param_dtype)
+        if key not in self.graphs:
+            t0 = time.perf_counter()
+            self.graphs[key] = self.mf.with_batch_size(batch).trace(param_dtype)
+            self.seconds += time.perf_counter() - t0
+        return self.graphs[key]
+
 
 def _provenance(scheme: Scheme | None, args: argparse.Namespace, overrides: dict, batch: int | None,
                 mf: ModelFile) -> None:
@@ -163,9 +183,12 @@ def _search(args: argparse.Namespace, progress, training: Training | None = None
     if degrees:
         degrees_spec(degrees, planned)                 # refuse bad degrees before tracing
         given = _degrees_pricer(args, planned, degrees)
-    elif args.no_search and given is None:
+    elif args.no_search and given is None and not args.pipeline:
         raise ValueError("--no-search prices only a given configuration: add --degrees (e.g. --degrees fsdp=8), "
-                         "--from-torchtitan or --from-megatron")
+                         "--from-torchtitan, --from-megatron or --pipeline")
+    if args.pipeline and (given is not None or not args.global_batch_size):
+        raise ValueError("--pipeline searches pipeline stages for a --global-batch-size (give one) and replaces "
+                         "--degrees / --from-* (drop them)")
     tracer = tracer or _Tracer(args, load_model_file(args.model_py, **overrides))
     mf = tracer.mf
     outcome, given_scheme, graph, error = None, None, None, ""
@@ -175,7 +198,7 @@ def _search(args: argparse.Namespace, progress, training: Training | None = None
             outcome = search(graph, planned, model_name=graph.model_name, mesh=mesh, memory_gb=args.memory_gb,
                              optimizer=args.optimizer, progress=progress, training=tr)
         except NoFeasiblePlanError as exc:
-            if given is None:
+            if given is None and not args.pipeline:
                 raise
             error = str(exc)
         for scheme in outcome.schemes if outcome else ():
@@ -184,6 +207,10 @@ def _search(args: argparse.Namespace, progress, training: Training | None = None
         given_scheme, g2, batch2 = given(tracer, training)
         _provenance(given_scheme, args, overrides, batch2, mf)
         graph = graph or g2
+    if args.pipeline:
+        given_scheme, g3, batch3 = _search_pipeline(args, tracer, planned, training, progress)
+        _provenance(given_scheme, args, overrides, batch3, mf)
+        graph = graph or g3
     return Planned(mf, cluster, planned, outcome, given_scheme, graph, tracer.seconds, error, tracer.graphs)
 
 
@@ -191,9 +218,37 @@ def _degrees_pricer(args: argparse.Namespace, planned: Cluster, degrees: list[tu
     def price(tracer: _Tracer, training: Training) -> tuple[Scheme, OpGraph, int | None]:
         g2, batch2, tr2 = tracer(data_parallel_degree(degrees), training)
         scheme = price_degrees(g2, planned, degrees, model_name=g2.model_name, memory_gb=args.memory_gb,
-                               optimizer=args.optimizer, training=tr2, zero=args.zero or 0)
+                               optimizer=args.optimizer, training=tr2, zero=args.zero or 0,
+                               schedule=args.schedule, virtual_stages=args.virtual_stages)
         return scheme, g2, batch2
     return price
+
+
+def _search_pipeline(args: argparse.Namespace, tracer: "_Tracer", planned: Cluster, training: Training, progress
+                     ) -> tuple[Scheme, OpGraph, int]:
+    """search/pipeline_search.py's 3-D search; the best fast estimates priced by the full cost model."""
+    limit = (args.memory_gb or planned.device.memory_gb) * 1e9
+    sizes = (args.micro_batch_size,) if args.micro_batch_size else (1, 2)
+    estimates = search_3d(lambda batch: tracer.at(batch, training.param_dtype),
+                          lambda g, tp, tr: inner_tp_plan(g, planned, tp, tr, args.optimizer),
+                          planned, training, args.global_batch_size, limit, sizes, progress)
+    best = best_fitting(estimates, limit)
+    if not best:
+        least = min((e.memory_bytes for e in estimates), default=math.inf)
+        raise NoFeasiblePlanError(least, limit)
+    priced = []
+    for e in best:
+        dp = e.degrees[1][1]
+        graph = tracer.at(e.micro_batch_size * dp, training.param_dtype)
+        tr = dataclasses.replace(training, recompute=e.recompute,
+                                 micro_batches=args.global_batch_size // (e.micro_batch_size * dp))
+        scheme = price_degrees(graph, planned, e.degrees, model_name=graph.model_name, memory_gb=args.memory_gb,
+                               optimizer=args.optimizer, training=tr, schedule=e.schedule,
+                               virtual_stages=e.virtual_stages)
+        progress(f"3-D search: {e.text}: estimated {e.step_time_s:.3f} s, priced {scheme.step_time_s:.3f} s")
+        priced.append((scheme, graph, e.micro_batch_size * dp))
+    fits = [p for p in priced if p[0].breakdown.fits_memory] or priced
+    return min(fits, key=lambda p: p[0].step_time_s)
 
 
 # -- tables ---------------------------------------------------------------------------------------
@@ -246,6 +301,7 @@ def _print_schemes(schemes: list[Scheme], graphs: dict[str, OpGraph | None], bre
     rows, skipped = [], []
     show_recompute = any(s.plan is not None and _recompute_label(s.plan, graphs.get(s.name)) != "none"
                          for s in schemes)
+    show_bubble = any(s.plan is not None and s.breakdown.bubble_s > 0 for s in schemes)
     for s in schemes:
         if s.plan is None:
             skipped.append(f"{s.name}: not applicable: {s.reason}")
@@ -254,11 +310,12 @@ def _print_schemes(schemes: list[Scheme], graphs: dict[str, OpGraph | None], bre
         rows.append((s.name, str(s.plan.mesh), f"{bd.step_time_s * 1e3:.3f}", f"{bd.compute_s * 1e3:.3f}",
                      f"{(bd.boxing_forward_s + bd.boxing_backward_s) * 1e3:.3f}", f"{bd.grad_sync_s * 1e3:.3f}",
                      f"{bd.optimizer_s * 1e3:.3f}")
+                    + ((f"{bd.bubble_s * 1e3:.3f}",) if show_bubble else ())
                     + ((_recompute_label(s.plan, graphs.get(s.name)),) if show_recompute else ())
                     + (_rate(s.plan), f"{c.model_tflops_per_device:.1f}" if c.model_tflops_per_device else "-")
                     + _memory_cells(bd, breakdown) + ("yes" if bd.fits_memory else "NO",))
     header = (("scheme", "mesh", "step ms", "compute ms", "boxing ms", "grad sync ms", "optimizer ms")
-              + (("recompute",) if show_recompute else ()) + (_rate_column(schemes), "TFLOP/s/dev")
+              + (("bubble ms",) if show_bubble else ()) + (("recompute",) if show_recompute else ()) + (_rate_column(schemes), "TFLOP/s/dev")
               + _memory_header(breakdown) + ("fits",))
     numeric = [i for i, h in enumerate(header) if h not in ("scheme", "mesh", "recompute", "fits")]
     print(table(header, rows, numeric=numeric))
@@ -391,6 +448,9 @@ def _print_next(path: str, plan: Plan, cluster: Cluster) -> None:
     if plan.devices > cluster.devices_per_node:   # one `autoddl run` per node
         ranks = (f"--nproc {cluster.devices_per_node} --nnodes {plan.devices // cluster.devices_per_node} "
                  "--node-rank R --master-addr NODE0 --master-port 29500")
+    if pipeline_degree(plan) > 1:
+        print("  (autoddl run does not run pipeline stages yet: use the plan's degrees in your trainer, --emit)")
+        return
     print(f"  autoddl run {path} {ranks}{backend} --check --reference ddp   # run it, check it, time it beside DDP")
 
 
@@ -515,11 +575,12 @@ def add_explain(subparsers) -> None:
     p.set_defaults(func=run_explain)
 
 
-ROLE_WORDS = {"dp": "data parallel", "fsdp": "ZeRO-3 / FSDP", "tp": "tensor parallel", "sp": "sequence parallel",
+ROLE_WORDS = {"pp": "pipeline stages", "dp": "data parallel", "fsdp": "ZeRO-3 / FSDP", "tp": "tensor parallel", "sp": "sequence parallel",
               "rep": "replicated"}
 NARROW = {"op": 16, "signature": 30, "runner-up": 10, "weight layouts": 18, "collectives": 18}  # 100 wide
 SHORT_PHASE = {"forward": "fwd", "backward": "bwd", "grad_sync": "sync", "optimizer": "opt"}
-SHORT_KIND = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A", "broadcast": "BC"}
+SHORT_KIND = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A", "broadcast": "BC",
+              "send_recv": "P2P"}
 
 
 def plan_in_words(plan: Plan) -> str:
@@ -610,12 +671,14 @@ def _write_trace(path: str, graph, plan: Plan, program, cluster: Cluster) -> Non
     import json
 
     from autoddl.atomic import write_text_atomic
-    from costmodel.simulate import chrome_trace, simulate
+    from costmodel.simulate import bubble_s, chrome_trace, simulate
 
     timeline = simulate(program, graph, plan, cluster)
     write_text_atomic(path, json.dumps(chrome_trace(timeline, ranks=min(plan.devices, 8))))
+    bubble = bubble_s(timeline, program)
     print(f"wrote {path}: the simulated step, {timeline.step_time_s * 1e3:.3f} ms "
-          f"({timeline.exposed_comm_s * 1e3:.3f} ms communication not overlapped)")
+          f"({max(0.0, timeline.exposed_comm_s - bubble) * 1e3:.3f} ms communication not overlapped"
+          + (f", {bubble * 1e3:.3f} ms pipeline bubble)" if program.pipeline is not None else ")"))
 
 
 def _assignment_of(plan: Plan, form) -> np.ndarray:
