@@ -40,6 +40,7 @@ from typing import Callable
 
 import numpy as np
 
+from search.fusion import fuse, propose_wave
 from search.forest import Region, forest_value, grow_forest, grow_region, solve_forest, solve_region_within
 from search.problem import SearchProblem, SearchResult, _Arrays, memory_tolerance
 
@@ -114,6 +115,7 @@ class _Engine:
         self.moves = 0                     # move counter: changed_at[i] is the move that last set node i
         self.changed_at = np.zeros(n, np.int64)
         self.region_failed_at = np.full(n, -1, np.int64)   # move count when root's region move last failed
+        self.wave_failed: dict[tuple[int, int], tuple[int, np.ndarray]] = {}  # (u, v) -> (move count, reads)
         self.a = np.zeros(n, np.int64)
         self.mem_now = 0.0
 
@@ -389,17 +391,62 @@ class _Engine:
         mem_old = float(A.mem[A.off[nodes] + a[nodes]].sum())
         room = None if self.limit is None else self.limit - self.mem_now + mem_old
         found = solve_region_within(region, unary, [self.memv[x] for x in order], room)
-        if found is None:
-            return False
+        return found is not None and self._accept(nodes, found[0], found[2] - mem_old)
+
+    def _accept(self, nodes: np.ndarray, new: np.ndarray, dmem: float) -> bool:
+        """Set ``nodes`` to ``new`` when that lowers the whole objective (no rounding loops)."""
+        a = self.a
         old = a[nodes].copy()
         cost_old = self.total()
-        a[nodes] = found[0]
-        if not _improves(self.total(), cost_old):       # judged on the whole objective: no rounding loops
+        a[nodes] = new
+        if not _improves(self.total(), cost_old):
             a[nodes] = old
             return False
-        touch = np.unique(np.concatenate([nodes] + [A.nbr[x] for x in order]))
-        self._moved(nodes, found[2] - mem_old, touch)
+        touch = np.unique(np.concatenate([nodes] + [self.A.nbr[x] for x in nodes]))
+        self._moved(nodes, dmem, touch)
         return True
+
+    def wave_move(self, u: int, v: int) -> bool:
+        """A wave from the reshard (u, v) (search/fusion.py), taken where the fusion move says."""
+        key = (u, v)
+        failed = self.wave_failed.get(key)
+        if failed is not None and self.changed_at[failed[1]].max() < failed[0]:
+            return False                                 # nothing it reads changed since it last failed
+        A, a = self.A, self.a
+        proposal = propose_wave(A, self.ncv, a, u, v)
+        found = None
+        if proposal:
+            room = None if self.limit is None else self.limit - self.mem_now
+            found = fuse(A, self.ncv, self.memv, a, proposal, room)
+        if found is not None:
+            nodes, new, mem_new = found
+            mem_old = float(A.mem[A.off[nodes] + a[nodes]].sum())
+            if self._accept(nodes, new, mem_new - mem_old):
+                return True
+        reads = np.array([u, v] + list(proposal) + [y for x in proposal for y in A.nbr_list[x]], dtype=np.int64)
+        self.wave_failed[key] = (self.moves + 1, np.unique(reads))
+        return False
+
+    def wave_sweep(self, max_sweeps: int, deadline: float | None) -> bool:
+        """Waves from both ends of every reshard of the plan, costliest first, each success
+        followed by descent, until a pass improves nothing or ``deadline`` passes."""
+        improved = False
+        for _ in range(max_sweeps):
+            A, a = self.A, self.a
+            cost = A.ec[A.e_off + a[A.eu] * A.k[A.ev] + a[A.ev]] if len(A.eu) else np.zeros(0)
+            cut = np.flatnonzero(cost > 0)
+            moved = False
+            for e in cut[np.argsort(-cost[cut], kind="stable")]:
+                for u, v in ((int(A.eu[e]), int(A.ev[e])), (int(A.ev[e]), int(A.eu[e]))):
+                    if deadline is not None and time.perf_counter() > deadline:
+                        return improved
+                    if self.wave_move(u, v):
+                        moved = improved = True
+                        self.descend(max_sweeps, forest=False)
+                        break
+            if not moved:
+                break
+        return improved
 
     def total(self) -> float:
         """The engine's objective (its own node costs, e.g. with a memory price) of the current plan."""
@@ -582,9 +629,11 @@ def _region_polish(engine: _Engine, a: np.ndarray, max_sweeps: int, deadline: fl
     """Region sweeps from ``a`` until none improves, then forest moves; returns descent sweeps."""
     engine.reset(a)
     sweeps = engine.descend(max_sweeps, forest=False)
-    while engine.region_sweep(max_sweeps, deadline, roots):
+    while True:
+        waves = engine.wave_sweep(max_sweeps, deadline)        # cheap: only from the plan's reshards
+        if not (engine.region_sweep(max_sweeps, deadline, roots) or waves):
+            return sweeps
         sweeps += engine.descend(max_sweeps)
-    return sweeps
 
 
 def _lagrangian_starts(A: _Arrays, groups, rng, max_sweeps: int):
