@@ -370,8 +370,10 @@ def grow_region(A: _Arrays, root: int, max_size: int = REGION_SIZE, budget: int 
 
 def _edge_matrix(A: _Arrays, x: int, j: int, y: int, domains: dict[int, np.ndarray] | None) -> np.ndarray:
     """The matrix (k_y, k_x) of the edge between ``x`` and its ``j``-th neighbour ``y``, over the domains."""
-    m = A.mcat[x][:, A.col_off_list[x][j]:A.col_off_list[x][j] + A.k_list[y]].T
-    return m if domains is None else m[np.ix_(domains[y], domains[x])]
+    col = A.col_off_list[x][j]
+    if domains is None:
+        return A.mcat[x][:, col:col + A.k_list[y]].T
+    return A.mcat[x][domains[x][None, :], col + domains[y][:, None]]
 
 
 def _broadcast_shape(axes: list[int], target: list[int], sizes: list[int]) -> tuple[int, ...]:
