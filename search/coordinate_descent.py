@@ -18,6 +18,12 @@ repaired (cheapest cost per byte saved). Local minima are escaped by
     tables), tried from every root (up to ``region_roots``) on the best plan
     until none improves; a forest move cannot change a cyclic group such as
     RoPE's rotate-half diamond, which left llama tiny 10% above the optimum;
+  * wave moves (search/fusion.py) on the best plan, before each region sweep: from
+    each end of each reshard the change spreads op by op (each op its best response to
+    the ops already reached) and a fusion move takes, exactly, the current or the
+    proposed choice of every op it reached; region moves cannot take a cyclic chain of
+    ops with 30-50 signatures each, which left llama tiny's RoPE chain sharded between
+    two reshards on 2-D meshes (2-107% above the optimum);
   * Lagrangian starts when memory binds: descend on cost + lambda * memory;
   * restarts: an exact forest move conditioned on each choice of a root
     (roots taken in turn), or a random kick of a small connected region,
@@ -40,11 +46,13 @@ from typing import Callable
 
 import numpy as np
 
+from search.fusion import fuse, propose_wave
 from search.forest import Region, forest_value, grow_forest, grow_region, solve_forest, solve_region_within
 from search.problem import SearchProblem, SearchResult, _Arrays, memory_tolerance
 
 _REL_TOL = 1e-12
 _LNS_SIZE = 128          # nodes re-optimised exactly by one restart move
+_WAVE_WORK = 4           # node changes failed waves may propose per wave sweep, per node of the graph
 _PATIENCE_TOL = 1e-4     # relative gain of a restart that resets the patience count
 
 
@@ -103,6 +111,7 @@ class _Engine:
         self.A, self.nc, self.limit, self.groups = A, nc, limit, groups
         self.pair_moves, self.rng = pair_moves, rng
         self.forest_roots = forest_roots
+        self.waves = True                  # wave moves in region polish (search/fusion.py)
         self.ncv = np.split(nc, A.off[1:-1])
         self.memv = np.split(A.mem, A.off[1:-1])
         n = len(A.k)
@@ -114,6 +123,7 @@ class _Engine:
         self.moves = 0                     # move counter: changed_at[i] is the move that last set node i
         self.changed_at = np.zeros(n, np.int64)
         self.region_failed_at = np.full(n, -1, np.int64)   # move count when root's region move last failed
+        self.wave_failed: dict[tuple[int, int], tuple[int, np.ndarray]] = {}  # (u, v) -> (move count, reads)
         self.a = np.zeros(n, np.int64)
         self.mem_now = 0.0
 
@@ -389,17 +399,68 @@ class _Engine:
         mem_old = float(A.mem[A.off[nodes] + a[nodes]].sum())
         room = None if self.limit is None else self.limit - self.mem_now + mem_old
         found = solve_region_within(region, unary, [self.memv[x] for x in order], room)
-        if found is None:
-            return False
+        return found is not None and self._accept(nodes, found[0], found[2] - mem_old)
+
+    def _accept(self, nodes: np.ndarray, new: np.ndarray, dmem: float) -> bool:
+        """Set ``nodes`` to ``new`` when that lowers the whole objective (no rounding loops)."""
+        a = self.a
         old = a[nodes].copy()
         cost_old = self.total()
-        a[nodes] = found[0]
-        if not _improves(self.total(), cost_old):       # judged on the whole objective: no rounding loops
+        a[nodes] = new
+        if not _improves(self.total(), cost_old):
             a[nodes] = old
             return False
-        touch = np.unique(np.concatenate([nodes] + [A.nbr[x] for x in order]))
-        self._moved(nodes, found[2] - mem_old, touch)
+        touch = np.unique(np.concatenate([nodes] + [self.A.nbr[x] for x in nodes]))
+        self._moved(nodes, dmem, touch)
         return True
+
+    def wave_move(self, u: int, v: int) -> int:
+        """A wave from the reshard (u, v) (search/fusion.py), taken where the fusion move says.
+        Returns -1 when it improved the plan, else the nodes the wave proposed to change (its work)."""
+        key = (u, v)
+        failed = self.wave_failed.get(key)
+        if failed is not None and self.changed_at[failed[1]].max() < failed[0]:
+            return 0                                     # nothing it reads changed since it last failed
+        A, a = self.A, self.a
+        proposal = propose_wave(A, self.ncv, a, u, v)
+        found = None
+        if proposal:
+            room = None if self.limit is None else self.limit - self.mem_now
+            found = fuse(A, self.ncv, self.memv, a, proposal, room)
+        if found is not None:
+            nodes, new, mem_new = found
+            mem_old = float(A.mem[A.off[nodes] + a[nodes]].sum())
+            if self._accept(nodes, new, mem_new - mem_old):
+                return -1
+        reads = np.array([u, v] + list(proposal) + [y for x in proposal for y in A.nbr_list[x]], dtype=np.int64)
+        self.wave_failed[key] = (self.moves + 1, np.unique(reads))
+        return len(proposal)
+
+    def wave_sweep(self, max_sweeps: int, deadline: float | None) -> bool:
+        """Waves from both ends of every reshard of the plan, costliest first, each success
+        followed by descent, until a pass improves nothing, ``deadline`` passes or the failed
+        waves of this call proposed ``_WAVE_WORK`` x n node changes in all (on problems where
+        every edge costs something, random ones, each pass would try every edge)."""
+        improved = False
+        work = _WAVE_WORK * len(self.a) if self.waves else 0
+        for _ in range(max_sweeps):
+            A, a = self.A, self.a
+            cost = A.ec[A.e_off + a[A.eu] * A.k[A.ev] + a[A.ev]] if len(A.eu) else np.zeros(0)
+            cut = np.flatnonzero(cost > 0)
+            moved = False
+            for e in cut[np.argsort(-cost[cut], kind="stable")]:
+                for u, v in ((int(A.eu[e]), int(A.ev[e])), (int(A.ev[e]), int(A.eu[e]))):
+                    if work <= 0 or (deadline is not None and time.perf_counter() > deadline):
+                        return improved
+                    done = self.wave_move(u, v)
+                    work -= max(done, 0)
+                    if done < 0:
+                        moved = improved = True
+                        self.descend(max_sweeps, forest=False)
+                        break
+            if not moved:
+                break
+        return improved
 
     def total(self) -> float:
         """The engine's objective (its own node costs, e.g. with a memory price) of the current plan."""
@@ -455,6 +516,7 @@ def coordinate_descent(problem: SearchProblem, starts: dict[str, np.ndarray] | N
                        max_sweeps: int = 50, restarts: int = 24, seed: int = 0,
                        pair_moves: bool = False, block_moves: bool = True, forest_roots: int = 2,
                        lagrangian: bool = True, polish: int = 4, region_roots: int = 256,
+                       wave_moves: bool = True,
                        time_limit_s: float | None = None,
                        progress: Callable[[str], None] | None = None) -> SearchResult:
     """Search ``problem`` from each start (name -> (n,) choice indices) plus a greedy start.
@@ -465,6 +527,7 @@ def coordinate_descent(problem: SearchProblem, starts: dict[str, np.ndarray] | N
     from the starts always finish). ``polish``: how many of the best distinct
     local minima get forest moves (``forest_roots`` roots tried per round).
     ``region_roots``: roots per sweep of exact region moves on the best plan (0: none);
+    ``wave_moves``: wave moves from the best plan's reshards before each region sweep;
     ``time_limit_s`` also bounds these sweeps.
     ``progress`` receives one line per start and per improving restart.
     """
@@ -477,6 +540,7 @@ def coordinate_descent(problem: SearchProblem, starts: dict[str, np.ndarray] | N
     groups = _compile_groups(problem, A) if block_moves else []
     rng = np.random.default_rng(seed)
     engine = _Engine(A, A.nc, limit, groups, pair_moves, forest_roots, rng)
+    engine.waves = wave_moves
     say = progress or (lambda _msg: None)
 
     all_starts = {name: problem.check_assignment(a, f"start {name!r}") for name, a in (starts or {}).items()}
@@ -523,7 +587,7 @@ def coordinate_descent(problem: SearchProblem, starts: dict[str, np.ndarray] | N
 
     # 2b. exact region moves from every root of the best plan: cyclic blocks forest moves cannot take
     deadline = None if time_limit_s is None else t0 + time_limit_s
-    if region_roots:
+    if region_roots or wave_moves:
         sweeps = _region_polish(engine, best[2], max_sweeps, deadline, region_roots)
         offer(A.cost(engine.a), best[1], engine.a, best[3] + sweeps)
 
@@ -565,7 +629,7 @@ def coordinate_descent(problem: SearchProblem, starts: dict[str, np.ndarray] | N
         engine.reset(best[2])
         sweeps = engine.descend(max_sweeps)
         offer(A.cost(engine.a), best[1], engine.a, best[3] + sweeps)
-        if region_roots:
+        if region_roots or wave_moves:
             sweeps = _region_polish(engine, best[2], max_sweeps, deadline, region_roots)
             offer(A.cost(engine.a), best[1], engine.a, best[3] + sweeps)
     cost, name, a, sweeps = best
@@ -582,9 +646,11 @@ def _region_polish(engine: _Engine, a: np.ndarray, max_sweeps: int, deadline: fl
     """Region sweeps from ``a`` until none improves, then forest moves; returns descent sweeps."""
     engine.reset(a)
     sweeps = engine.descend(max_sweeps, forest=False)
-    while engine.region_sweep(max_sweeps, deadline, roots):
+    while True:
+        waves = engine.wave_sweep(max_sweeps, deadline)        # cheap: only from the plan's reshards
+        if not (engine.region_sweep(max_sweeps, deadline, roots) or waves):
+            return sweeps
         sweeps += engine.descend(max_sweeps)
-    return sweeps
 
 
 def _lagrangian_starts(A: _Arrays, groups, rng, max_sweeps: int):

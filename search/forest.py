@@ -310,14 +310,14 @@ class Region:
         return len(self.order)
 
 
-def _admit_fill(region: Region, scope: set[int], k: list[int], budget: int) -> list | None:
+def _admit_fill(region: Region, scope: set[int], k: "list[int] | dict[int, int]", budget: int) -> list | None:
     """Give a new last node ``scope``; pass the fill down the elimination chain.
 
     Eliminating node j sends a table over scope[j] minus its largest member z to z, so
     z's scope grows by that set, and so on down. Returns the (position, old scope)
     changes made, or None (nothing changed) when some table would exceed ``budget``.
     """
-    sizes = [k[x] for x in region.order]
+    sizes = [k[x] for x in region.order]       # k: choices per node (a list, or a dict over domains)
     changes: list[tuple[int, set[int]]] = []
     current = scope
     while current:
@@ -336,9 +336,16 @@ def _admit_fill(region: Region, scope: set[int], k: list[int], budget: int) -> l
     return changes
 
 
-def grow_region(A: _Arrays, root: int, max_size: int = REGION_SIZE, budget: int = REGION_BUDGET) -> Region:
-    """Breadth first from ``root``; keep a node when every elimination table stays within ``budget``."""
-    nbr, col_off, k = A.nbr_list, A.col_off_list, A.k_list
+def grow_region(A: _Arrays, root: int, max_size: int = REGION_SIZE, budget: int = REGION_BUDGET,
+                domains: dict[int, np.ndarray] | None = None) -> Region:
+    """Breadth first from ``root``; keep a node when every elimination table stays within ``budget``.
+
+    ``domains`` (a fusion move, search/fusion.py): node -> the choice indices it may take; only
+    those nodes are admitted, tables and edge matrices are over the domains, and the solved
+    values index into them.
+    """
+    nbr, col_off = A.nbr_list, A.col_off_list
+    k = A.k_list if domains is None else {x: len(d) for x, d in domains.items()}
     region = Region()
     where: dict[int, int] = {}
     seen = {root}
@@ -352,14 +359,21 @@ def grow_region(A: _Arrays, root: int, max_size: int = REGION_SIZE, budget: int 
             where[x] = len(region.order)
             region.order.append(x)
             region.scope.append(scope)
-            region.edges.append([(p, A.mcat[x][:, col_off[x][j]:col_off[x][j] + k[region.order[p]]].T)
-                                 for j, p in kept])
+            region.edges.append([(p, _edge_matrix(A, x, j, region.order[p], domains)) for j, p in kept])
             region.edge_ids += [A.nbr_edge_list[x][j] for j, _ in kept]
         for y in nbr[x]:
-            if y not in seen:
+            if y not in seen and (domains is None or y in domains):
                 seen.add(y)
                 queue.append(y)
     return region
+
+
+def _edge_matrix(A: _Arrays, x: int, j: int, y: int, domains: dict[int, np.ndarray] | None) -> np.ndarray:
+    """The matrix (k_y, k_x) of the edge between ``x`` and its ``j``-th neighbour ``y``, over the domains."""
+    col = A.col_off_list[x][j]
+    if domains is None:
+        return A.mcat[x][:, col:col + A.k_list[y]].T
+    return A.mcat[x][domains[x][None, :], col + domains[y][:, None]]
 
 
 def _broadcast_shape(axes: list[int], target: list[int], sizes: list[int]) -> tuple[int, ...]:
