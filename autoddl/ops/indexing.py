@@ -58,14 +58,23 @@ def _bshape(node: OpNode, n_index: int) -> tuple[int, ...]:
     return tuple(max(col) for col in zip(*padded))
 
 
-@register("index", "_unsafe_index")
-def index(node: OpNode) -> list[Sig1D] | None:
+def _layout(node: OpNode, values: int):
+    """(number of index tensors, their broadcast shape, ``index_layout``) of an op whose inputs are
+    ``x``, the index tensors and ``values`` more (index_put's values); None where not recognised."""
     indices = _indices(node)
     if indices is None:
         return None
-    n_index = len(node.inputs) - 1
+    n_index = len(node.inputs) - 1 - values
     bshape = _bshape(node, n_index)
-    whole, start, _ = index_layout(node.input_metas[0].shape, indices, bshape)
+    return n_index, bshape, index_layout(node.input_metas[0].shape, indices, bshape)
+
+
+@register("index", "_unsafe_index")
+def index(node: OpNode) -> list[Sig1D] | None:
+    layout = _layout(node, values=0)
+    if layout is None:
+        return None
+    n_index, bshape, (whole, start, _) = layout
     sigs: list[Sig1D] = [((S(d),) + (B,) * n_index, (S(o),)) for d, o in whole.items()]
     for j in range(len(bshape)):
         ins = tuple(bcast_sbp(S(j), bshape, m.shape) for m in node.input_metas[1:])
@@ -78,12 +87,10 @@ def index(node: OpNode) -> list[Sig1D] | None:
 
 @register("index_put", "index_put_", "_unsafe_index_put")
 def index_put(node: OpNode) -> list[Sig1D] | None:
-    indices = _indices(node)
-    if indices is None:
+    layout = _layout(node, values=1)
+    if layout is None:
         return None
-    n_index = len(node.inputs) - 2
-    bshape = _bshape(node, n_index)
-    whole, _, result = index_layout(node.input_metas[0].shape, indices, bshape)
+    n_index, bshape, (whole, _, result) = layout
     values = node.input_metas[-1].shape
     sigs: list[Sig1D] = []
     for d, o in whole.items():
