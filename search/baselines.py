@@ -99,6 +99,7 @@ def build_baseline(form: Formulation, spec: BaselineSpec) -> Baseline:
     for u, v, mat in problem.edges:
         incoming[v].append((u, mat))
 
+    from_inputs = _from_inputs(nodes)
     for i, node in enumerate(nodes):
         cands = problem.choices[i]
         if node.kind in (NodeKind.INPUT, NodeKind.BUFFER):
@@ -110,7 +111,7 @@ def build_baseline(form: Formulation, spec: BaselineSpec) -> Baseline:
                 assignment[i] = _pick_placeholder(cands, _storage_wish(node, spec.roles))
         else:
             assignment[i] = _greedy_op(i, node, cands, spec.roles, params, assignment, lazy_params, incoming,
-                                       problem, form.index)
+                                       problem, form.index, node.name in from_inputs)
     for i in lazy_params:                     # a parameter nobody used: as its roles wish
         if assignment[i] < 0:
             assignment[i] = _pick_placeholder(problem.choices[i], _storage_wish(nodes[i], spec.roles))
@@ -118,8 +119,19 @@ def build_baseline(form: Formulation, spec: BaselineSpec) -> Baseline:
     return Baseline(spec, None if reason else assignment, reason)
 
 
+def _from_inputs(nodes: list[OpNode]) -> set[str]:
+    """The ops that depend on a user input (topological ``nodes``): the others compute constants from
+    parameters and buffers alone (a rotary table, a causal mask), which have no batch dim."""
+    out = {n.name for n in nodes if n.kind is NodeKind.INPUT}
+    for n in nodes:
+        if n.kind is NodeKind.OP and any(ref.node in out for ref in n.inputs):
+            out.add(n.name)
+    return out
+
+
 def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, ...], params: set[str],
-               assignment: np.ndarray, lazy_params: set[int], incoming, problem, index: dict[str, int]) -> int:
+               assignment: np.ndarray, lazy_params: set[int], incoming, problem, index: dict[str, int],
+               from_inputs: bool = True) -> int:
     """The allowed candidate with the smallest key: (gathers a batch-split activation on a dp / zero
     axis, needs a forward collective on an activation,
     reduce-scatters onto the sequence (sp), minus the weight splits on tp/sp axes, compute + boxing
@@ -127,7 +139,9 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
     collective, slices a replicated activation, seconds). The leading terms make the expert pattern
     structural: a split batch stays split, and Megatron splits weights, even where the cost model
     alone would replicate.
-    On tp/sp axes no activation is split on dim 0 (the all-B candidate is always allowed)."""
+    On tp/sp axes no activation is split on dim 0 (the all-B candidate is always allowed). On dp / zero
+    axes an op that depends on no user input (``from_inputs`` False) stays replicated: data parallel
+    splits the batch, and such a constant has none."""
     param_slots = {slot: ref.node for slot, ref in enumerate(node.inputs) if ref.node in params}
     model_axes = [axis for axis, role in enumerate(roles) if role in ("tp", "sp")]
     batch_axes = [axis for axis, role in enumerate(roles) if role in ("dp", "zero")]
@@ -138,6 +152,8 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
     for j, sig in enumerate(cands):
         if (not _param_use_allowed(sig, param_slots, roles) or _splits_batch(node, sig, param_slots, model_axes)
                 or _not_vocab_parallel(node, sig, param_slots, model_axes)):
+            continue
+        if not from_inputs and any(not nd[axis].is_broadcast() for nd in sig.outputs for axis in batch_axes):
             continue
         total = problem.node_cost[i][j]
         chosen_lazy: dict[int, int] = {}

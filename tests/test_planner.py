@@ -13,11 +13,12 @@ from autoddl.cli import main
 from autoddl.cluster import Cluster
 from autoddl.graph import NodeKind
 from autoddl.plan import Plan
+from autoddl.training import Training
 from autoddl.sbp import B, NdSbp, S
 from costmodel.breakdown import plan_cost, predicted_collectives
 from search.baselines import baseline_specs, build_baseline
 from search.formulate import formulate
-from search.planner import PlanningError, search
+from search.planner import PlanningError, assignment_plan, search
 from search.problem import NoFeasiblePlanError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +64,26 @@ def test_dp_baseline_splits_batch_and_replicates_weights(gpt, cluster4):
             assert sigs[node.name].outputs[0] == NdSbp.of(B)
         if node.kind is NodeKind.OP and node.op_name == "linear":
             assert sigs[node.name].inputs[0][0] == S(0) and sigs[node.name].inputs[1][0] == B
+
+
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)])
+def test_dp_baseline_replicates_constants_and_moves_no_activation(mesh, cluster4):
+    """Llama's rotary table (bf16, micro-batch 8) comes from buffers alone: data parallel keeps it whole
+    (B) and splits only the batch, so its only collectives are the loss's all-reduce and the gradient
+    sync (the greedy once split the table on the sequence and all-to-all'ed every rotary product)."""
+    from autoddl.loader import load_model_file
+
+    llama = load_model_file(ROOT / "examples" / "llama.py", preset="tiny").with_batch_size(8).trace("bfloat16")
+    form, base, sigs = _baseline(llama, cluster4, mesh, "dp")
+    inputs = {n.name for n in form.nodes if n.kind is NodeKind.INPUT}
+    for node in form.nodes:          # topological: a constant is an op none of whose inputs is data
+        if node.kind is NodeKind.OP and any(ref.node in inputs for ref in node.inputs):
+            inputs.add(node.name)
+        elif node.kind is NodeKind.OP:
+            assert all(nd == NdSbp.of(*[B] * len(mesh)) for nd in sigs[node.name].outputs), node.name
+    plan = assignment_plan("dp", form, base.assignment, llama.fingerprint(), "llama", cluster4, "adamw", Training())
+    kinds = {(c.kind.value, c.phase) for c in predicted_collectives(llama, plan, cluster4)}
+    assert kinds == {("all_reduce", "forward"), ("all_reduce", "grad_sync")}, kinds
 
 
 def test_tp_baseline_is_megatron_column_then_row(gpt, cluster4):
