@@ -328,7 +328,8 @@ class _Lowering:
 
     # -- gradient sync buckets ----------------------------------------------------------------------
     def pack_buckets(self, ops: list[OpNode]) -> None:
-        """Bucket the uses whose sync is one reduction, in the order backward makes them ready
+        """Bucket the uses whose sync is one reduction (or all-reduces on several axes, one after
+        another), in the order backward makes them ready
         (the reverse of their first consumer's forward position); one open bucket per (kind, axis),
         closed at ``bucket_mb`` (the first at 1 MB, as DDP does). Buckets are numbered by when
         their last gradient is ready: the order every rank launches them in."""
@@ -339,9 +340,9 @@ class _Lowering:
         open_: dict[tuple[CollectiveKind, int, int], list[ParamUse]] = {}
         closed: list[list[ParamUse]] = []
         for use in ready:
-            if cap <= 0 or len(use.grad_sync) != 1 or use.grad_sync[0].kind not in BUCKETED_KINDS:
+            if cap <= 0 or not _bucketable(use.grad_sync):
                 continue
-            key = (use.grad_sync[0].kind, use.grad_sync[0].axis, self.stage(self.first_consumer[use.index]))
+            key = (tuple((m.kind, m.axis) for m in use.grad_sync), self.stage(self.first_consumer[use.index]))
             members = open_.setdefault(key, [])
             members.append(use)
             limit = min(cap, FIRST_BUCKET_BYTES) if not closed else cap
@@ -353,7 +354,8 @@ class _Lowering:
         for index, members in enumerate(closed):
             move = members[0].grad_sync[0]
             self.prog.buckets.append(Bucket(index, move.kind, move.axis, tuple(u.index for u in members),
-                                            sum(u.grad_sync[0].nbytes for u in members)))
+                                            sum(u.grad_sync[0].nbytes for u in members),
+                                            tuple(m.axis for m in members[0].grad_sync[1:])))
             for u in members:
                 self.prog.param_uses[u.index] = _with_bucket(u, index)
 
@@ -424,11 +426,15 @@ class _Lowering:
         while len(self.bucket_tasks) < len(self.prog.buckets) and remaining[len(self.bucket_tasks)] == 0:
             b = self.prog.buckets[len(self.bucket_tasks)]
             deps = (self.last,) + ((self.bucket_tasks[-1],) if self.bucket_tasks else ())
-            task = self.emit(host=False, deps=deps, phase="grad_sync", stream=comm_stream(b.axis), op=op,
-                             collective=b.kind, axis=b.axis, nbytes=b.nbytes, tensor=f"bucket{b.index}")
+            deferred = not syncs_every_micro_step([self.prog.param_uses[i] for i in b.uses])
+            for step, axis in enumerate(b.axes):      # the further all-reduces follow the first
+                kind = b.kind if step == 0 else CollectiveKind.ALL_REDUCE
+                task = self.emit(host=False, deps=deps, phase="grad_sync", stream=comm_stream(axis), op=op,
+                                 collective=kind, axis=axis, nbytes=b.nbytes, tensor=f"bucket{b.index}")
+                deps = (task.id,)
+                if deferred:
+                    self.deferred_syncs.add(task.id)
             self.bucket_tasks.append(task.id)
-            if not syncs_every_micro_step([self.prog.param_uses[i] for i in b.uses]):
-                self.deferred_syncs.add(task.id)
 
     # -- pipeline stages ----------------------------------------------------------------------------
     def pipeline(self) -> None:
@@ -490,6 +496,16 @@ def param_syncs(graph: OpGraph, plan: Plan, only: frozenset[str] | None = None) 
         by_axis.setdefault(moves[0].axis, []).append((fqn, moves[0].nbytes))
     return [ParamSync(axis, tuple(f for f, _ in items), sum(n for _, n in items))
             for axis, items in sorted(by_axis.items())]
+
+
+def _bucketable(sync: Sequence[Move]) -> bool:
+    """A gradient sync a bucket can carry: one reduction (all-reduce or reduce-scatter), or
+    all-reduces on distinct axes one after another (P on each data-parallel axis -> B)."""
+    if len(sync) == 1:
+        return sync[0].kind in BUCKETED_KINDS
+    axes = [m.axis for m in sync]
+    return (bool(sync) and all(m.kind is CollectiveKind.ALL_REDUCE and len(m.axes) == 1 for m in sync)
+            and len(set(axes)) == len(axes))
 
 
 def _with_bucket(use: ParamUse, bucket: int) -> ParamUse:

@@ -227,11 +227,20 @@ class GatherGroup:
 
 @dataclass(frozen=True)
 class Bucket:
+    """Gradients synced together: one collective of ``kind`` on ``axis`` over their flat buffer, then
+    (data parallel over several mesh axes: P on each -> B) an all-reduce of that buffer on each of
+    ``then_axes`` in turn."""
+
     index: int
     kind: CollectiveKind
     axis: int
     uses: tuple[int, ...]            # ParamUse indices, in the order their gradients become ready
-    nbytes: int                      # M of the one collective: the uses' M added up
+    nbytes: int                      # M of each collective: the uses' M added up
+    then_axes: tuple[int, ...] = ()  # further all-reduces of the reduced buffer, in order
+
+    @property
+    def axes(self) -> tuple[int, ...]:
+        return (self.axis,) + self.then_axes
 
 
 @dataclass(frozen=True)

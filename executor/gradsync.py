@@ -5,7 +5,8 @@ When autograd has accumulated a leaf's gradient, its post-accumulate hook hands
 it to ``GradSync``: a bucketed use counts down its bucket, and every bucket
 whose gradients are all there is launched, in bucket order (every rank must
 issue the same collectives in the same order), as one asynchronous functional
-collective over a flat buffer, while backward goes on, as DistributedDataParallel's
+collective over a flat buffer (data parallel over several mesh axes: an all-reduce on each in
+turn, the later ones launched once the one before is done), while backward goes on, as DistributedDataParallel's
 Reducer does. At the end of backward (``finish``) the buckets are waited for and
 unpacked, the uses synced on their own run their moves, and each parameter's
 gradient, in its storage layout, is added to its local ``.grad``.
@@ -56,9 +57,9 @@ class GradSync:
         out = []
         for i in bucket.uses:
             use = self.program.param_uses[i]
-            after = use.grad_sync[0].after
-            dim = after[bucket.axis].dim if bucket.kind is CollectiveKind.REDUCE_SCATTER else None
-            out.append((after.local_shape(use.meta.shape, self.boxer.mesh_shape), dim))
+            first, last = use.grad_sync[0].after, use.grad_sync[-1].after
+            dim = first[bucket.axis].dim if bucket.kind is CollectiveKind.REDUCE_SCATTER else None
+            out.append((last.local_shape(use.meta.shape, self.boxer.mesh_shape), dim))
         return out
 
     def start_step(self) -> None:
@@ -89,17 +90,25 @@ class GradSync:
         grads = [self._grad(u).to(self.reduce_dtype) for u in uses]
         self.set_phase("grad_sync")
         try:
-            if self.boxer.on_collective is not None:
-                self.boxer.on_collective(carried_out_as(bucket.kind, self.boxer.backend), bucket.axis,
-                                         bucket.nbytes, f"bucket{bucket.index}")
+            self._tell(bucket.kind, bucket.axis, bucket)
             group = self.boxer.groups[bucket.axis]
             if bucket.kind is CollectiveKind.ALL_REDUCE:
-                return funcol.all_reduce(torch.cat([g.reshape(-1) for g in grads]), "sum", group)
+                flat = funcol.all_reduce(torch.cat([g.reshape(-1) for g in grads]), "sum", group)
+                for axis in bucket.then_axes:     # waits for the one before: the same buffer, reduced again
+                    self._tell(CollectiveKind.ALL_REDUCE, axis, bucket)
+                    flat = funcol.all_reduce(flat, "sum", self.boxer.groups[axis])
+                return flat
             n = self.boxer.mesh_shape[bucket.axis]
             rows = [g.movedim(u.grad_sync[0].after[bucket.axis].dim, 0).reshape(n, -1) for u, g in zip(uses, grads)]
             return funcol.reduce_scatter_single(torch.cat(rows, dim=1).reshape(-1), "sum", 0, group)
         finally:
             self.set_phase("backward")
+
+    def _tell(self, kind: CollectiveKind, axis: int, bucket: Bucket) -> None:
+        """The audit's hook, told of one of the bucket's collectives before it is issued."""
+        if self.boxer.on_collective is not None:
+            self.boxer.on_collective(carried_out_as(kind, self.boxer.backend), axis, bucket.nbytes,
+                                     f"bucket{bucket.index}")
 
     def _grad(self, use: ParamUse) -> torch.Tensor:
         """The use's gradient (plus what earlier micro-steps kept); zeros when autograd never reached

@@ -18,6 +18,7 @@ from autoddl.cluster import CollectiveFits, ExecutorOverheads, DEFAULT_CLUSTER_P
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.plan import Mesh, Plan
 from autoddl.sbp import B, P, S, NdSbp, Signature
+from autoddl.training import Training
 from costmodel import CollectiveKind, op_compute_time_s, plan_cost, predicted_collectives
 from costmodel.compute import ZERO_COST
 
@@ -120,6 +121,29 @@ def test_data_parallel_mlp(a100):
     assert d["grad_sync_s"] == pytest.approx(expected_sync)
     assert d["collectives"]["grad_sync"]["all_reduce"]["count"] == 1
     json.dumps(cost.op_rows())
+
+
+def test_data_parallel_over_two_axes_buckets_both_all_reduces(a100):
+    """Data parallel on a 2x2 mesh: each gradient is P on both axes and syncs by an all-reduce on
+    each; they travel in one bucket, all-reduced on axis 0 and then on axis 1 (once each, not once
+    per parameter), back to back at the end of backward."""
+    from search.baselines import baseline_specs, build_baseline
+    from search.formulate import formulate
+    from search.planner import assignment_plan
+
+    g, cluster = mlp_graph(), a100.resized(4)
+    form = formulate(g, cluster, (2, 2))
+    spec = next(s for s in baseline_specs(2) if s.name == "dp")
+    plan = assignment_plan("dp", form, build_baseline(form, spec).assignment, g.fingerprint(), "mlp", cluster,
+                           "adamw", Training())
+    program = lower(g, plan)
+    total = sum(p.outputs[0].nbytes for p in g.parameters().values())
+    assert [(b.kind, b.axes, b.nbytes) for b in program.buckets] == [(K.ALL_REDUCE, (0, 1), total)]
+    assert sorted(program.param_uses[i].fqn for i in program.buckets[0].uses) == sorted(g.parameters())
+    syncs = [(c.kind, c.axis, c.bytes) for c in predicted_collectives(g, plan, cluster) if c.phase == "grad_sync"]
+    assert syncs == [(K.ALL_REDUCE, 0, total), (K.ALL_REDUCE, 1, total)]
+    one = _ar(total, 2, cluster.intra_node, cluster.efficiency.network)
+    assert plan_cost(g, plan, cluster).grad_sync_s == pytest.approx(2 * one, rel=1e-12)
 
 
 def test_data_parallel_sgd_optimizer_and_compute_split(a100):
