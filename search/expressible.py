@@ -5,8 +5,8 @@ A ``TrainerConfig`` (autoddl/trainers) is priced as the expert configuration of 
 lists a trainer's structured space on a cluster: every split of the devices into a data-parallel
 part (replicated, sharded, both, with the trainer's ZeRO stages) and a tensor-parallel degree that
 stays inside a node, with and without sequence parallel as the trainer allows; ``best_config``
-prices each and keeps the fastest that fits. Pipeline degrees join once ``pp`` is a role of
-``--degrees`` (the planner's pipeline pricing).
+prices each and keeps the fastest that fits. A configuration with pipeline stages is priced
+(``pp`` is a role of ``--degrees``), but the structured space does not list pipeline degrees yet.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from autoddl.training import RECOMPUTE_POLICIES, Training
 from search.planner import PlanningError, Scheme, price_degrees, recompute_blocks
 
 TRAINERS = ("torchtitan", "megatron")
+# torch.distributed.pipelining's schedule names (as the trainers take them) -> the schedules autoddl prices
+PRICED_SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved"}
 
 
 def price_config(graph: OpGraph, cluster: Cluster, config: TrainerConfig, *, base: Training | None = None,
@@ -43,10 +45,6 @@ def price_config(graph: OpGraph, cluster: Cluster, config: TrainerConfig, *, bas
                              for n in scheme.plan.notes]
         scheme.name = name
     return scheme
-
-
-# torch.distributed.pipelining's schedule names (as the trainers take them) -> the schedules autoddl prices
-PRICED_SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved"}
 
 
 def check_priceable(config: TrainerConfig) -> None:

@@ -143,19 +143,14 @@ class _Tracer:
 
     def __call__(self, dp_degree: int, training: Training) -> tuple[OpGraph, int | None, Training]:
         batch, k = step_batch(self.args.micro_batch_size, self.args.global_batch_size, dp_degree)
-        key = (batch, training.param_dtype)
-        if key not in self.graphs:
-            t0 = time.perf_counter()
-            self.graphs[key] = (self.mf.with_batch_size(batch) if batch else self.mf).trace(training.param_dtype)
-            self.seconds += time.perf_counter() - t0
-        return self.graphs[key], batch, dataclasses.replace(training, micro_batches=k)
+        return self.at(batch, training.param_dtype), batch, dataclasses.replace(training, micro_batches=k)
 
-    def at(self, batch: int, param_dtype: str) -> OpGraph:
-        """The graph of a micro-step of ``batch`` samples (traced once)."""
+    def at(self, batch: int | None, param_dtype: str) -> OpGraph:
+        """The graph of a micro-step of ``batch`` samples (None: the model file's batch), traced once."""
         key = (batch, param_dtype)
         if key not in self.graphs:
             t0 = time.perf_counter()
-            self.graphs[key] = self.mf.with_batch_size(batch).trace(param_dtype)
+            self.graphs[key] = (self.mf.with_batch_size(batch) if batch else self.mf).trace(param_dtype)
             self.seconds += time.perf_counter() - t0
         return self.graphs[key]
 
