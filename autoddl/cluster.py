@@ -30,7 +30,10 @@ activation checkpointing adds per op and per block (``recompute``).
 ``cores_per_node`` (CPU clusters) is how many ranks a node runs at full speed at
 once (its cores / threads per rank): a mesh with more ranks than that on a node
 time-shares the cores, and the cost model slows that mesh's compute and
-collectives by ranks / cores_per_node.
+collectives by ranks / cores_per_node. ``comm_measured_ranks_per_node`` says how many
+ranks of a node were busy while the links and collectives were measured (the two-host
+testbed measures with both ranks of each host at once): collectives are slowed only by
+the sharing beyond that (``Cluster.comm_time_sharing``).
 
 ``device.peak_tflops`` is either one number (the dense peak, used for every dtype)
 or a mapping per dtype, ``{float32: 67, bfloat16: 989, float16: 989}`` (torch dtype
@@ -401,7 +404,8 @@ _EXECUTOR_FIELDS = {k: (f"a non-negative number of microseconds {what}", "nonneg
     ("collective_us", "per collective beyond its latency"),
     ("step_us", "per training step (inputs, loss, zero_grad)"))}
 _TOP_KEYS = ("name", "nodes", "devices_per_node", "device", "links", "backend", "efficiency",
-             "op_overhead_us", "collectives", "compute_curve", "executor", "cores_per_node")
+             "op_overhead_us", "collectives", "compute_curve", "executor", "cores_per_node",
+             "comm_measured_ranks_per_node")
 _LINK_KEYS = ("intra_node", "inter_node")
 _NUMBER_WITH_UNIT = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([^\d\s].*?)\s*$")
 
@@ -649,6 +653,11 @@ def _parse(d: Any, src: str) -> tuple[dict[str, Any], list[str]]:
                                        "a positive integer: ranks a node runs at full speed at once (CPU cores / "
                                        "threads per rank); leave it out when every device has its own hardware",
                                        "int", errors)
+    if d.get("comm_measured_ranks_per_node") is not None:
+        kw["comm_measured_ranks_per_node"] = _number(
+            src, "comm_measured_ranks_per_node", d["comm_measured_ranks_per_node"],
+            "a positive integer: ranks of a node that ran at once while links and collectives were measured", "int",
+            errors)
     if d.get("collectives") is not None:
         kw["collectives"] = _collectives(src, d["collectives"], errors)
     if d.get("compute_curve") is not None:
@@ -819,6 +828,7 @@ class Cluster:
     compute_curve: tuple[tuple[float, float], ...] = ()
     executor: ExecutorOverheads = ExecutorOverheads()
     cores_per_node: int | None = None   # CPU: ranks a node runs at once at full speed; None: no sharing
+    comm_measured_ranks_per_node: int | None = None   # ranks per node busy while links / collectives were measured
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -902,6 +912,8 @@ class Cluster:
             **({"compute_curve": [list(p) for p in self.compute_curve]} if self.compute_curve else {}),
             **({"executor": self.executor.to_dict()} if self.executor else {}),
             **({"cores_per_node": self.cores_per_node} if self.cores_per_node else {}),
+            **({"comm_measured_ranks_per_node": self.comm_measured_ranks_per_node}
+               if self.comm_measured_ranks_per_node else {}),
         }
 
     def to_yaml(self, path: str | os.PathLike, comments: dict[str, str] | None = None,
@@ -970,6 +982,15 @@ class Cluster:
             return 1.0
         per_node = min(math.prod(mesh_shape), self.devices_per_node)
         return max(1.0, per_node / self.cores_per_node)
+
+    def comm_time_sharing(self, mesh_shape: tuple[int, ...]) -> float:
+        """``time_sharing`` of the mesh relative to the sharing the links and collectives were measured
+        under (``comm_measured_ranks_per_node`` ranks per node at once): a fit taken with every rank of
+        a node busy already holds their time-sharing, and is not slowed twice."""
+        if not (self.cores_per_node and self.comm_measured_ranks_per_node):
+            return self.time_sharing(mesh_shape)
+        measured = max(1.0, self.comm_measured_ranks_per_node / self.cores_per_node)
+        return self.time_sharing(mesh_shape) / measured
 
     def link_for_axis(self, mesh_shape: tuple[int, ...], axis: int) -> LinkSpec:
         """The link a collective on mesh axis ``axis`` crosses (outermost axis first,

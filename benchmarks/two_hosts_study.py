@@ -99,7 +99,9 @@ def swap_axes(plan: Any, name: str) -> Any:
             for k, s in plan.signatures.items()}
     return dataclasses.replace(plan, name=name, mesh=Mesh(plan.mesh.shape[::-1], plan.mesh.axis_names),
                                signatures=sigs, param_storage={k: t(v) for k, v in plan.param_storage.items()},
-                               cost={}, op_costs=[], notes=[f"{plan.name} with its mesh axes swapped"])
+                               optimizer_storage={k: t(v) for k, v in plan.optimizer_storage.items()},
+                               grad_storage={k: t(v) for k, v in plan.grad_storage.items()},
+                               cost=None, op_costs=[], notes=[f"{plan.name} with its mesh axes swapped"])
 
 
 def plan_model(model: str, kwargs: dict[str, Any], cluster_path: Path, plan_dir: Path) -> list[dict[str, Any]]:
@@ -122,7 +124,7 @@ def plan_model(model: str, kwargs: dict[str, Any], cluster_path: Path, plan_dir:
         swapped = swap_axes(s.plan, SWAPPED.get(s.name, ""))
         if s.name in SWAPPED and (swapped.signatures, swapped.param_storage) != (s.plan.signatures,
                                                                                s.plan.param_storage):
-            plans.append(dataclasses.replace(swapped, cost=plan_cost(graph, swapped, cluster).to_dict()))
+            plans.append(dataclasses.replace(swapped, cost=plan_cost(graph, swapped, cluster).report()))
     out = []
     for plan in plans:
         plan.model, plan.model_args, plan.cluster_file = str(model_py), dict(kwargs), str(cluster_path)

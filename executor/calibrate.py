@@ -1237,7 +1237,7 @@ def two_hosts_cluster(ht: HostTimings, fits: dict[str, dict[str, Any]], base: An
     cluster = dataclasses.replace(base, name="two-hosts" if ht.nodes == 2 else f"{ht.nodes}-hosts",
                                   nodes=ht.nodes, devices_per_node=ht.per_node, intra_node=intra, inter_node=inter,
                                   collectives=CollectiveFits(**per_kind) if differ else CollectiveFits(),
-                                  cores_per_node=at_once, source="")
+                                  cores_per_node=at_once, comm_measured_ranks_per_node=ht.per_node, source="")
     comments, header = _two_hosts_text(ht, fits, intra, inter, differ, cores, at_once, base, command)
     return cluster, comments, header
 
@@ -1265,6 +1265,8 @@ def _two_hosts_text(ht: HostTimings, fits: dict[str, dict[str, Any]], intra: Any
                              f"{ht.per_node} groups at once sharing the {rate:g} Mbit/s link (GB/s per device); {span}"),
         "cores_per_node": (f"this machine's {cores} cores / {s.threads} thread{'s' * (s.threads > 1)} per rank / "
                            f"{ht.nodes} hosts: the hosts share the cores"),
+        "comm_measured_ranks_per_node": (f"the links and collectives above were measured with all {ht.per_node} ranks "
+                                         "of each host busy at once: their time-sharing is in the fits"),
     }
     if differ:
         comments["collectives"] = (f"per-kind intra-host fits ({', '.join(differ)} differ from links.intra_node by "

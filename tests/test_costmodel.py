@@ -452,3 +452,17 @@ def test_time_sharing_slows_compute_and_collectives_beyond_cores(a100):
             factor * cluster_collective_time_s(K.ALL_REDUCE, M, mesh, 0, a100), rel=1e-12)
     two_nodes = dataclasses.replace(a100.resized(16), cores_per_node=4)   # 8 of 16 ranks on each node
     assert two_nodes.time_sharing((2, 8)) == 2.0
+
+
+def test_collectives_measured_with_every_rank_busy_are_not_slowed_twice(a100):
+    """Two hosts of 2 ranks on 1 core each, collectives fitted with both ranks of each host at once: a 2x2
+    mesh's collectives cost the fit (its compute still runs at half speed); one rank alone, half of it; a fit measured at full speed (no comm_measured_ranks_per_node) is slowed 2x."""
+    from costmodel.collectives import cluster_collective_time_s
+
+    hosts = dataclasses.replace(a100.resized(4), nodes=2, devices_per_node=2, cores_per_node=1)
+    measured_busy = dataclasses.replace(hosts, comm_measured_ranks_per_node=2)
+    bare = cluster_collective_time_s(K.ALL_REDUCE, M, (2, 2), 0, dataclasses.replace(hosts, cores_per_node=None))
+    assert hosts.time_sharing((2, 2)) == measured_busy.time_sharing((2, 2)) == 2.0
+    assert cluster_collective_time_s(K.ALL_REDUCE, M, (2, 2), 0, hosts) == pytest.approx(2 * bare, rel=1e-12)
+    assert measured_busy.comm_time_sharing((2, 2)) == 1.0 and measured_busy.comm_time_sharing((1,)) == 0.5
+    assert cluster_collective_time_s(K.ALL_REDUCE, M, (2, 2), 0, measured_busy) == pytest.approx(bare, rel=1e-12)
