@@ -824,14 +824,6 @@ class _Bench:
             text = f"{backend} reduce_scatter" + (" (gloo: all_reduce + chunk)" if backend == "gloo" else "")
             return (lambda: scatter(piece, full, group=group)), numel * 4, text
         if kind == "all_to_all":
-            if backend == "gloo":                          # DTensor's CPU fallback for S(i) -> S(j)
-                local_rank = ranks.index(self.rank)
-
-                def gather_chunk() -> Any:
-                    gather(full, piece, group=group)
-                    return full.chunk(n, dim=1)[local_rank].contiguous()
-
-                return gather_chunk, numel * 4, "gloo all_gather + chunk (DTensor's CPU all-to-all)"
             recv = torch.empty_like(piece)
             return (lambda: dist.all_to_all_single(recv, piece, group=group)), numel * 4, f"{backend} all_to_all"
         if kind == "broadcast":

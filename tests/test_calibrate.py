@@ -34,7 +34,7 @@ def ring_time_s(kind: str, m: float, n: int, b: float, a: float) -> float:
 
 
 GLOO_FORMULA = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "all_reduce",
-                "all_to_all": "all_gather", "broadcast": "broadcast"}
+                "all_to_all": "all_to_all", "broadcast": "broadcast"}      # what gloo runs for each kind
 
 
 def base_cluster() -> Cluster:
@@ -170,10 +170,10 @@ def test_cost_model_uses_per_kind_fits_on_intra_node_axes():
         ring_time_s("all_gather", m, 2, 0.7e9 * eff, 90e-6), rel=1e-12)
     # gloo reduce-scatter is an all-reduce: without its own fit it takes all_reduce's
     assert cluster_collective_time_s(K.REDUCE_SCATTER, m, (2, 2), 1, fitted) == pytest.approx(ar, rel=1e-12)
-    # all-to-all on gloo is an all-gather of M: all_gather's fit
-    assert cluster_collective_time_s(K.ALL_TO_ALL, m, (2, 2), 1, fitted) == pytest.approx(
-        ring_time_s("all_gather", m, 2, 0.7e9 * eff, 90e-6), rel=1e-12)
     link = base.intra_node
+    # all-to-all runs natively on gloo: without its own fit, the link and the all-to-all formula
+    assert cluster_collective_time_s(K.ALL_TO_ALL, m, (2, 2), 1, fitted) == pytest.approx(
+        ring_time_s("all_to_all", m, 2, link.bandwidth_gbps * 1e9 * eff, link.latency_us * 1e-6), rel=1e-12)
     assert cluster_collective_time_s(K.BROADCAST, m, (2, 2), 1, fitted) == pytest.approx(
         ring_time_s("broadcast", m, 2, link.bandwidth_gbps * 1e9 * eff, link.latency_us * 1e-6), rel=1e-12)
     assert cluster_collective_time_s(K.ALL_REDUCE, m, (2, 2), 0, fitted) == pytest.approx(

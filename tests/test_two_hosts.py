@@ -59,10 +59,10 @@ def test_dp_plan_checks_across_two_namespaced_hosts(tmp_path):
 
 # -- the across-hosts fit, on synthetic timings (no testbed needed) ----------------------------------
 def _ring_s(kind: str, m: float, n: int, b: float, a: float) -> float:
-    """Gloo's formulas of the cost model (DESIGN.md "Cost model"): reduce-scatter runs as an all-reduce,
-    all-to-all as an all-gather."""
+    """Gloo's formulas of the cost model (DESIGN.md "Cost model"): reduce-scatter runs as an all-reduce."""
     ar, ag = 2 * (n - 1) / n * m / b + 2 * (n - 1) * a, (n - 1) / n * m / b + (n - 1) * a
-    return {"all_reduce": ar, "reduce_scatter": ar, "all_gather": ag, "all_to_all": ag,
+    return {"all_reduce": ar, "reduce_scatter": ar, "all_gather": ag,
+            "all_to_all": (n - 1) / n * (m / n) / b + (n - 1) * a,
             "broadcast": m / b + (n - 1) * a}[kind]
 
 
