@@ -400,7 +400,7 @@ def test_simulated_step_adds_the_checkpoint_costs_of_every_task_of_a_recomputed_
     from autoddl.program import block_of, lower, recomputed_ops
     from autoddl.training import Training
     from costmodel.breakdown import plan_cost
-    from executor.calibrate import broadcast_plan
+    from executor.calibrate_models import broadcast_plan
     from search.planner import with_training
 
     graph = load_model_file("examples/gpt.py", preset="tiny").trace("bfloat16")

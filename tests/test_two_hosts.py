@@ -69,7 +69,8 @@ def _ring_s(kind: str, m: float, n: int, b: float, a: float) -> float:
 def test_host_groups_and_two_hosts_cluster_recover_both_links(tmp_path, monkeypatch):
     from autoddl.calibration import fit_collectives
     from autoddl.cluster import CONFIG_DIR, Cluster
-    from executor.calibrate import (CHECK_BYTES, HOST_PATHS, CollectiveTiming, HostTimings, Settings,
+    from executor.calibrate import CollectiveTiming, Settings
+    from executor.calibrate_hosts import (CHECK_BYTES, HOST_PATHS, HostTimings,
                                     fit_host_paths, host_groups, two_hosts_cluster)
 
     assert host_groups(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
