@@ -106,7 +106,7 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
         return cluster_collective_time_s(task.collective, task.nbytes, mesh, task.axis, cluster)
     if task.phase == "optimizer":
         param_bytes, param_numel = master_parameters(graph, plan, params)
-        return optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster) + cluster.executor.step_us * 1e-6
+        return optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster, mesh) + cluster.executor.step_us * 1e-6
     node = graph[task.op]
     sig = signature_of(plan, node)
     if task.phase in ("forward", "recompute"):

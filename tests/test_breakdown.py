@@ -107,7 +107,7 @@ def test_data_parallel_mlp(a100):
     expected_compute = sum(op_compute_time_s(op, plan.signatures[op.name], (n,), a100) for op in g.ops())
     assert cost.compute_s == pytest.approx(expected_compute)
     bw = a100.device.memory_bandwidth_gbps * 1e9 * a100.efficiency.memory
-    assert cost.optimizer_s == pytest.approx(7 * g.parameter_bytes / bw)       # AdamW, replicated params
+    assert cost.optimizer_s == pytest.approx(20 * g.parameter_bytes / bw)      # foreach AdamW, replicated params
     # the one bucket is ready only when the first layer's backward is done: nothing overlaps it;
     # the loss's all-reduce is only reported, so it runs while backward does
     assert cost.step_time_s == pytest.approx(cost.compute_s + cost.grad_sync_s + cost.optimizer_s)
