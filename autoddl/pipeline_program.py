@@ -201,9 +201,9 @@ def stage_program(program: StepProgram, io: StageIO) -> StepProgram:
                              f"parameter uses of more than one pipeline stage; lower the plan again")
     bucket_of = {b.index: i for i, b in enumerate(buckets)}
     gather_of = {g.index: i for i, g in enumerate(gathers)}
-    uses = [dataclasses.replace(program.param_uses[old], index=new, bucket=bucket_of.get(program.param_uses[old].bucket, -1),
-                                gather=gather_of.get(program.param_uses[old].gather, -1))
-            for old, new in sorted(index.items(), key=lambda kv: kv[1])]
+    uses = [dataclasses.replace(use, index=index[use.index], bucket=bucket_of.get(use.bucket, -1),
+                                gather=gather_of.get(use.gather, -1))
+            for use in (program.param_uses[old] for old in sorted(index, key=index.get))]
     keys = {s for srcs in op_inputs.values() for s in srcs if not isinstance(s, int)}
     loss = program.loss if io.last else None
     keys |= {loss} if loss is not None else set()
