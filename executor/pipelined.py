@@ -169,7 +169,8 @@ class PipelinedModel(DistributedModel):
         returns the loss (mean over the micro-batches) on the ranks of the last stage, NaN elsewhere."""
         self.micro_batches(inputs)                  # checks the batch: micro-batches x the traced batch
         losses: list[torch.Tensor] = []
-        self.schedule.step(target=self._target, losses=losses, **{f"input{i}": t for i, t in enumerate(inputs)})
+        self.schedule.step(target=self._target, losses=losses, return_outputs=False,
+                           **{f"input{i}": t for i, t in enumerate(inputs)})
         self._sync_tied()
         self._set_phase("optimizer")
         if self.last_step is None:
