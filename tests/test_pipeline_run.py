@@ -152,3 +152,16 @@ def test_pipelines_with_data_and_tensor_parallel_on_four_ranks():
     runs = [case(model, degrees, "1f1b", micro_batches=layers, layers=layers) for model, degrees, layers in FOUR_RANKS]
     assert [r[2].mesh.shape for r in runs] == [(2, 2), (2, 2), (4, 1), (2, 2), (2, 2), (4, 1)]
     assert_matches(runs, run_ranks(_check_and_audit, 4, runs, timeout_s=600))
+
+
+def _build(mf, graph, plan):
+    from executor.runtime import distributed_model, init_mesh
+
+    distributed_model(mf.model, graph, plan, init_mesh(plan))
+
+
+@pytest.mark.distributed
+def test_a_1f1b_plan_with_fewer_micro_batches_than_stages_is_refused_by_name():
+    mf, graph, plan, _, _ = case("gpt", "pp=2", "1f1b", micro_batches=1)
+    with pytest.raises(RuntimeError, match=r"Schedule1F1B needs at least as many micro-batches as stages \(1 < 2\)"):
+        run_ranks(_build, 2, mf, graph, plan, timeout_s=120)
