@@ -124,8 +124,8 @@ class PipelinedModel(DistributedModel):
         m = layout.micro_batches
         schedule = SCHEDULES[layout.schedule]
         loss_fn = partial(_scaled_loss, micro_batches=m)
-        self.schedule = (schedule(stages, m, loss_fn=loss_fn, scale_grads=False) if layout.virtual_stages > 1
-                         else schedule(stages[0], m, loss_fn=loss_fn, scale_grads=False))
+        self.schedule = (schedule(stages, m, loss_fn=loss_fn, scale_grads=False) if layout.schedule == "interleaved"
+                         else schedule(stages[0], m, loss_fn=loss_fn, scale_grads=False))     # one stage per rank
         self._target = torch.zeros(m)           # the schedule cuts a target per micro-batch; the graph has its own
 
     def _stage(self, vs: int) -> ProgramStage:

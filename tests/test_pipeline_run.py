@@ -132,10 +132,11 @@ def test_gpt_pp2_on_two_ranks_matches_one_process_and_its_sends():
 
 
 @pytest.mark.distributed
-def test_interleaved_virtual_stages_on_two_ranks():
+def test_interleaved_virtual_stages_and_gpipe_on_two_ranks():
     # gpt with 4 blocks, 2 chunks per pp rank: rank 0 runs virtual stages 0 and 2, rank 1 stages 1 and 3
     runs = [case("gpt", "pp=2", "interleaved", micro_batches=2, virtual_stages=2, layers=4),
-            case("gpt", "pp=2", "gpipe", micro_batches=2)]
+            case("gpt", "pp=2", "gpipe", micro_batches=2),
+            case("gpt", "pp=2", "interleaved", micro_batches=2)]          # one chunk per rank: 1F1B's order
     sends = Counter(p[3] for p in runs[0][4] if p[0] == "send_recv")
     assert sends == {"forward": 3 * 2, "backward": 3 * 2}        # 3 boundaries x 2 micro-batches, each way
     assert_matches(runs, run_ranks(_check_and_audit, 2, runs, timeout_s=300))
