@@ -166,3 +166,20 @@ def test_a_1f1b_plan_with_fewer_micro_batches_than_stages_is_refused_by_name():
     mf, graph, plan, _, _ = case("gpt", "pp=2", "1f1b", micro_batches=1)
     with pytest.raises(RuntimeError, match=r"Schedule1F1B needs at least as many micro-batches as stages \(1 < 2\)"):
         run_ranks(_build, 2, mf, graph, plan, timeout_s=120)
+
+
+def _check_without_tied_sync(mf, graph, plan, batch):
+    from executor.pipelined import PipelinedModel
+    from executor.runtime import init_mesh, run_check
+
+    PipelinedModel._sync_tied = lambda self: None       # this rank process only (forked)
+    return run_check(mf.model, batch, mf.loss_fn, graph, plan, init_mesh(plan), optimizer="sgd", steps=1)
+
+
+@pytest.mark.distributed
+def test_without_the_tied_all_reduce_the_embedding_gradient_is_wrong():
+    mf, graph, plan, batch, _ = case("gpt", "pp=2", "1f1b", micro_batches=2)
+    errors = run_ranks(_check_without_tied_sync, 2, mf, graph, plan, batch, timeout_s=120)[0]
+    # each pp rank keeps only its own stage's share of the tied embedding's gradient
+    assert errors["grad/transformer.wte.weight"] > 0.1
+    assert max(v for k, v in errors.items() if "wte" not in k) <= 1e-4
