@@ -307,6 +307,7 @@ class DistributedModel(nn.Module):
             self.grad_sync.finish()
         self._set_phase("optimizer")
 
+
 def distributed_model(model: nn.Module, graph: OpGraph, plan: Plan, mesh: DeviceMesh, *,
                       recorder: CommRecorder | None = None) -> DistributedModel:
     """The DistributedModel that runs ``plan``: a PipelinedModel (executor/pipelined.py) when the plan
