@@ -42,13 +42,14 @@ backward reaches that op.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Sequence
 
 from autoddl.boxing import Move, boxing_moves, gradient_moves, grad_ndsbp, needed_grad_ndsbp
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
-from autoddl.pipeline import boundary_tensors, pipeline_degree, schedule_actions, stage_of_ops
+from autoddl.pipeline import boundary_tensors, pipeline_degree, schedule_actions, stage_of_ops, tied_parameters
 from autoddl.pipeline_program import PipelineLayout, pipeline_tasks
 from autoddl.plan import Plan
 from autoddl.precision import itemsize
@@ -119,9 +120,10 @@ class _Lowering:
         self.prog = StepProgram(plan.name, self.mesh)
         self.last: int | None = None                       # the task issued last on the host thread
         self.first_consumer: dict[InputSource, str] = {}   # forward order: gradient complete after it
-        self._uses: dict[tuple[str, NdSbp, NdSbp | None], int] = {}
+        self._uses: dict[tuple[str, NdSbp, NdSbp | None, int], int] = {}   # (fqn, dst, grad, stage) -> use
         self.async_tasks: list[int] = []                   # launched without the host waiting
-        self.gather_of: dict[tuple[str, NdSbp, NdSbp | None], int] = {}   # use key -> gather group
+        self.gather_of: dict[tuple[str, NdSbp, NdSbp | None, int], int] = {}   # use key -> gather group
+        self.sync_use: dict[int, int] = {}                 # unbucketed grad-sync task -> its ParamUse
         self.gather_specs: list[list] = []                 # [layer group, axis, M bytes] per gather group
         self.gather_task: dict[int, int] = {}              # gather group -> its task
         self.wait_for: list[int] = []                      # prefetched gathers the next op waits for
@@ -227,7 +229,7 @@ class _Lowering:
                 producer = self.graph[ref.node]
                 if producer.kind is not NodeKind.PARAMETER:
                     continue
-                key = (producer.target, *self.input_layout(node, sig, slot))
+                key = (producer.target, *self.input_layout(node, sig, slot), self.stage(node.name))
                 moves = boxing_moves(producer.outputs[0].nbytes, storage_of(self.plan, key[0]), key[1], self.mesh)
                 if key in self.gather_of or [m.kind for m in moves] != [CollectiveKind.ALL_GATHER]:
                     continue
@@ -273,7 +275,7 @@ class _Lowering:
 
     def edge(self, ref: TensorRef, meta: TensorMeta, dst: NdSbp, grad: NdSbp | None, consumer: str,
              host: bool = True) -> BoxKey:
-        key = BoxKey(ref.node, ref.index, dst, grad)
+        key = BoxKey(ref.node, ref.index, dst, grad, self.stage(ref.node if consumer == "output" else consumer))
         if key not in self.prog.edges:
             src = layout_of(self.graph, self.plan, ref)
             label = f"{ref}->{consumer}"
@@ -287,25 +289,28 @@ class _Lowering:
         return key
 
     def param_use(self, producer: OpNode, meta: TensorMeta, dst: NdSbp, grad: NdSbp | None, consumer: str) -> int:
+        """The use of a parameter in layout ``dst`` (gradient ``grad``) by ``consumer``: one per layout pair
+        and pipeline stage (a stage runs on its own ranks, so its uses and their syncs are its own)."""
         fqn = producer.target
-        if (fqn, dst, grad) not in self._uses:
+        key = (fqn, dst, grad, self.stage(consumer))
+        if key not in self._uses:
             storage = storage_of(self.plan, fqn)
-            gather = self.gather_of.get((fqn, dst, grad), -1)
+            gather = self.gather_of.get(key, -1)
             grad_nbytes = meta.numel * itemsize(self.plan.training.grad_reduce_dtype)
             use = ParamUse(len(self.prog.param_uses), fqn, meta, storage, dst, grad,
                            boxing_moves(meta.nbytes, storage, dst, self.mesh),
                            gradient_moves(grad_nbytes, grad, grad_storage_of(self.plan, fqn), self.mesh)
                            if grad is not None else (),
                            gather=gather)
-            self._uses[(fqn, dst, grad)] = use.index
+            self._uses[key] = use.index
             self.prog.param_uses.append(use)
             if gather < 0:
                 self.emit_moves(use.forward, "forward", fqn, consumer)
             self.first_consumer[use.index] = consumer
-        gather = self.prog.param_uses[self._uses[(fqn, dst, grad)]].gather
+        gather = self.prog.param_uses[self._uses[key]].gather
         if gather >= 0:
             self.gathered(gather, consumer)
-        return self._uses[(fqn, dst, grad)]
+        return self._uses[key]
 
     def loss_output(self) -> None:
         """Every rank reads the loss (the output node's last input: torch.export lists buffer
@@ -402,6 +407,7 @@ class _Lowering:
             if use.grad is not None and use.bucket < 0:
                 first = len(self.prog.tasks)
                 self.emit_moves(use.grad_sync, "grad_sync", use.fqn, use.fqn)
+                self.sync_use.update(dict.fromkeys(range(first, len(self.prog.tasks)), use.index))
                 if not syncs_every_micro_step([use]):
                     self.deferred_syncs.update(range(first, len(self.prog.tasks)))
 
@@ -454,15 +460,17 @@ class _Lowering:
         (autoddl/pipeline_program.py)."""
         tr, p = self.plan.training, pipeline_degree(self.plan)
         first_of = {u.fqn: self.first_consumer[u.index] for u in reversed(self.prog.param_uses)}
-        stage_of_task = [self.stage(t.op if t.op in self.stage_of else first_of.get(t.op, "")) for t in self.prog.tasks]
+        stage_of_task = [self.stage(self.first_consumer[self.sync_use[t.id]] if t.id in self.sync_use else
+                                    t.op if t.op in self.stage_of else first_of.get(t.op, "")) for t in self.prog.tasks]
         ranks: list[set[str]] = [set() for _ in range(p)]
         for fqn, param in used_parameters(self.graph).items():
             for node in self.graph.consumers(param.name):
                 ranks[self.stage(node.name) % p].add(fqn)
+        rank_params = tuple(frozenset(r) for r in ranks)
         layout = PipelineLayout(p, tr.virtual_stages, tr.micro_batches, tr.schedule,
                                 tuple(map(tuple, schedule_actions(tr.schedule, p, tr.micro_batches, tr.virtual_stages))),
                                 self.stage_of, tuple(boundary_tensors(self.graph, self.plan, self.stage_of, self.rg)),
-                                tuple(frozenset(r) for r in ranks))
+                                rank_params, tied_parameters(rank_params))
         async_ids = set(self.async_tasks) | {t.id for t in self.prog.tasks if t.phase == "grad_sync"}
         self.prog.tasks, last = pipeline_tasks(self.prog.tasks, stage_of_task, layout, async_ids, self.deferred_syncs)
         self.prog.pipeline = layout
@@ -470,12 +478,22 @@ class _Lowering:
         for r in range(p):
             waits = tuple(t.id for t in self.prog.tasks if t.pp_rank == r and t.stream != COMPUTE)
             deps = tuple(sorted(set(waits + ((last[r],) if last[r] is not None else ()))))
+            for fqn in layout.tied:          # the tied copies' gradients summed over the pp axis
+                deps = (self.emit(deps=deps, host=False, phase="grad_sync", stream=comm_stream(0), op=fqn, pp_rank=r,
+                                  collective=CollectiveKind.ALL_REDUCE, axis=0, nbytes=self.tied_grad_bytes(fqn),
+                                  tensor=f"tied {fqn}", micro_step=tr.micro_batches - 1).id,)
             self.emit(deps=deps, phase="optimizer", stream=COMPUTE, op="optimizer", pp_rank=r, tensor=f"pp rank {r}")
             for sync in param_syncs(self.graph, self.plan, layout.rank_params[r]):
                 self.prog.param_syncs.append(sync)
                 self.emit(phase="optimizer", stream=comm_stream(sync.axis), op="optimizer", pp_rank=r,
                           collective=CollectiveKind.ALL_GATHER, axis=sync.axis, nbytes=sync.nbytes,
                           tensor=f"param sync axis{sync.axis} pp rank {r}")
+
+    def tied_grad_bytes(self, fqn: str) -> int:
+        """M of a tied parameter's pp all-reduce: its local gradient (grad storage) in the reduce dtype."""
+        meta = used_parameters(self.graph)[fqn].outputs[0]
+        local = grad_storage_of(self.plan, fqn).local_shape(meta.shape, self.mesh)
+        return math.prod(local) * itemsize(self.plan.training.grad_reduce_dtype)
 
     def optimizer(self) -> None:
         syncs = tuple(t.id for t in self.prog.tasks if t.phase == "grad_sync") + tuple(self.async_tasks)

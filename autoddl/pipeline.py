@@ -157,6 +157,20 @@ def boundary_tensors(graph: OpGraph, plan: Plan, stage_of: dict[str, int], rg: s
     return out
 
 
+def tied_parameters(rank_params: Sequence[frozenset[str]]) -> tuple[str, ...]:
+    """The parameters read on more than one pp rank (GPT's token embedding, tied to the head on the
+    last stage), sorted: each rank holds a copy, and after the rank's own gradient syncs the copies'
+    gradients are all-reduced over the pp axis, so every copy takes the same update (Megatron-LM's
+    embedding all-reduce between the first and last stage). The all-reduce spans the whole pp axis
+    (a rank that does not hold the parameter adds zeros): exact, and more than the two ranks a
+    dedicated group would need once pp > 2."""
+    count: dict[str, int] = {}
+    for params in rank_params:
+        for fqn in params:
+            count[fqn] = count.get(fqn, 0) + 1
+    return tuple(sorted(f for f, n in count.items() if n > 1))
+
+
 def input_stage(graph: OpGraph, stage_of: dict[str, int]) -> dict[str, int]:
     """Input / buffer node -> the first stage that reads it (each stage loads what it reads)."""
     out: dict[str, int] = {}

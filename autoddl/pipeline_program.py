@@ -16,16 +16,24 @@ sender's ``p2p`` stream, priced on the pp axis's link. Gradient syncs that wait 
 micro-step without stages (``syncs_every_micro_step``) run in a chunk's last backward only.
 
 Actions are issued rank by rank as their data is ready, so every dependency is issued before
-the task that waits for it (what costmodel/simulate.py's one pass needs).
+the task that waits for it (what costmodel/simulate.py's one pass needs). After its actions, each
+rank all-reduces over the pp axis the gradients of the parameters several pp ranks hold
+(``PipelineLayout.tied``, :func:`autoddl.pipeline.tied_parameters`), then steps its optimizer.
+
+The executor runs a virtual stage from :func:`stage_program`, the program's part for that stage
+(its ops' inputs, edges, parameter uses, buckets), and :class:`StageIO`, what it receives, reads
+and sends (executor/pipelined.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from autoddl.collective_kinds import CollectiveKind
+from autoddl.graph import NodeKind, OpGraph
 from autoddl.pipeline import P2P, Action, Boundary, issue_order
-from autoddl.program import Task
+from autoddl.program import StepProgram, Task
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,7 @@ class PipelineLayout:
     stage_of_op: dict[str, int] = field(default_factory=dict)
     boundaries: tuple[Boundary, ...] = ()
     rank_params: tuple[frozenset[str], ...] = ()
+    tied: tuple[str, ...] = ()                       # parameters all-reduced over pp (pipeline.tied_parameters)
 
     @property
     def virtual(self) -> int:
@@ -148,3 +157,60 @@ def _sends(out: list[Task], layout: PipelineLayout, a: Action, vs: int, rank: in
                         pp_rank=rank))
         ids.append(len(out) - 1)
     return tuple(ids) or ((after,) if after is not None else ())
+
+
+# -- one virtual stage, as a rank runs it ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageIO:
+    """What virtual stage ``stage`` runs and exchanges: its ops, the boundary tensors it receives
+    from the stage before and sends to the next (both in :func:`autoddl.pipeline.boundary_tensors`
+    order, so sender and receiver agree), the input and buffer nodes it reads itself, and whether
+    it computes the loss (the last stage)."""
+
+    stage: int
+    ops: frozenset[str]
+    received: tuple[Boundary, ...]
+    sent: tuple[Boundary, ...]
+    reads: frozenset[str]
+    last: bool
+
+
+def stage_io(graph: OpGraph, layout: PipelineLayout, stage: int) -> StageIO:
+    """The :class:`StageIO` of virtual stage ``stage`` of ``layout``."""
+    ops = frozenset(op for op, s in layout.stage_of_op.items() if s == stage)
+    reads = frozenset(n.name for n in graph.topo() if n.kind in (NodeKind.INPUT, NodeKind.BUFFER)
+                      and any(c.name in ops for c in graph.consumers(n.name)))
+    return StageIO(stage, ops, tuple(b for b in layout.boundaries if b.src == stage - 1),
+                   tuple(b for b in layout.boundaries if b.src == stage), reads, stage == layout.virtual - 1)
+
+
+def stage_program(program: StepProgram, io: StageIO) -> StepProgram:
+    """The part of a pipelined ``program`` that virtual stage ``io.stage`` runs, for the executor: its
+    ops' inputs, edges, parameter uses, buckets and gathers, renumbered from 0 (lowering gives each
+    stage its own uses and buckets), and the loss on the last stage. No tasks: the schedule, its
+    sends and the pp all-reduces are the pipeline's (``program.tasks`` keeps them for the audit)."""
+    op_inputs = {op: srcs for op, srcs in program.op_inputs.items() if op in io.ops}
+    index = {old: new for new, old in enumerate(sorted({s for srcs in op_inputs.values() for s in srcs
+                                                        if isinstance(s, int)}))}
+    buckets = [b for b in program.buckets if any(u in index for u in b.uses)]
+    gathers = [g for g in program.gathers if any(u in index for u in g.uses)]
+    for group in buckets + gathers:
+        if not all(u in index for u in group.uses):
+            raise ValueError(f"{type(group).__name__.lower()} {group.index} of plan {program.plan_name!r} holds "
+                             f"parameter uses of more than one pipeline stage; lower the plan again")
+    bucket_of = {b.index: i for i, b in enumerate(buckets)}
+    gather_of = {g.index: i for i, g in enumerate(gathers)}
+    uses = [dataclasses.replace(use, index=index[use.index], bucket=bucket_of.get(use.bucket, -1),
+                                gather=gather_of.get(use.gather, -1))
+            for use in (program.param_uses[old] for old in sorted(index, key=index.get))]
+    keys = {s for srcs in op_inputs.values() for s in srcs if not isinstance(s, int)}
+    loss = program.loss if io.last else None
+    keys |= {loss} if loss is not None else set()
+    return StepProgram(
+        program.plan_name, program.mesh_shape, tasks=[],
+        op_inputs={op: tuple(index[s] if isinstance(s, int) else s for s in srcs) for op, srcs in op_inputs.items()},
+        edges={k: e for k, e in program.edges.items() if k in keys}, param_uses=uses,
+        buckets=[dataclasses.replace(b, index=i, uses=tuple(index[u] for u in b.uses)) for i, b in enumerate(buckets)],
+        gathers=[dataclasses.replace(g, index=i, uses=tuple(index[u] for u in g.uses)) for i, g in enumerate(gathers)],
+        loss=loss, loss_async=program.loss_async and io.last)

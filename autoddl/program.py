@@ -174,12 +174,14 @@ def syncs_every_micro_step(uses: Sequence["ParamUse"]) -> bool:
 @dataclass(frozen=True)
 class BoxKey:
     """One boxing of a producer output: to layout ``dst``, its consumers handing back ``grad``
-    (None when no gradient flows). Consumers with the same key share the boxed tensor."""
+    (None when no gradient flows), in pipeline stage ``stage`` (0 without stages: a stage boxes what
+    it reads on its own ranks). Consumers with the same key share the boxed tensor."""
 
     node: str
     index: int
     dst: NdSbp
     grad: NdSbp | None
+    stage: int = 0
 
 
 @dataclass(frozen=True)

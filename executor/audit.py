@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 PHASES = ("setup", "forward", "recompute", "backward", "grad_sync", "optimizer")
 
 
@@ -90,6 +90,11 @@ class CommRecorder(TorchDispatchMode):
         self._carried_as = {mesh.get_group(i).group_name: CARRIED_AS.get(_backend_name(mesh.get_group(i)), {})
                             for i in range(mesh.ndim)}
         self._axis_size = {i: mesh.size(i) for i in range(mesh.ndim)}
+
+    def note(self, kind: str, axis: int, nbytes: int, phase: str, tensor: str = "", dtype: str = "") -> None:
+        """Record a communication the mode does not see: a pipeline stage's send (``send_recv``, issued
+        by ``torch.distributed.isend``, not a functional collective), told by executor/pipelined.py."""
+        self.records.append(CommRecord(kind, axis, int(nbytes), phase, tensor, dtype))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -28,6 +28,7 @@ import torch.fx
 from autoddl import ops
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorRef
+from autoddl.pipeline_program import StageIO
 from autoddl.plan import Plan
 from autoddl.precision import working_copy
 from autoddl.program import BoxKey, InputSource, StepProgram, block_of, signature_of
@@ -49,6 +50,7 @@ class LocalStep:
         self.standing = {u.index: self._leaf(u.index, local_params[u.fqn]) for u in program.param_uses
                          if not u.forward and self._working(local_params[u.fqn]) is local_params[u.fqn]}
         self.slot = {i: n for g in program.gathers for n, i in enumerate(g.uses)}   # use -> place in its group
+        self.pending_losses: list[torch.Tensor] = []        # the loss all-reduces in flight (loss_async)
         self.start_step()
 
     def start_step(self) -> None:
@@ -155,13 +157,14 @@ class LocalStep:
         waited for by :meth:`loss_value`. Backward needs only the local share (the all-reduce's
         gradient is the identity), which is returned."""
         edge = self.program.edges[self.program.loss]
-        self.pending_loss = self.boxer.launch(edge.forward[0], share.detach(), edge.label)
+        self.pending_losses.append(self.boxer.launch(edge.forward[0], share.detach(), edge.label))
         return share
 
     def loss_value(self, loss: torch.Tensor) -> float:
-        """The loss every rank reports: the awaited all-reduce when it was launched, else ``loss``."""
+        """The loss every rank reports: the oldest awaited all-reduce when one was launched (a pipeline
+        runs several micro-batches' forwards before their losses are read), else ``loss``."""
         if self.program.loss_async:
-            return float(wait(self.pending_loss))
+            return float(wait(self.pending_losses.pop(0)))
         return float(loss.detach())
 
     def place(self, full: torch.Tensor, nd: NdSbp) -> torch.Tensor:
@@ -173,18 +176,24 @@ class ProgramCompiler:
     """Builds the GraphModule of one rank (module docstring)."""
 
     def __init__(self, graph: OpGraph, plan: Plan, step: LocalStep, device: torch.device,
-                 fx_targets: dict[str, Any]):
+                 fx_targets: dict[str, Any], stage: StageIO | None = None):
         self.graph, self.plan, self.step, self.device, self.fx_targets = graph, plan, step, device, fx_targets
+        self.stage = stage
         self.mesh = tuple(plan.mesh.shape)
         self.fx = torch.fx.Graph()
         self.env: dict[str, torch.fx.Node] = {}
         self.sources: dict[Any, torch.fx.Node] = {}
+        self.received: dict[TensorRef, torch.fx.Node] = {}
 
     def compile(self) -> torch.fx.GraphModule:
+        stage = self.stage
+        for b in stage.received if stage is not None else ():     # a pipeline stage: what the one before sent
+            self.received[b.ref] = self.fx.placeholder(f"recv_{b.ref.node}_{b.ref.index}")
         for node in self.graph.topo():
             if node.kind in (NodeKind.INPUT, NodeKind.BUFFER):
-                self.env[node.name] = self.fx.placeholder(node.name)
-            elif node.kind is NodeKind.OP:
+                if stage is None or node.name in stage.reads:
+                    self.env[node.name] = self.fx.placeholder(node.name)
+            elif node.kind is NodeKind.OP and (stage is None or node.name in stage.ops):
                 self.env[node.name] = self.op(node)
                 self.tag(node.name)
                 done = tuple(g.index for g in self.step.program.gathers if g.reshard and g.last_consumer == node.name)
@@ -192,11 +201,18 @@ class ProgramCompiler:
                     self.env[node.name] = self.fx.call_function(self.step.reshard_after, (self.env[node.name], done))
                     self.env[node.name].meta[OP_META] = ""       # outside any recomputed block
         loss = self.step.program.loss
+        if stage is not None and not stage.last:         # a pipeline stage: what the next one receives
+            self.fx.output(tuple(self.output_node(b.ref) for b in stage.sent))
+            return self.module()
         if self.step.program.loss_async:     # the local share goes out; its all-reduce is in flight
             value = self.fx.call_function(self.step.report_loss, (self.output_node(TensorRef(loss.node, loss.index)),))
         else:
             value = self.source_node(TensorRef(loss.node, loss.index), loss)
         self.fx.output(value)
+        return self.module()
+
+    def module(self) -> torch.fx.GraphModule:
+        """The GraphModule of the fx graph built, recomputed blocks outlined."""
         root = torch.nn.Module()
         blocks = {n.name: block_of(n) for n in self.graph.ops()}
         outline_blocks(self.fx, root, blocks, self.plan.training, self.step.param_use,
@@ -252,6 +268,8 @@ class ProgramCompiler:
         return value
 
     def output_node(self, ref: TensorRef) -> torch.fx.Node:
+        if ref in self.received:
+            return self.received[ref]
         producer = self.graph[ref.node]
         value = self.env[ref.node]
         if producer.kind is NodeKind.OP and len(producer.outputs) > 1:

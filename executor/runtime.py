@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import copy
 import datetime
+import math
 import os
 import weakref
 from typing import Callable, Sequence
@@ -41,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from autoddl.boxing import boxing_moves
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph
+from autoddl.pipeline import pipeline_degree
 from autoddl.plan import Plan
 from autoddl.precision import cast_forward_inputs, torch_dtype, working_copy
 from autoddl.program import grad_storage_of, lower, optimizer_storage_of
@@ -138,17 +140,26 @@ class DistributedModel(nn.Module):
                       [mesh.get_group(a).group_name for a in range(mesh.ndim)], dist.get_backend(), self._on_collective)
         self.boxer = boxer
         self.local_params = self._place_parameters(boxer)
-        training = plan.training
-        self.grad_sync = GradSync(self.program, boxer, self.local_params, self._set_phase,
-                                  reduce_dtype=training.grad_reduce_dtype, grad_targets=self._grad_targets())
-        self.step = LocalStep(self.program, boxer, self.local_params, self.grad_sync, param_dtype=training.param_dtype)
-        fx_targets = {n.name: n.target for n in graph.exported.graph_module.graph.nodes if n.op == "call_function"}
-        self.local_program = ProgramCompiler(graph, plan, self.step, self.device, fx_targets).compile()
-        self.run_program: Callable[..., torch.Tensor] = self.local_program
         ep = graph.exported
         self._user_inputs = list(ep.graph_signature.user_inputs)
         self._constants = dict(getattr(ep.graph_signature, "inputs_to_lifted_tensor_constants", {}))
         self._placeholders = [n for n in graph.topo() if n.kind in (NodeKind.INPUT, NodeKind.BUFFER)]
+        self._fx_targets = {n.name: n.target for n in ep.graph_module.graph.nodes if n.op == "call_function"}
+        self._compile()
+
+    def _compile(self) -> None:
+        """This rank's gradient sync, local step and compiled program (a pipeline compiles one per stage:
+        executor/pipelined.py)."""
+        training = self.plan.training
+        self.grad_sync = self._grad_sync(self.program)
+        self.step = LocalStep(self.program, self.boxer, self.local_params, self.grad_sync,
+                              param_dtype=training.param_dtype)
+        self.local_program = ProgramCompiler(self.graph, self.plan, self.step, self.device, self._fx_targets).compile()
+        self.run_program: Callable[..., torch.Tensor] = self.local_program
+
+    def _grad_sync(self, program) -> GradSync:
+        return GradSync(program, self.boxer, self.local_params, self._set_phase,
+                        reduce_dtype=self.plan.training.grad_reduce_dtype, grad_targets=self._grad_targets())
 
     def _place_parameters(self, boxer: Boxer) -> dict[str, torch.Tensor]:
         """Every parameter as a DTensor of its storage layout (tied weights stay tied); returns the
@@ -213,12 +224,15 @@ class DistributedModel(nn.Module):
             self.recorder.tensor = label
 
     # -- a step --------------------------------------------------------------------------------------
-    def _local_inputs(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _local_inputs(self, inputs: Sequence[torch.Tensor], reads: frozenset[str] | None = None) -> list[torch.Tensor]:
+        """This rank's pieces of the graph's inputs and buffers (``reads``: only these, by node name)."""
         if len(inputs) != len(self._user_inputs):
             raise PlanExecutionError(f"the traced graph takes {len(self._user_inputs)} inputs, got {len(inputs)}")
         buffers = dict(self.module.named_buffers())
         values = []
         for node in self._placeholders:
+            if reads is not None and node.name not in reads:
+                continue
             if node.name in self._constants:
                 full = self.graph.exported.constants[self._constants[node.name]]
             elif node.kind is NodeKind.BUFFER:
@@ -258,6 +272,27 @@ class DistributedModel(nn.Module):
             loss.register_hook(self._queue_finish)
         return loss
 
+    def forward_backward(self, inputs: Sequence[torch.Tensor]) -> float:
+        """Forward and backward of one optimizer step's ``inputs``, micro-step by micro-step (losses
+        scaled by 1 / micro-steps, so that the gradient is the whole batch's mean; the gradient sync
+        finishes inside the last backward); returns the loss (mean over the micro-steps)."""
+        micro = self.micro_batches(inputs)
+        total = 0.0
+        for i, chunk in enumerate(micro):
+            self.grad_sync.last_micro_step = i == len(micro) - 1
+            loss = self(*chunk)
+            (loss / len(micro) if len(micro) > 1 else loss).backward()
+            total += self.loss_value(loss)
+        return total / len(micro)
+
+    def compile_local(self) -> None:
+        """Run the local program through ``torch.compile`` (``autoddl run --compile``)."""
+        self.run_program = torch.compile(self.local_program)
+
+    def held_parameters(self) -> frozenset[str]:
+        """The parameters (fqns) this rank holds and updates: all of them without pipeline stages."""
+        return frozenset(self.local_params)
+
     def loss_value(self, loss: torch.Tensor) -> float:
         """The step's loss, the same on every rank."""
         return self.step.loss_value(loss)
@@ -271,6 +306,18 @@ class DistributedModel(nn.Module):
         with torch.no_grad():
             self.grad_sync.finish()
         self._set_phase("optimizer")
+
+
+def distributed_model(model: nn.Module, graph: OpGraph, plan: Plan, mesh: DeviceMesh, *,
+                      recorder: CommRecorder | None = None) -> DistributedModel:
+    """The DistributedModel that runs ``plan``: a PipelinedModel (executor/pipelined.py) when the plan
+    has pipeline stages."""
+    if pipeline_degree(plan) > 1:
+        from executor.pipelined import PipelinedModel      # it builds on this module
+
+        return PipelinedModel(model, graph, plan, mesh, recorder=recorder)
+    return DistributedModel(model, graph, plan, mesh, recorder=recorder)
+
 
 def torch_optimizer(name: str, params, lr: float, **kw) -> torch.optim.Optimizer:
     name = name.lower()
@@ -373,16 +420,10 @@ def train_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor], optimiz
     finishes inside the last backward; losses scaled by 1 / micro-steps, so the gradient is the
     whole batch's mean), optimizer step; returns the loss (mean over the micro-steps)."""
     optimizer.zero_grad(set_to_none=True)
-    micro = dmodel.micro_batches(inputs)
-    total = 0.0
-    for i, chunk in enumerate(micro):
-        dmodel.grad_sync.last_micro_step = i == len(micro) - 1
-        loss = dmodel(*chunk)
-        (loss / len(micro) if len(micro) > 1 else loss).backward()
-        total += dmodel.loss_value(loss)
+    loss = dmodel.forward_backward(inputs)
     optimizer.step()
     dmodel.sync_parameters()
-    return total / len(micro)
+    return loss
 
 
 def audit_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor],
@@ -443,10 +484,10 @@ def run_check(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callabl
     last optimizer step). Every rank must call it (gathering to full tensors is collective).
     """
     ref = copy.deepcopy(model)
-    dmodel = DistributedModel(model, graph, plan, mesh)
+    dmodel = distributed_model(model, graph, plan, mesh)
     d_opt = build_optimizer(optimizer, dmodel.parameters(), lr)
     r_opt = build_optimizer(optimizer, ref.parameters(), lr)
-    errors: dict[str, float] = {"loss": 0.0}
+    errors: dict[str, float] = {}
     for _ in range(steps):
         d_loss = train_step(dmodel, inputs, d_opt)
         r_opt.zero_grad(set_to_none=True)
@@ -458,9 +499,13 @@ def run_check(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callabl
             r_loss = r_loss + loss.detach().float() / len(micro)
         r_grads = {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
         r_opt.step()
-        errors["loss"] = max(errors["loss"], max_rel_error(torch.tensor(d_loss), r_loss))
+        if not math.isnan(d_loss):        # a pipeline's loss is known on its last stage only
+            errors["loss"] = max(errors.get("loss", 0.0), max_rel_error(torch.tensor(d_loss), r_loss))
     d_params = dict(dmodel.module.named_parameters())
+    held = dmodel.held_parameters()
     for fqn, p in ref.named_parameters():
+        if fqn not in held:               # another pipeline stage's
+            continue
         dp = d_params[fqn]
         if fqn in r_grads:
             grad = _local_of(dp).grad
@@ -473,7 +518,29 @@ def run_check(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callabl
                                           stride=dp.stride()).full_tensor()
                 errors[f"grad/{fqn}"] = max_rel_error(full, r_grads[fqn])
         errors[f"param/{fqn}"] = max_rel_error(dp.detach().full_tensor(), p)
-    return errors
+    return worst_over_ranks(errors)
+
+
+def worst_over_ranks(errors: dict[str, float]) -> dict[str, float]:
+    """Per key, the largest error any rank reported (a pipeline stage reports its own parameters)."""
+    every: list[dict[str, float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, errors)
+    out: dict[str, float] = {}
+    for mine in every:
+        for key, value in (mine or {}).items():
+            out[key] = max(out.get(key, value), value)
+    return {"loss": out.pop("loss", math.inf), **out}
+
+
+def audit_records(dmodel: DistributedModel, records: list[CommRecord]) -> list[CommRecord]:
+    """The collectives of one step, as the program lists them: the records of the rank whose mesh
+    coordinate is 0 on every axis but ``pp`` (the ranks of one pp rank run the same collectives), of
+    every pp rank in turn; every rank must call it."""
+    every: list[tuple[tuple[int, ...], list[CommRecord]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (tuple(dmodel.boxer.coord), records))
+    staged = pipeline_degree(dmodel.plan) > 1
+    chosen = sorted((coord, recs) for coord, recs in every if not any(coord[1 if staged else 0:]))
+    return [r for _, recs in chosen for r in recs]
 
 
 # -- parallelize: a plan inside the user's own training loop ----------------------------------------
@@ -532,6 +599,9 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     ``module.parameters()`` to any torch optimizer. Every rank must pass the same full model
     (same seed) and, at each step, the same full batch.
     """
+    if pipeline_degree(plan) > 1:
+        raise ValueError(f"parallelize: plan {plan.name!r} has pipeline stages (pp={pipeline_degree(plan)}), which run "
+                         "as a whole schedule per step, not as one module's forward; run it with `autoddl run`")
     if example_inputs is None or loss_fn is None:
         if not plan.model or not os.path.isfile(plan.model):
             raise ValueError(f"parallelize: plan {plan.name!r} names no model file to take "

@@ -35,6 +35,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import signal
 import socket
@@ -54,8 +55,8 @@ from autoddl.trace import trace
 from executor.audit import summarize
 from executor.measure import PeakMemory, time_steps
 from executor.references import REFERENCES, build_reference, reference_step
-from executor.runtime import (DistributedModel, audit_step, build_optimizer, init_mesh, run_check, torch_optimizer,
-                              train_step)
+from executor.runtime import (audit_records, audit_step, build_optimizer, distributed_model, init_mesh, run_check,
+                              torch_optimizer, train_step)
 
 FAIL_RANK_ENV = "AUTODDL_TEST_FAIL_RANK"
 FAIL_MODE_ENV = "AUTODDL_TEST_FAIL_MODE"
@@ -139,13 +140,17 @@ def _progress(rank: int, label: str, quiet: bool):
     return show
 
 
-def _gather_timing(times: list[float], peak_mb: float) -> dict[str, Any]:
-    """Per step the slowest rank's time; peak memory and host of every rank (rank order)."""
-    mine = {"times": times, "peak_mb": peak_mb, "host": socket.gethostname()}
+def _gather_timing(times: list[float], peak_mb: float, losses: list[float] | None = None) -> dict[str, Any]:
+    """Per step the slowest rank's time; peak memory and host of every rank (rank order); with
+    ``losses``, those of the first rank that knows them (a pipeline's last stage; NaN elsewhere)."""
+    mine = {"times": times, "peak_mb": peak_mb, "host": socket.gethostname(), "losses": losses or []}
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    return {"step_time_s": [max(r["times"][i] for r in every) for i in range(len(times))],
-            "peak_memory_mb": [r["peak_mb"] for r in every], "hosts": [r["host"] for r in every]}
+    out = {"step_time_s": [max(r["times"][i] for r in every) for i in range(len(times))],
+           "peak_memory_mb": [r["peak_mb"] for r in every], "hosts": [r["host"] for r in every]}
+    if losses is not None:
+        out["losses"] = next((r["losses"] for r in every if not any(math.isnan(v) for v in r["losses"])), losses)
+    return out
 
 
 def time_plan(mf: ModelFile, graph, plan: Plan, mesh, args: argparse.Namespace, optimizer: str,
@@ -153,20 +158,19 @@ def time_plan(mf: ModelFile, graph, plan: Plan, mesh, args: argparse.Namespace, 
     """Warm-up + timed steps of the plan, then one audited step."""
     memory = PeakMemory(args.device)
     memory.start()
-    dmodel = DistributedModel(mf.model, graph, plan, mesh)
+    dmodel = distributed_model(mf.model, graph, plan, mesh)
     if args.compile:
-        dmodel.run_program = torch.compile(dmodel.local_program)
+        dmodel.compile_local()
     opt = build_optimizer(optimizer, dmodel.parameters(), args.lr)
     losses: list[float] = []
     _test_fail_hook(rank)
     times = time_steps(lambda: losses.append(train_step(dmodel, mf.example_inputs, opt)), args.steps,
                        args.warmup, barrier=dist.barrier, sync=_sync_fn(args.device),
                        progress=_progress(rank, plan.name, args.quiet))
-    out = _gather_timing(times, memory.peak_mb())
-    out["losses"] = losses
+    out = _gather_timing(times, memory.peak_mb(), losses)
     if args.profile:
         out["profile"] = _profile_step(lambda: train_step(dmodel, mf.example_inputs, opt), args.profile, rank)
-    records = audit_step(dmodel, mf.example_inputs, opt)
+    records = audit_records(dmodel, audit_step(dmodel, mf.example_inputs, opt))
     out["collectives"] = [r.to_dict() for r in records]
     out["collectives_summary"] = summarize(records)
     return out

@@ -198,9 +198,13 @@ def test_data_parallel_gradients_sync_once_per_step_on_each_rank(gpt):
     flat = lower(graph, dataclasses.replace(inner, training=Training()))      # one micro-step, no stages
     program = lower(graph, with_pp_axis(inner, 2))
     flat_bytes = sorted(t.nbytes for t in flat.tasks if t.phase == "grad_sync")
-    pp_bytes = sorted(t.nbytes for t in program.tasks if t.phase == "grad_sync")
-    # every parameter's gradient all-reduced once (buckets split where the stages split)
-    assert sum(pp_bytes) == sum(flat_bytes)
+    dp_bytes = sorted(t.nbytes for t in program.tasks if t.phase == "grad_sync" and t.axis == 1)
+    tied = [(t.pp_rank, t.collective, t.nbytes) for t in program.tasks if t.phase == "grad_sync" and t.axis == 0]
+    wte = graph.parameters()["transformer.wte.weight"].outputs[0].nbytes       # tied to the head on stage 1
+    # every parameter's gradient all-reduced over dp once on each stage that reads it (buckets split
+    # where the stages split): the tied embedding on both, then its two copies summed over pp
+    assert sum(dp_bytes) == sum(flat_bytes) + wte
+    assert tied == [(0, CollectiveKind.ALL_REDUCE, wte), (1, CollectiveKind.ALL_REDUCE, wte)]
     assert {t.micro_step for t in program.tasks if t.phase == "grad_sync"} == {3}
     assert [t.pp_rank for t in program.tasks if t.phase == "optimizer" and t.stream == COMPUTE] == [0, 1]
 

@@ -109,8 +109,8 @@ def test_cli_prices_a_pipelined_configuration_with_the_bubble_column(tmp_path, c
     plan = Plan.load(out)
     assert plan.mesh.axis_names == ("pp", "dp", "tp") and plan.training.micro_batches == 8
     assert plan.cost.bubble_s > 0
-    code = main(["run", str(out), "--nproc", "2"])
-    assert code != 0 and "does not run stages yet" in capsys.readouterr().err
+    code = main(["run", str(out), "--nproc", "2"])     # run takes pipelined plans, on as many ranks as the mesh
+    assert code != 0 and "= 32 devices; run with --nproc 32" in capsys.readouterr().err
 
 
 # -- the 3-D search ------------------------------------------------------------------------------------

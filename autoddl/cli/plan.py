@@ -27,7 +27,6 @@ from autoddl.cluster import DEFAULT_CLUSTER_PATH, Cluster
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.loader import ModelFile, ModelFileError, load_for_plan, load_model_file
 from autoddl.ops import coverage_report
-from autoddl.pipeline import pipeline_degree
 from autoddl.plan import Mesh, Plan
 from autoddl.training import DEFAULT_BUCKET_MB, DTYPES, RECOMPUTE_CHOICES, RECOMPUTE_POLICIES, SCHEDULES, Training
 from search.pipeline_search import best_fitting, search_3d
@@ -443,9 +442,6 @@ def _print_next(path: str, plan: Plan, cluster: Cluster) -> None:
     if plan.devices > cluster.devices_per_node:   # one `autoddl run` per node
         ranks = (f"--nproc {cluster.devices_per_node} --nnodes {plan.devices // cluster.devices_per_node} "
                  "--node-rank R --master-addr NODE0 --master-port 29500")
-    if pipeline_degree(plan) > 1:
-        print("  (autoddl run does not run pipeline stages yet: use the plan's degrees in your trainer, --emit)")
-        return
     print(f"  autoddl run {path} {ranks}{backend} --check --reference ddp   # run it, check it, time it beside DDP")
 
 
