@@ -23,6 +23,10 @@ tasks of the step program, which the cost model prices and the executor runs.
 - ``schedule`` / ``virtual_stages`` / ``stage_cuts``: with a ``pp`` mesh axis, the pipeline
   schedule (gpipe, 1f1b, interleaved), the chunks per pp rank (interleaved only) and the first
   block of each virtual stage after the first (empty: equal block counts): autoddl/pipeline.py.
+- ``offload``: spilling to host memory (autoddl/offload.py): ``none``; ``optimizer`` (float32
+  masters, optimizer states and the optimizer step on the host, ZeRO-Offload); ``params`` (also
+  each layer group's working parameters, copied in one group ahead of use). ``auto`` is a
+  request: the planner tries none, then optimizer, then params, and writes the level it chose.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}   # --precis
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 RECOMPUTE_CHOICES = RECOMPUTE_POLICIES + ("auto",)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")   # pipeline schedules (autoddl/pipeline.py)
+OFFLOAD_LEVELS = ("none", "optimizer", "params")   # what lives in host memory (autoddl/offload.py), least first
+OFFLOAD_CHOICES = OFFLOAD_LEVELS + ("auto",)
 
 
 def dtype_name(name: str, what: str) -> str:
@@ -62,8 +68,12 @@ class Training:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     stage_cuts: tuple[str, ...] = ()
+    offload: str = "none"
 
     def __post_init__(self) -> None:
+        if self.offload not in OFFLOAD_CHOICES:
+            raise ValueError(f"training.offload {self.offload!r} is not an offload level; choose one of "
+                             f"{list(OFFLOAD_CHOICES)}")
         if not self.bucket_mb >= 0:
             raise ValueError(f"training.bucket_mb must be >= 0 (MB of gradients per bucket), got {self.bucket_mb!r}")
         object.__setattr__(self, "param_dtype", dtype_name(self.param_dtype, "param_dtype"))
@@ -93,7 +103,7 @@ class Training:
     def __hash__(self) -> int:
         return hash((self.bucket_mb, self.param_dtype, self.reduce_dtype, self.recompute,
                      tuple(sorted(self.recompute_blocks.items())), self.micro_batches, self.schedule,
-                     self.virtual_stages, self.stage_cuts))
+                     self.virtual_stages, self.stage_cuts, self.offload))
 
     @property
     def bucket_bytes(self) -> int:
@@ -108,6 +118,11 @@ class Training:
     def mixed(self) -> bool:
         """Computing in a lower precision than the float32 parameters."""
         return self.param_dtype != "float32"
+
+    @property
+    def offload_level(self) -> str:
+        """What lives in host memory as the step runs: ``offload``, with ``auto`` (a request) as none."""
+        return "none" if self.offload == "auto" else self.offload
 
     def recompute_of(self, block: str) -> str:
         """The policy block ``block`` runs under (``root``, outside any block, is never recomputed)."""
