@@ -14,7 +14,8 @@ the cost model (their prices, memory on both sides) and the executor (the copies
   forward ended with is still there and is not copied again), on the ``copy_h2d`` stream, one group ahead
   (double buffering: the copy of group i+1 overlaps the compute of group i; at most two groups are
   on the device at once), and its gradients are copied out when its backward (and their sync) is
-  done. Its updated parameters stay on the host.
+  done (with several micro-steps, on one device only: every micro-step copies its gradients out and
+  the host adds them up, which is not priced). Its updated parameters stay on the host.
 
 Saved activations are not spilled (the issue's "if needed to fit" is not built).
 """
@@ -84,14 +85,14 @@ def check_offload(graph: OpGraph, plan: Plan) -> None:
                          "use --offload none with a pp degree")
     if level != "params":
         return
-    if plan.training.micro_batches > 1:
-        raise ValueError(f"plan {plan.name!r}: offload params with {plan.training.micro_batches} micro-steps is "
-                         "not supported (each micro-step would copy every group in and out); use one micro-step "
-                         "or --offload optimizer")
+    if plan.training.micro_batches > 1 and plan.mesh.size > 1:
+        raise ValueError(f"plan {plan.name!r}: offload params with {plan.training.micro_batches} micro-steps on "
+                         f"{plan.mesh.size} devices is not supported (each micro-step copies its gradients out, "
+                         "before a deferred gradient sync); use one micro-step, one device or --offload optimizer")
     for group in spill_groups(graph, plan):
         for fqn in group.fqns:
             storage = storage_of(plan, fqn)
-            if any(s.is_split() for s in storage):
+            if any(s.is_split() and n > 1 for s, n in zip(storage, plan.mesh.shape)):
                 raise ValueError(f"plan {plan.name!r}: offload params copies each spilled parameter whole to its "
                                  f"rank, but {fqn} is stored {storage} (sharded: ZeRO-3 / FSDP / tensor parallel); "
                                  "use --offload optimizer with this plan, or a plan that replicates it")
