@@ -54,7 +54,7 @@ def offload_search(graph: OpGraph, cluster: Cluster, search_fn: Callable, *, tra
         except ValueError as exc:
             return Scheme(scheme.name, None, None, str(exc))
         if training.recompute == "auto":
-            plan, bd = fit_recompute(graph, plan, cluster, limit, recompute_levels(graph, plan.training))
+            plan, bd = fit_recompute(graph, plan, cluster, limit, recompute_levels(graph, training))
         else:
             bd = price(graph, plan, cluster, limit)
         plain_bd = scheme.breakdown
