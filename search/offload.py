@@ -43,6 +43,9 @@ def offload_search(graph: OpGraph, cluster: Cluster, search_fn: Callable, *, tra
         except NoFeasiblePlanError:
             pass
     cluster.require_host(f"--offload {request}")
+    say = kw.get("progress") or (lambda _msg: None)
+    say(f"offload {request}: searching without the memory limit for the plans to spill"
+        + (" (nothing fits without offload)" if request == "auto" else ""))
     free = search_fn(graph, cluster, training=plain, memory_gb=UNLIMITED_GB, **kw)
 
     def spilled(scheme, level: str):
@@ -66,6 +69,8 @@ def offload_search(graph: OpGraph, cluster: Cluster, search_fn: Callable, *, tra
         schemes = [spilled(s, level) for s in free.schemes if s.name != "found"]
         found = spilled(next(s for s in free.schemes if s.name == "found"), level)
         fitting = [s for s in schemes + [found] if s.plan is not None and s.breakdown.fits_memory]
+        say(f"offload {level}: {len(fitting)} of {sum(s.plan is not None for s in schemes + [found])} plans fit "
+            f"{gb(limit)} per device")
         if fitting:
             break
     if not fitting:
