@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoddl.graph import NodeKind, OpGraph
+from autoddl.graph import NodeKind, OpGraph, TensorMeta
 from autoddl.pipeline import pipeline_degree
 from autoddl.plan import Plan
 from autoddl.precision import itemsize
@@ -57,18 +57,16 @@ def offload_level(plan: Plan) -> str:
     return plan.training.offload_level
 
 
-def working_bytes(graph: OpGraph, plan: Plan, fqn: str) -> int:
-    """Bytes of one rank's working copy of parameter ``fqn`` (its storage piece, in ``param_dtype``;
-    non-floating parameters in their own dtype)."""
-    meta = used_parameters(graph)[fqn].outputs[0]
+def working_bytes(plan: Plan, fqn: str, meta: TensorMeta) -> int:
+    """Bytes of one rank's working copy of parameter ``fqn`` of ``meta`` (its storage piece, in
+    ``param_dtype``; non-floating parameters in their own dtype)."""
     size = itemsize(plan.training.param_dtype) if meta.is_floating else meta.itemsize
     return int(round(meta.numel * size * storage_of(plan, fqn).shard_fraction(plan.mesh.shape)))
 
 
-def grad_bytes(graph: OpGraph, plan: Plan, fqn: str) -> int:
+def grad_bytes(plan: Plan, fqn: str, meta: TensorMeta) -> int:
     """Bytes of one rank's gradient of ``fqn`` as it leaves the device: its gradient storage piece, in
     the reduce dtype (0 for a parameter without a gradient)."""
-    meta = used_parameters(graph)[fqn].outputs[0]
     if not meta.is_floating:
         return 0
     frac = grad_storage_of(plan, fqn).shard_fraction(plan.mesh.shape)
@@ -112,12 +110,14 @@ def spill_groups(graph: OpGraph, plan: Plan) -> list[SpillGroup]:
                 fqns = order.setdefault(layer_group(p.target), [])
                 if p.target not in fqns:
                     fqns.append(p.target)
-    return [SpillGroup(i, g, tuple(fqns), sum(working_bytes(graph, plan, f) for f in fqns),
-                       sum(grad_bytes(graph, plan, f) for f in fqns))
+    meta = {f: n.outputs[0] for f, n in used.items()}
+    return [SpillGroup(i, g, tuple(fqns), sum(working_bytes(plan, f, meta[f]) for f in fqns),
+                       sum(grad_bytes(plan, f, meta[f]) for f in fqns))
             for i, (g, fqns) in enumerate(order.items())]
 
 
-def kept_parameters(graph: OpGraph, plan: Plan) -> list[str]:
-    """Parameters whose working copies stay on the device (every one but the spilled groups')."""
+def kept_parameters(graph: OpGraph, plan: Plan) -> dict[str, TensorMeta]:
+    """Parameters whose working copies stay on the device (every one but the spilled groups'), with
+    their metas."""
     spilled = {f for g in spill_groups(graph, plan) for f in g.fqns}
-    return [f for f in used_parameters(graph) if f not in spilled]
+    return {f: n.outputs[0] for f, n in used_parameters(graph).items() if f not in spilled}

@@ -118,7 +118,7 @@ class SpillTasks:
         low = self.low
         graph, plan = low.graph, low.plan
         kept = kept_parameters(graph, plan)
-        out_bytes = sum(grad_bytes(graph, plan, f) for f in kept)
+        out_bytes = sum(grad_bytes(plan, f, meta) for f, meta in kept.items())
         waits = deps + tuple(self.copied_out)
         if out_bytes:
             out = low.emit(host=False, deps=deps, phase="offload", stream=copy_stream(D2H), op="optimizer",
@@ -126,7 +126,7 @@ class SpillTasks:
             waits += (out.id,)
         step = low.emit(deps=tuple(sorted(set(waits))), phase="optimizer", stream=HOST, op="optimizer",
                         tensor="on the host")
-        in_bytes = sum(working_bytes(graph, plan, f) for f in kept)
+        in_bytes = sum(working_bytes(plan, f, meta) for f, meta in kept.items())
         if in_bytes:
             return low.emit(phase="offload", stream=copy_stream(H2D), op="optimizer", nbytes=in_bytes,
                             tensor=f"{H2D} parameters", copy=H2D)

@@ -215,7 +215,8 @@ def _rank_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective], p
 def offloaded_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None) -> dict[str, int]:
     """The categories spilling changes (module docstring), ``host`` included."""
     groups = spill_groups(graph, plan)
-    kept = frozenset(kept_parameters(graph, plan))
+    kept_metas = kept_parameters(graph, plan)
+    kept = frozenset(kept_metas)
     master_bytes, master_numel = master_parameters(graph, plan)
     host_grads = local_parameters(graph, plan, grad_storage_of)[0]
     spilled_working = sum(g.param_bytes for g in groups) if plan.training.mixed else 0
@@ -224,7 +225,7 @@ def offloaded_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None) -> 
         return max((a + b for a, b in zip(sizes, sizes[1:] + [0])), default=0)
     return {
         "parameters": 0 if plan.training.mixed else local_parameters(graph, plan, only=kept)[0],
-        "gradients": sum(grad_bytes(graph, plan, f) for f in kept),
+        "gradients": sum(grad_bytes(plan, f, meta) for f, meta in kept_metas.items()),
         "optimizer_states": 0,
         "working_params": working_param_bytes(graph, plan, program, kept),
         "spilled_params": pair([g.param_bytes for g in groups]),
