@@ -49,6 +49,7 @@ from executor.audit import CommRecord, CommRecorder
 from executor.compiled import LocalStep, ProgramCompiler
 from executor.gradsync import GradSync
 from executor.moves import Boxer, place_local, shard_view, unflatten_gathered, wait
+from executor.offload import HostCopies
 
 
 class PlanExecutionError(RuntimeError):
@@ -139,9 +140,13 @@ class DistributedModel(nn.Module):
         self.boxer = boxer
         self.local_params = self._place_parameters(boxer)
         training = plan.training
+        self.host_copies = HostCopies(self.program, self.local_params, training.param_dtype, self.device)
+        spill = self.host_copies if self.program.spills else None
         self.grad_sync = GradSync(self.program, boxer, self.local_params, self._set_phase,
-                                  reduce_dtype=training.grad_reduce_dtype, grad_targets=self._grad_targets())
-        self.step = LocalStep(self.program, boxer, self.local_params, self.grad_sync, param_dtype=training.param_dtype)
+                                  reduce_dtype=training.grad_reduce_dtype, grad_targets=self._grad_targets(),
+                                  copy_out=spill.copy_out if spill is not None else None)
+        self.step = LocalStep(self.program, boxer, self.local_params, self.grad_sync, param_dtype=training.param_dtype,
+                              spill=spill)
         fx_targets = {n.name: n.target for n in graph.exported.graph_module.graph.nodes if n.op == "call_function"}
         self.local_program = ProgramCompiler(graph, plan, self.step, self.device, fx_targets).compile()
         self.run_program: Callable[..., torch.Tensor] = self.local_program
@@ -202,6 +207,7 @@ class DistributedModel(nn.Module):
                                              for f, t in zip(sync.fqns, shards)])
                 for f, whole in zip(sync.fqns, wholes):
                     params[f]._autoddl_local.copy_(whole)
+        self.host_copies.refresh()          # offload params: the host's updated working copies
 
     # -- audit labels ----------------------------------------------------------------------------
     def _set_phase(self, phase: str) -> None:
@@ -253,6 +259,7 @@ class DistributedModel(nn.Module):
         share of the loss, its all-reduce still in flight: :meth:`loss_value` reads the loss."""
         self._set_phase("forward")
         self.step.start_step()
+        self.host_copies.start_step()
         loss = self.run_program(*self._local_inputs(inputs))
         if loss.requires_grad:
             loss.register_hook(self._queue_finish)

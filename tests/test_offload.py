@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from autoddl.cli import main
 from autoddl.cluster import Cluster, ClusterConfigError, LinkSpec
@@ -47,10 +48,10 @@ BLOCKS = """
 """
 
 
-def model(write_model, n: int, root: bool = True, name: str = "blocks.py"):
+def model(write_model, n: int, root: bool = True, name: str = "blocks.py", **kw):
     src = BLOCKS.format(d=D, n=n, root=f"self.inp = nn.Linear({D}, {D})" if root else "pass",
                         root_use="x = self.inp(x)" if root else "")
-    return load_model_file(write_model(src, name))
+    return load_model_file(write_model(src, name), **kw)
 
 
 def one_device() -> Cluster:
@@ -209,6 +210,27 @@ def test_auto_plan_records_the_slowdown_against_the_plan_without_offload(write_m
                in n for n in out.found.notes)
 
 
+def test_auto_with_recompute_auto_recomputes_the_fewest_blocks_after_spilling(write_model):
+    """With both autos and a limit that params offload meets only with some blocks recomputed, the
+    plan spills params and recomputes some blocks, not all, and fits."""
+    mf = model(write_model, 6)
+    graph = mf.trace("float32")
+    cluster = one_device()
+    spilled = plan_at(graph, cluster, "params")
+    plain = plan_cost(graph, spilled, cluster).memory_bytes_per_device
+    full = dataclasses.replace(spilled, training=dataclasses.replace(spilled.training, recompute="full"))
+    least = plan_cost(graph, full, cluster).memory_bytes_per_device
+    assert least < plain
+    limit = (least + plain) / 2
+    out = search(graph, cluster, training=Training(offload="auto", recompute="auto"), memory_gb=limit / 1e9,
+                 cd_time_limit_s=0.05)
+    training = out.found.training
+    recomputed = [b for b, p in training.recompute_blocks.items() if p != "none"]
+    assert training.offload == "params" and 0 < len(recomputed) <= 2 * 6
+    assert out.found_breakdown.memory_bytes_per_device <= limit
+    assert not all(p == "full" for p in training.recompute_blocks.values())
+
+
 # -- refusals and the command line ---------------------------------------------------------------------
 
 def test_offload_needs_the_host_fields_and_params_refuses_sharded_storage(write_model):
@@ -244,3 +266,46 @@ def test_cli_offload_auto_shows_the_level_and_the_slowdown(write_model, capsys, 
     assert "(does not fit without)" in out and "note: offload optimizer (nothing fits" in out
     from autoddl.plan import Plan
     assert Plan.load(tmp_path / "p.json").training.offload == "optimizer"
+
+
+# -- the executor runs the copies --------------------------------------------------------------------
+
+def _run_offloaded(mf, graph, plan):
+    """On every rank: run_check (2 AdamW steps against one process), then one step whose copies are
+    kept."""
+    from executor.runtime import DistributedModel, build_optimizer, init_mesh, run_check, train_step
+
+    mesh = init_mesh(plan)
+    errors = run_check(mf.model, mf.example_inputs, mf.loss_fn, graph, plan, mesh, optimizer="adamw", steps=2)
+    dmodel = DistributedModel(mf.model, graph, plan, mesh)
+    train_step(dmodel, mf.example_inputs, build_optimizer("adamw", dmodel.parameters()))
+    return errors, [(r.copy, r.nbytes, r.tensor) for r in dmodel.host_copies.records]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("ranks,precision", [(2, "fp32"), (1, "bf16")])
+def test_executor_runs_the_programs_copies_and_matches_one_process(write_model, ranks, precision):
+    """A params-offload plan (data parallel on 2 ranks; one rank in bf16) runs with each block's
+    parameters living in host buffers, copied in and out at the program's copy tasks: loss,
+    gradients and parameters after 2 steps match one process, and the copies that ran are the
+    program's (all but the kept parameters' copies around the optimizer, which the executor does
+    not run)."""
+    from autoddl.precision import check_rtol
+    from dist_utils import run_ranks
+
+    torch.manual_seed(0)
+    mf = model(write_model, 3, device="cpu")
+    training = Training(param_dtype=precision)
+    graph = mf.trace(training.param_dtype)
+    cluster = Cluster.from_yaml(DGX).resized(ranks)
+    dp = next(s for s in search(graph, cluster, training=training, mesh=(ranks,), cd_time_limit_s=0.05).schemes
+              if s.name == "dp").plan
+    plan = dataclasses.replace(dp, training=dataclasses.replace(dp.training, offload="params"))
+    program = lower(graph, plan)
+    expected = sorted((t.copy, t.nbytes, t.tensor) for t in program.copies() if t.op != "optimizer")
+    assert len(expected) == 3 + 2 + 3
+    for rank, (errors, ran) in enumerate(run_ranks(_run_offloaded, ranks, mf, graph, plan, timeout_s=120)):
+        bad = {k: v for k, v in errors.items() if not v <= check_rtol(training.param_dtype)}
+        assert not bad, f"rank {rank}: relative errors above the bound: {bad}"
+        assert len(errors) == 1 + 2 * 8                 # loss, 8 gradients, 8 parameters
+        assert sorted(ran) == expected
