@@ -86,9 +86,10 @@ def offload_search(graph: OpGraph, cluster: Cluster, search_fn: Callable, *, tra
 
 
 def with_offload(plan: Plan, level: str) -> Plan:
-    """A copy of ``plan`` spilling ``level`` (its cost cleared)."""
+    """A copy of ``plan`` spilling ``level`` (its cost cleared; a recompute choice made without the memory
+    limit is no choice: its note goes, and ``fit_recompute`` chooses again)."""
     return dataclasses.replace(plan, training=dataclasses.replace(plan.training, offload=level), cost=None,
-                               op_costs=[], notes=list(plan.notes))
+                               op_costs=[], notes=[n for n in plan.notes if not n.startswith("recompute auto")])
 
 
 def offload_note(scheme, request: str, limit: float) -> str:
