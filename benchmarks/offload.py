@@ -5,7 +5,7 @@ A ~6B GPT (examples/gpt.py preset ``gpt-6b``: GPT-J-6B's sizes, 28 layers, hidde
 configs/a10-24gb.yaml (8 x A10 24 GB, PCIe 4.0 x16 to the host):
 
 - ``1 x A10, --offload auto``: nothing fits one 24 GB device without spilling (the float32 masters
-  alone are 23.6 GB), so the planner spills (the first level with which a plan fits); once with one
+  alone are 23.4 GB), so the planner spills (the first level with which a plan fits); once with one
   micro-step of 8 sequences (each block copied in twice per step), once with 8 micro-steps of 1
   (each block copied in twice per micro-step);
 - ``1 x A10, --offload none``: the plan on the device alone, priced without the memory limit: what
