@@ -8,8 +8,9 @@ the cost model (their prices, memory on both sides) and the executor (the copies
   dtype) and the updated working parameters back (host -> device, in ``param_dtype``), as
   ZeRO-Offload does (one copy each way at the step's end here; ZeRO-Offload overlaps the gradients'
   copy with backward per bucket).
-- ``params``: as ``optimizer``, and the working parameters of every layer group
-  (``layer_group``: a repeated block; ``root`` stays on the device) live on the host too: a
+- ``params``: as ``optimizer``, and the working parameters of the layer groups
+  ``Training.spill_blocks`` names (``layer_group``: repeated blocks; all of them when it names none;
+  ``root`` stays on the device) live on the host too: a
   :class:`SpillGroup` is copied in before its forward and again before its backward (the group
   forward ended with is still there and is not copied again), on the ``copy_h2d`` stream, one group ahead
   (double buffering: the copy of group i+1 overlaps the compute of group i; at most two groups are
@@ -22,6 +23,7 @@ Saved activations are not spilled (the issue's "if needed to fit" is not built).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from autoddl.graph import NodeKind, OpGraph, TensorMeta
@@ -87,7 +89,12 @@ def check_offload(graph: OpGraph, plan: Plan) -> None:
         raise ValueError(f"plan {plan.name!r}: offload params with {plan.training.micro_batches} micro-steps on "
                          f"{plan.mesh.size} devices is not supported (each micro-step copies its gradients out, "
                          "before a deferred gradient sync); use one micro-step, one device or --offload optimizer")
-    for group in spill_groups(graph, plan):
+    groups = spill_groups(graph, plan)
+    unknown = set(plan.training.spill_blocks) - {g.group for g in spill_groups(graph, _all_blocks(plan))}
+    if unknown:
+        raise ValueError(f"plan {plan.name!r}: training.spill_blocks names {sorted(unknown)}, which are no repeated "
+                         "block with parameters of this model (e.g. transformer.h.0)")
+    for group in groups:
         for fqn in group.fqns:
             storage = storage_of(plan, fqn)
             if any(s.is_split() and n > 1 for s, n in zip(storage, plan.mesh.shape)):
@@ -98,15 +105,18 @@ def check_offload(graph: OpGraph, plan: Plan) -> None:
 
 def spill_groups(graph: OpGraph, plan: Plan) -> list[SpillGroup]:
     """The layer groups spilled under ``offload params``, in the order forward first uses them
-    (empty under any other level). Parameters outside every repeated block (``root``) stay."""
+    (empty under any other level): ``Training.spill_blocks``, or every one when it names none.
+    Parameters outside every repeated block (``root``) stay."""
     if offload_level(plan) != "params":
         return []
+    chosen = set(plan.training.spill_blocks)
     order: dict[str, list[str]] = {}
     used = used_parameters(graph)
     for node in graph.ops():
         for ref in node.inputs:
             p = graph[ref.node]
-            if p.kind is NodeKind.PARAMETER and p.target in used and layer_group(p.target) != "root":
+            if (p.kind is NodeKind.PARAMETER and p.target in used and layer_group(p.target) != "root"
+                    and (not chosen or layer_group(p.target) in chosen)):
                 fqns = order.setdefault(layer_group(p.target), [])
                 if p.target not in fqns:
                     fqns.append(p.target)
@@ -114,6 +124,10 @@ def spill_groups(graph: OpGraph, plan: Plan) -> list[SpillGroup]:
     return [SpillGroup(i, g, tuple(fqns), sum(working_bytes(plan, f, meta[f]) for f in fqns),
                        sum(grad_bytes(plan, f, meta[f]) for f in fqns))
             for i, (g, fqns) in enumerate(order.items())]
+
+
+def _all_blocks(plan: Plan) -> Plan:
+    return dataclasses.replace(plan, training=dataclasses.replace(plan.training, spill_blocks=()))
 
 
 def kept_parameters(graph: OpGraph, plan: Plan) -> dict[str, TensorMeta]:

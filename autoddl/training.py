@@ -27,6 +27,8 @@ tasks of the step program, which the cost model prices and the executor runs.
   masters, optimizer states and the optimizer step on the host, ZeRO-Offload); ``params`` (also
   each layer group's working parameters, copied in one group ahead of use). ``auto`` is a
   request: the planner tries none, then optimizer, then params, and writes the level it chose.
+- ``spill_blocks``: under ``offload params``, the repeated blocks spilled (empty: every one); the
+  planner spills the fewest, in block order, with which the plan fits.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Training:
     virtual_stages: int = 1
     stage_cuts: tuple[str, ...] = ()
     offload: str = "none"
+    spill_blocks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_CHOICES:
@@ -99,11 +102,12 @@ class Training:
             raise ValueError(f"training.virtual_stages {self.virtual_stages} needs schedule 'interleaved' "
                              f"(got {self.schedule!r}); gpipe and 1f1b run one chunk per pp rank")
         object.__setattr__(self, "stage_cuts", tuple(self.stage_cuts))
+        object.__setattr__(self, "spill_blocks", tuple(self.spill_blocks))
 
     def __hash__(self) -> int:
         return hash((self.bucket_mb, self.param_dtype, self.reduce_dtype, self.recompute,
                      tuple(sorted(self.recompute_blocks.items())), self.micro_batches, self.schedule,
-                     self.virtual_stages, self.stage_cuts, self.offload))
+                     self.virtual_stages, self.stage_cuts, self.offload, self.spill_blocks))
 
     @property
     def bucket_bytes(self) -> int:
@@ -132,7 +136,7 @@ class Training:
         return "none" if policy == "auto" else policy
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "stage_cuts": list(self.stage_cuts)}
+        return {**asdict(self), "stage_cuts": list(self.stage_cuts), "spill_blocks": list(self.spill_blocks)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, *, source: str = "plan") -> "Training":

@@ -2,8 +2,9 @@
 autoddl/offload.py).
 
 ``auto`` plans without offload first; only when nothing fits does it try ``optimizer``, then
-``params``, and keeps the first level at which some plan fits, its fastest plan. A given level is
-applied to every plan. The plans offered are those of the search without the memory limit (the
+``params``, and keeps the first level at which some plan fits, its fastest plan; under ``params``
+each plan spills the fewest repeated blocks, in block order, with which it fits
+(``Training.spill_blocks``). A given level is applied to every plan. The plans offered are those of the search without the memory limit (the
 fastest plans, memory aside: spilling changes what fits, not what is fast on the device), each
 priced again with the level under the real limit (and, with ``recompute auto``, the fewest
 recomputed blocks with which it then fits). Every offloaded scheme keeps its step time without
@@ -18,7 +19,7 @@ from typing import Callable
 
 from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph
-from autoddl.offload import check_offload
+from autoddl.offload import check_offload, spill_groups
 from autoddl.plan import Plan
 from autoddl.training import Training
 from search.problem import NoFeasiblePlanError
@@ -56,6 +57,8 @@ def offload_search(graph: OpGraph, cluster: Cluster, search_fn: Callable, *, tra
             check_offload(graph, plan)
         except ValueError as exc:
             return Scheme(scheme.name, None, None, str(exc))
+        if level == "params":
+            plan = fewest_blocks(graph, plan, cluster, limit)
         if training.recompute == "auto":
             plan, bd = fit_recompute(graph, plan, cluster, limit, recompute_levels(graph, training))
         else:
@@ -85,6 +88,20 @@ def offload_search(graph: OpGraph, cluster: Cluster, search_fn: Callable, *, tra
                          free.search_s + time.perf_counter() - t0, free.per_mesh, free.formulations)
 
 
+def fewest_blocks(graph: OpGraph, plan: Plan, cluster: Cluster, limit: float) -> Plan:
+    """``plan`` (offload params) spilling the fewest repeated blocks, in block order, with which it fits
+    ``limit`` per device (memory falls block by block: bisection); every block when none does."""
+    from search.planner import first_level, plan_memory
+
+    blocks = [g.group for g in spill_groups(graph, plan)]
+
+    def at(k: int) -> Plan:
+        chosen = tuple(blocks[:k]) if k < len(blocks) else ()
+        return dataclasses.replace(plan, training=dataclasses.replace(plan.training, spill_blocks=chosen))
+    k = first_level(lambda k: plan_memory(graph, at(k), cluster) <= limit, 1, len(blocks))
+    return at(len(blocks) if k is None else k)
+
+
 def with_offload(plan: Plan, level: str) -> Plan:
     """A copy of ``plan`` spilling ``level`` (its cost cleared; a recompute choice made without the memory
     limit is no choice: its note goes, and ``fit_recompute`` chooses again)."""
@@ -94,7 +111,11 @@ def with_offload(plan: Plan, level: str) -> Plan:
 
 def offload_note(scheme, request: str, limit: float) -> str:
     """plan.notes's line on the level spilled and what it costs against the plan without it."""
-    level = scheme.plan.training.offload
+    training = scheme.plan.training
+    level = training.offload
+    if level == "params":
+        blocks = training.spill_blocks
+        level += (f" ({len(blocks)} blocks spilled: {blocks[0]} .. {blocks[-1]})" if blocks else " (every block spilled)")
     why = ("nothing fits " + f"{limit / 1e9:.3g} GB per device without offload" if request == "auto"
            else f"--offload {level}")
     slow = scheme.step_time_s / scheme.no_offload_s if scheme.no_offload_s else float("nan")

@@ -231,6 +231,49 @@ def test_auto_with_recompute_auto_recomputes_the_fewest_blocks_after_spilling(wr
     assert not all(p == "full" for p in training.recompute_blocks.values())
 
 
+def with_blocks(plan, k: int):
+    blocks = tuple(f"blocks.{i}" for i in range(k))
+    return dataclasses.replace(plan, training=dataclasses.replace(plan.training, spill_blocks=blocks))
+
+
+def test_spilling_some_blocks_copies_and_counts_only_those(write_model):
+    """fp32, root + 6 blocks, the first 3 spilled: 3 copies in for forward, 2 for backward (the third
+    stays), 3 gradient copies out; the other 3 blocks are kept like the root (their fp32 parameters
+    and gradients on the device, their gradients out and parameters back around the optimizer)."""
+    mf = model(write_model, 6)
+    graph = mf.trace("float32")
+    cluster = one_device()
+    plan = with_blocks(plan_at(graph, cluster, "params"), 3)
+    copies = [(t.copy, t.tensor) for t in lower(graph, plan).copies()]
+    assert [t for c, t in copies if c == "h2d" and "blocks" in t] == [
+        "h2d blocks.0 forward", "h2d blocks.1 forward", "h2d blocks.2 forward",
+        "h2d blocks.1 backward", "h2d blocks.0 backward"]
+    assert [t for c, t in copies if c == "d2h"] == ["d2h blocks.2 gradients", "d2h blocks.1 gradients",
+                                                    "d2h blocks.0 gradients", "d2h gradients"]
+    nbytes = {t.tensor: t.nbytes for t in lower(graph, plan).copies()}
+    assert nbytes["d2h gradients"] == nbytes["h2d parameters"] == 4 * 4 * N_BLOCK      # root + 3 kept blocks
+    mem = plan_cost(graph, plan, cluster).memory
+    assert (mem["parameters"], mem["gradients"], mem["spilled_params"]) == (16 * N_BLOCK, 16 * N_BLOCK, 8 * N_BLOCK)
+    with pytest.raises(ValueError, match=r"spill_blocks names \['blocks.9'\], which are no repeated block"):
+        lower(graph, dataclasses.replace(plan, training=dataclasses.replace(plan.training, spill_blocks=("blocks.9",))))
+
+
+def test_auto_spills_the_fewest_blocks_that_fit(write_model):
+    """Memory falls block by block from the third spilled block on (the first two only trade kept
+    parameters for the two in flight); with the limit at 3 blocks' memory, auto spills blocks 0-2."""
+    mf = model(write_model, 6)
+    graph = mf.trace("float32")
+    cluster = one_device()
+    spilled = plan_at(graph, cluster, "params")
+    need = [plan_cost(graph, with_blocks(spilled, k), cluster).memory_bytes_per_device for k in range(1, 7)]
+    assert need[0] == need[1] > need[2] > need[3] > need[4] > need[5]
+    out = search(graph, cluster, training=Training(offload="auto"), memory_gb=need[2] / 1e9, cd_time_limit_s=0.05)
+    assert out.found.training.offload == "params"
+    assert out.found.training.spill_blocks == ("blocks.0", "blocks.1", "blocks.2")
+    assert out.found_breakdown.memory_bytes_per_device == need[2]
+    assert any("3 blocks spilled: blocks.0 .. blocks.2" in n for n in out.found.notes)
+
+
 # -- refusals and the command line ---------------------------------------------------------------------
 
 def test_offload_needs_the_host_fields_and_params_refuses_sharded_storage(write_model):

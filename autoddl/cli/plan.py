@@ -338,6 +338,9 @@ def _offload_cells(s: Scheme) -> tuple[str, ...]:
         return ("none", "-", "-", "-")
     ratio = (f"{s.step_time_s / s.no_offload_s:.2f}x" if s.no_offload_s else "-") + \
         ("" if s.no_offload_fits else " (does not fit without)")
+    blocks = s.plan.training.spill_blocks
+    if level == "params":
+        level += f" ({len(blocks)} blocks)" if blocks else " (all)"
     return (level, f"{s.breakdown.offload_s * 1e3:.3f}", ratio, f"{s.breakdown.host_memory_bytes / 1e9:.3f}")
 
 
