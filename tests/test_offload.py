@@ -352,3 +352,20 @@ def test_executor_runs_the_programs_copies_and_matches_one_process(write_model, 
         assert not bad, f"rank {rank}: relative errors above the bound: {bad}"
         assert len(errors) == 1 + 2 * 8                 # loss, 8 gradients, 8 parameters
         assert sorted(ran) == expected
+
+
+def test_run_summary_audits_the_copies_against_the_programs(write_model, capsys):
+    """``autoddl run``'s summary compares the copies one step ran with the program's (the kept
+    parameters' copies around the optimizer are named as not run) and counts a difference."""
+    from autoddl.cli.run import _copies_audit
+
+    mf = model(write_model, 3)
+    graph = mf.trace("float32")
+    program = lower(graph, plan_at(graph, one_device(), "params"))
+    ran = [[t.copy, t.nbytes, t.tensor] for t in program.copies() if t.op != "optimizer"]
+    assert _copies_audit(program.copies(), ran) == 0
+    assert "8 ran" in capsys.readouterr().out
+    assert _copies_audit(program.copies(), ran[:-1]) == 1
+    out = capsys.readouterr().out
+    assert "7 ran" in out and "the program's 8" in out and "2 copies around the optimizer are not run" in out \
+        and "DIFFER" in out
