@@ -26,6 +26,7 @@ import pandas as pd
 
 from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph
+from autoddl.offload import HOST
 from autoddl.plan import CostReport, Plan
 from autoddl.program import COMPUTE, StepProgram, lower, signature_of
 from costmodel.collectives import Collective, carried_out_as
@@ -133,10 +134,19 @@ def plan_cost(graph: OpGraph, plan: Plan, cluster: Cluster) -> CostBreakdown:
         - cluster.executor.step_us * 1e-6,
         memory_bytes_per_device=memory["total"], memory=memory, per_op=_per_op(graph, plan, timeline),
         memory_limit_bytes=int(cluster.device.memory_gb * 1e9), collectives=collectives,
-        step_overhead_s=cluster.executor.step_us * 1e-6, exposed_comm_s=max(0.0, timeline.exposed_comm_s - bubble),
+        step_overhead_s=cluster.executor.step_us * 1e-6, exposed_comm_s=_exposed_comm_s(timeline, bubble, rank),
         bubble_s=bubble, offload_s=timeline.busy_s(phase="offload"), host_limit_bytes=host_limit,
         timeline=timeline,
     )
+
+
+def _exposed_comm_s(timeline: Timeline, bubble: float, rank: int) -> float:
+    """Step time the compute stream does not cover, less the bubble and an optimizer step on the host
+    (offload), at most the collectives' time (host copies nothing overlapped are not communication)."""
+    host = timeline.busy_s(stream=HOST, pp_rank=rank)
+    rest = max(0.0, timeline.exposed_comm_s - bubble - host)
+    copies = timeline.busy_s(phase="offload", pp_rank=rank)
+    return min(rest, timeline.busy_s(collective=True, pp_rank=rank)) if host or copies else rest
 
 
 def _per_op(graph: OpGraph, plan: Plan, timeline: Timeline) -> pd.DataFrame:
