@@ -40,9 +40,9 @@ from typing import Sequence
 
 from autoddl.cluster import CONFIG_DIR, Backend, Cluster, CollectiveFits, Efficiency, LinkSpec, RecomputeCost
 from costmodel.collectives import CollectiveFit, CollectiveKind, fit_collective
-from executor.calibrate import (CHAIN_WIDTH, LARGE_MATMUL_FLOPS, PROBE_SIZES, CollectiveTiming, ComputeSummary,
-                                Measurements, Settings, compute_summary, executor_glue_us, measure,
-                                with_executor_overheads)
+from executor.calibrate import (LARGE_MATMUL_FLOPS, CollectiveTiming, ComputeSummary, Measurements, Settings,
+                                compute_summary, executor_glue_us, measure, with_executor_overheads)
+from executor.calibrate_models import CHAIN_WIDTH, PROBE_SIZES
 
 DEFAULT_BASE = CONFIG_DIR / "local-cpu.yaml"
 DISAGREEMENT = 0.20          # a kind whose fit differs from the link by more than this gets its own entry

@@ -37,7 +37,10 @@ with an error naming the missing field (``Cluster.require_host``).
 ``cores_per_node`` (CPU clusters) is how many ranks a node runs at full speed at
 once (its cores / threads per rank): a mesh with more ranks than that on a node
 time-shares the cores, and the cost model slows that mesh's compute and
-collectives by ranks / cores_per_node.
+collectives by ranks / cores_per_node. ``comm_measured_ranks_per_node`` says how many
+ranks of a node were busy while the links and collectives were measured (the two-host
+testbed measures with both ranks of each host at once): collectives are slowed only by
+the sharing beyond that (``Cluster.comm_time_sharing``).
 
 ``device.peak_tflops`` is either one number (the dense peak, used for every dtype)
 or a mapping per dtype, ``{float32: 67, bfloat16: 989, float16: 989}`` (torch dtype
@@ -408,8 +411,8 @@ _EXECUTOR_FIELDS = {k: (f"a non-negative number of microseconds {what}", "nonneg
     ("collective_us", "per collective beyond its latency"),
     ("step_us", "per training step (inputs, loss, zero_grad)"))}
 _TOP_KEYS = ("name", "nodes", "devices_per_node", "device", "links", "backend", "efficiency",
-             "op_overhead_us", "collectives", "compute_curve", "executor", "cores_per_node", "host_link",
-             "host_memory_gb", "host_memory_bandwidth_gbps")
+             "op_overhead_us", "collectives", "compute_curve", "executor", "cores_per_node",
+             "comm_measured_ranks_per_node", "host_link", "host_memory_gb", "host_memory_bandwidth_gbps")
 HOST_FIELDS = {   # the host side of a node (module docstring): field -> what it is
     "host_link": "{bandwidth_gbps: GB/s per device one direction, latency_us: microseconds per copy} "
                  "(a GPU's PCIe link to host memory)",
@@ -663,6 +666,11 @@ def _parse(d: Any, src: str) -> tuple[dict[str, Any], list[str]]:
                                        "a positive integer: ranks a node runs at full speed at once (CPU cores / "
                                        "threads per rank); leave it out when every device has its own hardware",
                                        "int", errors)
+    if d.get("comm_measured_ranks_per_node") is not None:
+        kw["comm_measured_ranks_per_node"] = _number(
+            src, "comm_measured_ranks_per_node", d["comm_measured_ranks_per_node"],
+            "a positive integer: ranks of a node that ran at once while links and collectives were measured", "int",
+            errors)
     if d.get("host_link") is not None:
         host = _section(src, "host_link", d["host_link"], _LINK_FIELDS, errors)
         kw["host_link"] = LinkSpec(**host) if host else None
@@ -839,6 +847,7 @@ class Cluster:
     compute_curve: tuple[tuple[float, float], ...] = ()
     executor: ExecutorOverheads = ExecutorOverheads()
     cores_per_node: int | None = None   # CPU: ranks a node runs at once at full speed; None: no sharing
+    comm_measured_ranks_per_node: int | None = None   # ranks per node busy while links / collectives were measured
     host_link: LinkSpec | None = None   # one device's copy path to host memory (None: not described)
     host_memory_gb: float | None = None             # host memory per node, 1e9 bytes
     host_memory_bandwidth_gbps: float | None = None  # host memory bandwidth per node, GB/s
@@ -927,6 +936,8 @@ class Cluster:
             **({"compute_curve": [list(p) for p in self.compute_curve]} if self.compute_curve else {}),
             **({"executor": self.executor.to_dict()} if self.executor else {}),
             **({"cores_per_node": self.cores_per_node} if self.cores_per_node else {}),
+            **({"comm_measured_ranks_per_node": self.comm_measured_ranks_per_node}
+               if self.comm_measured_ranks_per_node else {}),
             **({"host_link": dataclasses.asdict(self.host_link)} if self.host_link else {}),
             **{k: getattr(self, k) for k in ("host_memory_gb", "host_memory_bandwidth_gbps")
                if getattr(self, k) is not None},
@@ -1011,6 +1022,15 @@ class Cluster:
             return 1.0
         per_node = min(math.prod(mesh_shape), self.devices_per_node)
         return max(1.0, per_node / self.cores_per_node)
+
+    def comm_time_sharing(self, mesh_shape: tuple[int, ...]) -> float:
+        """``time_sharing`` of the mesh relative to the sharing the links and collectives were measured
+        under (``comm_measured_ranks_per_node`` ranks per node at once): a fit taken with every rank of
+        a node busy already holds their time-sharing, and is not slowed twice."""
+        if not (self.cores_per_node and self.comm_measured_ranks_per_node):
+            return self.time_sharing(mesh_shape)
+        measured = max(1.0, self.comm_measured_ranks_per_node / self.cores_per_node)
+        return self.time_sharing(mesh_shape) / measured
 
     def link_for_axis(self, mesh_shape: tuple[int, ...], axis: int) -> LinkSpec:
         """The link a collective on mesh axis ``axis`` crosses (outermost axis first,

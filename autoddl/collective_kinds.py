@@ -48,15 +48,15 @@ BACKENDS: Mapping[Backend, BackendCollectives] = MappingProxyType({
     # - reduce-scatter: ProcessGroupGloo::reduce_scatter_tensor_coalesced (pytorch PR #118911), which
     #   `_reduce_scatter_base` and funcol.reduce_scatter_tensor reach, clones the input, runs
     #   `allreduce` on the clone and copies out `buffer.chunk(world)[rank]`: an all-reduce of M.
-    # - all-to-all: the executor carries S(i) -> S(j) out on gloo as an all-gather of the full M and a
-    #   local chunk, as DTensor does on CPU (torch/distributed/tensor/_collective_utils.py,
-    #   shard_dim_alltoall: "Gloo does not support alltoall, so falling back to allgather + chunk").
+    # - all-to-all runs natively: ProcessGroupGloo::alltoall_base (gloo's alltoall / alltoallv) is what
+    #   funcol.all_to_all_single reaches (tests/test_executor_runtime.py's "mixed" plan runs it on 2 gloo
+    #   ranks and audits it). DTensor
+    #   alone falls back to all-gather + chunk on CPU (torch/distributed/tensor/_collective_utils.py,
+    #   shard_dim_alltoall); autoddl's executor and MoE kernel call all_to_all_single directly.
     Backend.GLOO: BackendCollectives(
         Backend.GLOO,
-        MappingProxyType({**_NATIVE,
-                          CollectiveKind.REDUCE_SCATTER: CollectiveKind.ALL_REDUCE,
-                          CollectiveKind.ALL_TO_ALL: CollectiveKind.ALL_GATHER}),
-        "gloo: reduce-scatter = all-reduce + local chunk; all-to-all = all-gather + chunk",
+        MappingProxyType({**_NATIVE, CollectiveKind.REDUCE_SCATTER: CollectiveKind.ALL_REDUCE}),
+        "gloo: reduce-scatter = all-reduce + local chunk",
     ),
 })
 

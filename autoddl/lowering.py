@@ -16,7 +16,8 @@ only). This happens on an axis only where some consumer hands back P.
 Issue order: forward and backward collectives are synchronous (the op waits for
 its input), so each such task depends on the one issued before it; a bucket
 depends on the backward tasks that made its gradients ready and on the previous
-bucket (ranks must launch buckets in the same order); the optimizer waits for
+bucket (ranks must launch buckets in the same order); a bucket's all-reduces on
+further mesh axes follow its first at the end of backward; the optimizer waits for
 every sync.
 
 Activation recompute (``Training.recompute``): when backward reaches the last op of a recomputed
@@ -410,6 +411,7 @@ class _Lowering:
                         remaining[bucket] -= 1
                         self.launch_ready_buckets(remaining, node.name)
             self.spill.after_backward(node.name)
+        self.launch_then_axes()
         for use in self.prog.param_uses:              # the rest, at the end of backward
             if use.grad is not None and use.bucket < 0:
                 first = len(self.prog.tasks)
@@ -441,15 +443,25 @@ class _Lowering:
         while len(self.bucket_tasks) < len(self.prog.buckets) and remaining[len(self.bucket_tasks)] == 0:
             b = self.prog.buckets[len(self.bucket_tasks)]
             deps = (self.last,) + ((self.bucket_tasks[-1],) if self.bucket_tasks else ())
-            deferred = not syncs_every_micro_step([self.prog.param_uses[i] for i in b.uses])
-            for step, axis in enumerate(b.axes):      # the further all-reduces follow the first
-                kind = b.kind if step == 0 else CollectiveKind.ALL_REDUCE
-                task = self.emit(host=False, deps=deps, phase="grad_sync", stream=comm_stream(axis), op=op,
-                                 collective=kind, axis=axis, nbytes=b.nbytes, tensor=f"bucket{b.index}")
-                deps = (task.id,)
-                if deferred:
-                    self.deferred_syncs.add(task.id)
+            task = self.emit(host=False, deps=deps, phase="grad_sync", stream=comm_stream(b.axis), op=op,
+                             collective=b.kind, axis=b.axis, nbytes=b.nbytes, tensor=f"bucket{b.index}")
+            if not syncs_every_micro_step([self.prog.param_uses[i] for i in b.uses]):
+                self.deferred_syncs.add(task.id)
             self.bucket_tasks.append(task.id)
+
+    def launch_then_axes(self) -> None:
+        """At the end of backward, in bucket order, each bucket's all-reduces on its further axes
+        (data parallel over several mesh axes), each after the one before on the same buffer: the
+        executor launches them there (executor/gradsync.py), so that no backward hook waits."""
+        for b, first in zip(self.prog.buckets, self.bucket_tasks):
+            deps = (first, self.last)
+            for axis in b.then_axes:
+                task = self.emit(host=False, deps=deps, phase="grad_sync", stream=comm_stream(axis),
+                                 op=self.prog.tasks[first].op, collective=CollectiveKind.ALL_REDUCE, axis=axis,
+                                 nbytes=b.nbytes, tensor=f"bucket{b.index}")
+                deps = (task.id,)
+                if first in self.deferred_syncs:
+                    self.deferred_syncs.add(task.id)
 
     # -- pipeline stages ----------------------------------------------------------------------------
     def pipeline(self) -> None:

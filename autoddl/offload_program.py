@@ -42,6 +42,7 @@ class SpillTasks:
         self.resident = -1                                # the group forward ended with
         self.grads_left = {g.index: 0 for g in self.groups}
         self.buckets_of: dict[int, set[int]] = {g.index: set() for g in self.groups}
+        self.later_axes = {g.index: False for g in self.groups}   # a bucket all-reduced on more axes at the end
         self.copied_out: list[int] = []
 
     def groups_read(self, nodes: Iterable[OpNode]) -> list[int]:
@@ -92,21 +93,24 @@ class SpillTasks:
                 self.grads_left[g] += 1
                 if use.bucket >= 0:
                     self.buckets_of[g].add(use.bucket)
+                    self.later_axes[g] |= bool(self.low.prog.buckets[use.bucket].then_axes)
 
     def gradient_ready(self, use: ParamUse) -> None:
         if use.grad is not None and use.fqn in self.group_of:
             self.grads_left[self.group_of[use.fqn]] -= 1
 
     def after_backward(self, op: str, final: bool = False) -> None:
-        """Copy out each group whose gradients are complete and whose buckets were launched."""
+        """Copy out each group whose gradients are complete and whose buckets were launched (a bucket
+        with further axes: at the end of backward, after their all-reduces)."""
         low = self.low
         for group in self.groups:
             g = group.index
-            launched = all(b < len(low.bucket_tasks) for b in self.buckets_of[g])
+            launched = all(b < len(low.bucket_tasks) for b in self.buckets_of[g]) and not self.later_axes[g]
             if self.grads_left[g] != 0 or not (launched or final) or not group.grad_bytes:
                 continue
-            deps = ((low.last,) if low.last is not None else ()) + tuple(low.bucket_tasks[b] for b in
-                                                                          sorted(self.buckets_of[g]))
+            labels = {f"bucket{b}" for b in self.buckets_of[g]}
+            syncs = tuple(t.id for t in low.prog.tasks if t.phase == "grad_sync" and t.tensor in labels)
+            deps = tuple(sorted(set(((low.last,) if low.last is not None else ()) + syncs)))
             task = low.emit(host=False, deps=deps, phase="offload", stream=copy_stream(D2H), op=op,
                             nbytes=group.grad_bytes, tensor=f"{D2H} {group.group} gradients", copy=D2H)
             self.copied_out.append(task.id)

@@ -21,7 +21,7 @@ p10..p90; ``benchmarks/fidelity.py``'s rules).
 
     python benchmarks/two_hosts_study.py                          # the whole study (~15 min on 2 cores)
     python benchmarks/two_hosts_study.py --rates 1000 --models gpt --steps 3
-    python benchmarks/two_hosts_study.py --analyze-only           # the tables from the CSV
+    python benchmarks/two_hosts_study.py --analyze-only           # the tables (and results/two_hosts.png) from the CSV
 
 Needs root and iproute2 (benchmarks/two_hosts.py); exits 3 with its reason otherwise.
 """
@@ -45,6 +45,7 @@ if str(ROOT) not in sys.path:
 TESTBED = ROOT / "benchmarks" / "two_hosts.py"
 DEFAULT_CSV = ROOT / "results" / "two_hosts.csv"
 DEFAULT_CLUSTER = ROOT / "configs" / "two-hosts.yaml"
+PLOT = ROOT / "results" / "two_hosts.png"                  # predicted vs measured, one colour per model and rate
 MODELS: dict[str, dict[str, Any]] = {        # build_model / example_inputs keywords: weights big enough that
     "gpt": {"preset": "tiny", "n_embd": 256, "batch_size": 8},               # gradient sync across the link
     "llama": {"preset": "tiny", "dim": 256, "ffn_dim": 768, "batch_size": 8},  # costs as much as compute
@@ -99,7 +100,9 @@ def swap_axes(plan: Any, name: str) -> Any:
             for k, s in plan.signatures.items()}
     return dataclasses.replace(plan, name=name, mesh=Mesh(plan.mesh.shape[::-1], plan.mesh.axis_names),
                                signatures=sigs, param_storage={k: t(v) for k, v in plan.param_storage.items()},
-                               cost={}, op_costs=[], notes=[f"{plan.name} with its mesh axes swapped"])
+                               optimizer_storage={k: t(v) for k, v in plan.optimizer_storage.items()},
+                               grad_storage={k: t(v) for k, v in plan.grad_storage.items()},
+                               cost=None, op_costs=[], notes=[f"{plan.name} with its mesh axes swapped"])
 
 
 def plan_model(model: str, kwargs: dict[str, Any], cluster_path: Path, plan_dir: Path) -> list[dict[str, Any]]:
@@ -122,7 +125,7 @@ def plan_model(model: str, kwargs: dict[str, Any], cluster_path: Path, plan_dir:
         swapped = swap_axes(s.plan, SWAPPED.get(s.name, ""))
         if s.name in SWAPPED and (swapped.signatures, swapped.param_storage) != (s.plan.signatures,
                                                                                s.plan.param_storage):
-            plans.append(dataclasses.replace(swapped, cost=plan_cost(graph, swapped, cluster).to_dict()))
+            plans.append(dataclasses.replace(swapped, cost=plan_cost(graph, swapped, cluster).report()))
     out = []
     for plan in plans:
         plan.model, plan.model_args, plan.cluster_file = str(model_py), dict(kwargs), str(cluster_path)
@@ -186,7 +189,7 @@ def delay_applied(rate: float) -> float:
 # -- analysis --------------------------------------------------------------------------------------------
 def analyze(csv_path: Path, study: str | None = None) -> list[str]:
     """Per (model, rate) of the latest study: MAPE, Spearman and the found plan's verdict; printable lines."""
-    from benchmarks.fidelity import found_verdict, mape, spearman
+    from benchmarks.fidelity import found_verdict, mape, plot, spearman
     from executor.measure import read_rows
 
     _, rows = read_rows(csv_path)
@@ -211,6 +214,11 @@ def analyze(csv_path: Path, study: str | None = None) -> list[str]:
             lines.append(f"    {r['scheme']:14s} predicted {r['predicted'] * 1e3:8.1f} ms   measured "
                          f"{r['median'] * 1e3:8.1f} ms (p10 {r['p10'] * 1e3:.1f}, p90 {r['p90'] * 1e3:.1f}), "
                          f"link {r['link_mb']} MB")
+    points = [dict(r, model=f"{model} at {rate} Mbit/s", config="2x2") for (model, rate), g in sorted(groups.items())
+              for r in g]
+    if points:
+        plot(points, PLOT, f"two hosts: predicted vs measured step time ({study})")
+        lines.append(f"wrote {PLOT.relative_to(ROOT)}")
     return lines
 
 

@@ -30,7 +30,8 @@ per-kind fit (``Cluster.collectives``) in place of the intra-node link, and adds
 the executor's fixed cost per collective (``Cluster.executor.collective_us``:
 DTensor's redistribute around the backend call), which is not part of ``a``; on a
 CPU cluster whose nodes hold more of the mesh's ranks than ``cores_per_node`` the
-whole time is multiplied by ``Cluster.time_sharing`` (the ranks time-share the cores).
+whole time is multiplied by ``Cluster.comm_time_sharing`` (the ranks time-share the cores,
+beyond the sharing the fits were measured under).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
     per-kind fit in ``cluster.collectives`` replaces the link: the fit of ``kind`` itself,
     else that of the kind the backend carries it out as (gloo's reduce-scatter is an all-reduce).
     Plus ``cluster.executor.collective_us`` when the axis has more than one device; all of it
-    times ``cluster.time_sharing(mesh_shape)``.
+    times ``cluster.comm_time_sharing(mesh_shape)``.
     """
     mesh = tuple(mesh_shape)
     link = cluster.link_for_axis(mesh, axis)             # validates mesh and axis
@@ -117,7 +118,7 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
         link = fit or link
     fixed_s = cluster.executor.collective_us * 1e-6 if mesh[axis] > 1 else 0.0
     return (collective_time_s(kind, nbytes, mesh[axis], link, cluster.backend, cluster.efficiency.network)
-            + fixed_s) * cluster.time_sharing(mesh)
+            + fixed_s) * cluster.comm_time_sharing(mesh)
 
 
 # -- fitting latency and bandwidth to timings ------------------------------------------------------

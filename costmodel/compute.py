@@ -207,18 +207,25 @@ def op_compute_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], c
 
 
 def optimizer_bytes(param_bytes_local: float, param_numel_local: float, optimizer: str) -> float:
-    """Bytes one optimizer step moves per device.
+    """Bytes one optimizer step moves per device, as the executor runs it: torch's foreach
+    implementation (executor/runtime.py ``LocalShardOptimizer``), pass by pass.
 
-    SGD (no momentum): read param + grad, write param = 3 x param bytes.
-    AdamW: read param, grad, m, v; write param, m, v; m and v are fp32 (4 bytes per
-    element): 3 x param bytes + 4 x 4 x numel (= 7 x param bytes for fp32 params).
+    SGD (no momentum, no weight decay): ``_foreach_add_(params, grads)``: read param + grad, write
+    param = 3 x param bytes.
+    AdamW (torch 2.13 torch/optim/adam.py ``_multi_tensor_adam``, not capturable): ``mul_`` (decoupled
+    weight decay) and ``addcdiv_`` read and write the param (4 x param bytes); ``lerp_`` and
+    ``addcmul_`` read the grad (2 x param bytes: the masters' gradients share their dtype); the fp32
+    states: m by ``lerp_`` (read, write) and ``addcdiv_`` (read): 3 x 4 bytes; v by ``mul_``,
+    ``addcmul_`` (read, write each) and ``sqrt`` (read): 5 x 4; the denominator ``sqrt`` writes,
+    ``div_`` and ``add_`` (eps) read and write, ``addcdiv_`` reads: 6 x 4. In all 6 x param bytes +
+    56 x numel (80 bytes per fp32 element, against 28 for a fused single pass).
     """
     kind = _OPTIMIZER_ALIASES.get(str(optimizer).lower())
     if kind is None:
         raise ValueError(f"unknown optimizer {optimizer!r} (Plan.optimizer); choose one of {OPTIMIZERS}")
     if kind == "sgd":
         return 3.0 * param_bytes_local
-    return 3.0 * param_bytes_local + 16.0 * param_numel_local
+    return 6.0 * param_bytes_local + 56.0 * param_numel_local
 
 
 def optimizer_state_bytes(param_numel_local: float, optimizer: str) -> float:
@@ -230,7 +237,9 @@ def optimizer_state_bytes(param_numel_local: float, optimizer: str) -> float:
 
 
 def optimizer_time_s(param_bytes_local: float, param_numel_local: float, optimizer: str,
-                     cluster: Cluster) -> float:
-    """Memory-bound optimizer step over the local parameters (no overhead: one fused/foreach pass)."""
-    return optimizer_bytes(param_bytes_local, param_numel_local, optimizer) / (
+                     cluster: Cluster, mesh_shape: Sequence[int] | None = None) -> float:
+    """Memory-bound optimizer step over the local parameters (:func:`optimizer_bytes`), slowed like
+    every other compute by ``cluster.time_sharing(mesh_shape)`` when the mesh is given."""
+    share = cluster.time_sharing(tuple(mesh_shape)) if mesh_shape is not None else 1.0
+    return share * optimizer_bytes(param_bytes_local, param_numel_local, optimizer) / (
         cluster.device.memory_bandwidth_gbps * 1e9 * cluster.efficiency.memory)

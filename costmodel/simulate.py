@@ -112,8 +112,11 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
         return host_copy_time_s(task.nbytes, cluster)
     if task.phase == "optimizer":
         param_bytes, param_numel = master_parameters(graph, plan, params)
-        step = host_optimizer_time_s if task.stream == HOST else optimizer_time_s
-        return step(param_bytes, param_numel, plan.optimizer, cluster) + cluster.executor.step_us * 1e-6
+        if task.stream == HOST:
+            step_s = host_optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster)
+        else:
+            step_s = optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster, mesh)
+        return step_s + cluster.executor.step_us * 1e-6
     node = graph[task.op]
     sig = signature_of(plan, node)
     if task.phase in ("forward", "recompute"):

@@ -4,9 +4,8 @@
 buckets and layer-group gathers (forward and in autograd's backward) issue c10d
 functional ops (``_c10d_functional.*``) on plain local tensors; the mode sees each
 one with its process-group name, which maps to a mesh axis through
-``mesh.get_group(axis).group_name``. What is recorded is what was dispatched: on a
-CPU (gloo) mesh the executor carries an S(i)->S(j) all-to-all out as an all-gather
-plus a local chunk (the mode sees the all-gather). What the process group does inside
+``mesh.get_group(axis).group_name``. What is recorded is what was dispatched (an
+S(i)->S(j) all-to-all is ``all_to_all_single`` on every backend). What the process group does inside
 a dispatched op is invisible to the mode and is stated here (``CARRIED_AS``): gloo
 carries a reduce-scatter out as an all-reduce of the whole input plus a local chunk (the
 mode sees ``reduce_scatter_tensor``; the record says ``all_reduce``). Kept apart from

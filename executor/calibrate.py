@@ -24,13 +24,13 @@ on all ranks at once, so each rank sees the contention it sees in training:
 - each collective kind on every mesh-axis size that divides ``nproc`` (subgroups of
   consecutive ranks, all running at once, as the axes of a 2-D mesh do), over message
   sizes ``M`` defined as in ``costmodel.collectives``, carried out the way the
-  executor's backend runs it (gloo: reduce-scatter is gloo's all-reduce + chunk;
-  all-to-all is DTensor's CPU fallback, an all-gather of ``M`` + a local chunk).
+  executor's backend runs it (gloo: reduce-scatter is gloo's all-reduce + chunk).
 
 Small messages run back to back in batches after a barrier, so a rank's exit skew
 from the barrier does not count; a point's time is the median over repetitions of
 the slowest rank. This module returns raw timings and the compute summaries; the
-collective fits (which need ``costmodel``) live in ``autoddl.calibration``.
+collective fits (which need ``costmodel``) live in ``autoddl.calibration``. The benchmarks'
+models are in executor/calibrate_models.py; ``--across-hosts`` in executor/calibrate_hosts.py.
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ import platform
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from autoddl.cluster import COLLECTIVE_KINDS, PEAK_DTYPES, ExecutorOverheads, RecomputeCost
+from executor.calibrate_models import (CHAIN_KINDS, CHAIN_WIDTH, PROBE_SIZES, block_model, broadcast_plan, chain_loss,
+                                       chain_model, probe_ops)
 from executor.local_ranks import run_ranks
 
 SQUARE_SIZES = (64, 128, 256, 512, 1024, 2048)
@@ -61,14 +61,6 @@ SLOW_DTYPE_FACTOR = 8.0             # a dtype this many times slower than float3
 SLOW_CALL_S = 0.05                  # an op family's call this slow is timed in two passes only
 
 
-# Sizes each op family is timed at (a generic grid, tiny to a few MB per tensor): batch, sequence, width,
-# heads, vocabulary (classes), image channels and side. "tiny" gives the fixed costs, the rest the work.
-PROBE_SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(batch=1, seq=8, width=16, heads=2, vocab=64, channels=4, side=8),
-    "small": dict(batch=4, seq=32, width=64, heads=4, vocab=256, channels=8, side=16),
-    "medium": dict(batch=8, seq=64, width=128, heads=4, vocab=1024, channels=16, side=16),
-    "large": dict(batch=8, seq=128, width=256, heads=4, vocab=2048, channels=32, side=32),
-}
 
 
 def default_threads(nproc: int) -> int:
@@ -161,7 +153,6 @@ class CollectiveTiming:
     how: str                          # what ran, e.g. "gloo all_reduce"
 
 
-CHAIN_KINDS = ("unary", "binary", "param")
 
 
 @dataclass(frozen=True)
@@ -467,11 +458,11 @@ def _combine_families(ranks: list[dict]) -> dict[str, Any]:
 
 def _bench_rank(settings: Settings, probes: dict | None = None) -> dict:
     """One rank's benchmarks (run by :func:`executor.local_ranks.run_ranks`, which sets RANK)."""
-    return _Bench(settings, int(os.environ["RANK"]), probes or {}).run()
+    return Bench(settings, int(os.environ["RANK"]), probes or {}).run()
 
 
 # -- the benchmarks, inside one rank ---------------------------------------------------------------
-class _Bench:
+class Bench:
     def __init__(self, settings: Settings, rank: int, probes: dict | None = None) -> None:
         import torch
         import torch.distributed as dist
@@ -549,8 +540,8 @@ class _Bench:
         for kind in CHAIN_KINDS:
             for n in self.s.executor_chains:
                 torch.manual_seed(0)
-                model = _Chain(kind, n).to(self.device)
-                graph = trace(model, (x,), _chain_loss, name=f"chain-{kind}-{n}")
+                model = chain_model(kind, n).to(self.device)
+                graph = trace(model, (x,), chain_loss, name=f"chain-{kind}-{n}")
                 ops = [o for o in graph.ops() if o.op_name != "getitem"]
                 dmodel = DistributedModel(model, graph, broadcast_plan(graph, (self.s.nproc,)), mesh)
                 opt = build_optimizer("adamw", dmodel.parameters())
@@ -559,9 +550,9 @@ class _Bench:
 
                 def eager_step(model=model) -> None:
                     model.zero_grad(set_to_none=True)
-                    _chain_loss(model(x), x).backward()
+                    chain_loss(model(x), x).backward()
 
-                eager = (self._median_step(lambda model=model: _chain_loss(model(x), x)), self._median_step(eager_step))
+                eager = (self._median_step(lambda model=model: chain_loss(model(x), x)), self._median_step(eager_step))
                 chains.append((kind, len(ops), sum(len(o.inputs) for o in ops), sum(len(o.params) for o in ops),
                                fwd, step, *eager))
                 self.say(f"executor chain {kind} x {n}: {len(ops)} ops, forward {fwd * 1e3:.2f} ms, "
@@ -689,7 +680,7 @@ class _Bench:
         for kind in ("elementwise", "matmul"):
             for n in self.s.recompute_chains:
                 torch.manual_seed(0)
-                body = _Block(kind, n).to(self.device)
+                body = block_model(kind, n).to(self.device)
                 x = torch.randn(CHAIN_WIDTH, CHAIN_WIDTH, device=self.device, requires_grad=True)
                 for policy in ("none", "full", "selective"):
                     block = body if policy == "none" else Checkpointed(body, policy, lambda phase: None)
@@ -824,202 +815,12 @@ class _Bench:
             text = f"{backend} reduce_scatter" + (" (gloo: all_reduce + chunk)" if backend == "gloo" else "")
             return (lambda: scatter(piece, full, group=group)), numel * 4, text
         if kind == "all_to_all":
-            if backend == "gloo":                          # DTensor's CPU fallback for S(i) -> S(j)
-                local_rank = ranks.index(self.rank)
-
-                def gather_chunk() -> Any:
-                    gather(full, piece, group=group)
-                    return full.chunk(n, dim=1)[local_rank].contiguous()
-
-                return gather_chunk, numel * 4, "gloo all_gather + chunk (DTensor's CPU all-to-all)"
             recv = torch.empty_like(piece)
             return (lambda: dist.all_to_all_single(recv, piece, group=group)), numel * 4, f"{backend} all_to_all"
         if kind == "broadcast":
             src = ranks[0]                                 # the group's first global rank
             return (lambda: dist.broadcast(full, src=src, group=group)), numel * 4, f"{backend} broadcast"
         raise ValueError(f"calibrate: no benchmark for collective kind {kind!r}; known: {COLLECTIVE_KINDS}")
-
-
-# -- the executor benchmark's model and plan ---------------------------------------------------------
-CHAIN_WIDTH = 16
-
-
-def _chain_loss(out: Any, x: Any) -> Any:
-    return out.sum()
-
-
-def _make_chain_class():
-    from torch import nn
-
-    class Chain(nn.Module):
-        """``n`` tiny ops in a row: ``unary`` tanh / relu (1 input each); ``binary`` residual pairs
-        ``y = y + tanh(y)`` (inputs 1 and 2; ``y`` has two consumers, as a residual stream does, so
-        its gradient is accumulated); ``param`` mul by its own parameter (2 inputs, one a parameter use)."""
-
-        def __init__(self, kind: str, n: int) -> None:
-            super().__init__()
-            import torch
-
-            if kind not in CHAIN_KINDS:
-                raise ValueError(f"chain kind {kind!r}: choose one of {CHAIN_KINDS}")
-            self.kind, self.n = kind, n
-            self.w = nn.Parameter(torch.full((CHAIN_WIDTH, CHAIN_WIDTH), 0.5))
-            count = n if kind == "param" else 0
-            self.ws = nn.ParameterList(nn.Parameter(torch.full((CHAIN_WIDTH, CHAIN_WIDTH), 1.0))
-                                       for _ in range(count))
-
-        def forward(self, x: Any) -> Any:
-            import torch
-
-            s = x * self.w                                      # (W, W)
-            y = s
-            for i in range(self.n):
-                if self.kind == "unary":
-                    y = torch.tanh(y) if i % 2 == 0 else torch.relu(y)
-                elif self.kind == "binary":
-                    if i % 2 == 0:
-                        r, y = y, torch.tanh(y)             # r: the residual, consumed twice
-                    else:
-                        y = torch.add(y, r)
-                else:
-                    y = y * self.ws[i]
-            return y
-
-    return Chain
-
-
-def _Chain(kind: str, n: int) -> Any:
-    return _make_chain_class()(kind, n)
-
-
-def _make_block_class():
-    from torch import nn
-
-    class Block(nn.Module):
-        """``n`` ops in a row: ``elementwise`` tanh / relu (selective recompute runs them again);
-        ``matmul`` mm by its own weight (outputs selective recompute keeps)."""
-
-        def __init__(self, kind: str, n: int) -> None:
-            super().__init__()
-            import torch
-
-            self.kind, self.n = kind, n
-            self.ws = nn.ParameterList(nn.Parameter(torch.eye(CHAIN_WIDTH)) for _ in range(n if kind == "matmul" else 0))
-
-        def forward(self, x: Any) -> Any:
-            import torch
-
-            y = x
-            for i in range(self.n):
-                if self.kind == "matmul":
-                    y = torch.mm(y, self.ws[i])
-                else:
-                    y = torch.tanh(y) if i % 2 == 0 else torch.relu(y)
-            return y
-
-    return Block
-
-
-def _Block(kind: str, n: int) -> Any:
-    return _make_block_class()(kind, n)
-
-
-def _make_probe_class():
-    from torch import nn
-
-    class Probe(nn.Module):
-        """Every op family the calibration times, each applied to the inputs (not chained): transformer
-        pieces on ``x`` (batch, seq, width), an embedding of ``idx``, a cross entropy of ``logits``,
-        convolution-net pieces on ``img``. Its traced ops are what :func:`probe_ops` times."""
-
-        def __init__(self, width: int, vocab: int, channels: int, heads: int) -> None:
-            super().__init__()
-            import torch
-
-            self.heads = heads
-            self.w = nn.Parameter(torch.randn(width, width) / width ** 0.5)
-            self.b = nn.Parameter(torch.zeros(width))
-            self.g = nn.Parameter(torch.ones(width))
-            self.emb = nn.Parameter(torch.randn(vocab, width))
-            self.conv = nn.Parameter(torch.randn(channels, channels, 3, 3) / channels)
-            self.cb = nn.Parameter(torch.zeros(channels))
-            self.bn_w = nn.Parameter(torch.ones(channels))
-            self.bn_b = nn.Parameter(torch.zeros(channels))
-
-        def forward(self, x: Any, idx: Any, logits: Any, img: Any, target: Any) -> Any:
-            import torch
-            import torch.nn.functional as F
-
-            b, t, w = x.shape
-            other = torch.bfloat16 if x.dtype == torch.float32 else torch.float32
-            q = x.view(b, t, self.heads, w // self.heads).transpose(1, 2)             # (B, H, T, D)
-            return (F.linear(x, self.w, self.b), F.layer_norm(x, (w,), self.g, self.b), x.pow(2),
-                    x.mean(-1, keepdim=True), torch.rsqrt(x), x * x, x + x, F.gelu(x), F.silu(x), F.relu(x),
-                    torch.tanh(x), -x, torch.softmax(x, -1), torch.log_softmax(x, -1), torch.cat([x, x], -1),
-                    x.transpose(1, 2).contiguous(), x.to(other), x.sum(),
-                    F.scaled_dot_product_attention(q, q, q, is_causal=True), F.embedding(idx, self.emb),
-                    F.cross_entropy(logits, target), F.mse_loss(x, x * 0.5),
-                    F.conv2d(img, self.conv, self.cb, padding=1),
-                    F.batch_norm(img, None, None, self.bn_w, self.bn_b, training=True),
-                    F.max_pool2d(img, 2), F.adaptive_avg_pool2d(img, 1))
-
-    return Probe
-
-
-def _probe_loss(out: Any, *inputs: Any) -> Any:
-    import torch
-
-    return torch.stack([o.float().sum() for o in out]).sum()
-
-
-def probe_ops(settings: Settings) -> dict[tuple[str, str], list[tuple[Any, tuple[bool, ...]]]]:
-    """{(dtype, size): [(op node, which inputs need a gradient)]}: the Probe model traced (on the meta
-    device, under each dtype's precision policy) at each size, one node per op family (its first), the
-    loss's own ops and getitem / detach left out. Empty when the settings time no families."""
-    if not settings.family_dtypes:
-        return {}
-    import torch
-
-    from autoddl.graph import NodeKind
-    from autoddl.trace import LOSS_MODULE_TYPE, trace
-
-    out = {}
-    for dtype in settings.family_dtypes:
-        for size in settings.family_sizes:
-            z = PROBE_SIZES[size]
-            model = _make_probe_class()(z["width"], z["vocab"], z["channels"], z["heads"])
-            b, t, w, v, c, side = (z[k] for k in ("batch", "seq", "width", "vocab", "channels", "side"))
-            meta = torch.device("meta")
-            inputs = (torch.empty(b, t, w, device=meta), torch.zeros(b, t, dtype=torch.long, device=meta),
-                      torch.empty(b * t, v, device=meta), torch.empty(b, c, side, side, device=meta),
-                      torch.zeros(b * t, dtype=torch.long, device=meta))
-            with warnings.catch_warnings():          # mse_loss's broadcast_tensors has no FLOP formula
-                warnings.simplefilter("ignore")
-                graph = trace(model, inputs, _probe_loss, name=f"probe-{size}", param_dtype=dtype)
-            seen, nodes = set(), []
-            for node in graph.ops():
-                if (node.module_type == LOSS_MODULE_TYPE or node.op_name in ("getitem", "detach", "broadcast_tensors")
-                        or node.op_name in seen):
-                    continue
-                seen.add(node.op_name)
-                needs = tuple(meta_.is_floating and graph[ref.node].kind is not NodeKind.BUFFER
-                              for ref, meta_ in zip(node.inputs, node.input_metas))
-                nodes.append((node, needs))
-            out[(dtype, size)] = nodes
-    return out
-
-
-def broadcast_plan(graph: Any, mesh_shape: tuple[int, ...]) -> Any:
-    """Every input, op and parameter all-B on ``mesh_shape``: every rank computes everything, no collectives."""
-    from autoddl.graph import NodeKind
-    from autoddl.plan import Mesh, Plan
-    from autoddl.sbp import NdSbp, Signature
-
-    b = NdSbp.broadcast(len(mesh_shape))
-    sigs = {n.name: Signature((), (b,)) for n in graph.nodes_of(NodeKind.INPUT) + graph.nodes_of(NodeKind.BUFFER)}
-    sigs.update({n.name: Signature(tuple(b for _ in n.inputs), tuple(b for _ in n.outputs)) for n in graph.ops()})
-    return Plan("all-B", Mesh(tuple(mesh_shape)), sigs, {fqn: b for fqn in graph.parameters()},
-                graph.fingerprint(), model=graph.model_name)
 
 
 def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measurements) -> tuple[Any, dict[str, str]]:
@@ -1060,262 +861,3 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
 
 def _round3(x: float) -> float:
     return float(f"{x:.3g}") if x else 0.0
-
-
-# -- across hosts: the link inside a host and the link between hosts, fitted apart ------------------
-# Launched as torchrun ranks on several hosts (benchmarks/two_hosts.py runs `autoddl calibrate
-# --across-hosts` on two namespaced hosts); ranks fill hosts in order, LOCAL_WORLD_SIZE per host.
-HOST_PATHS = {
-    "intra_host": "the ranks of each host, every host at once (a mesh axis inside a node)",
-    "inter_host": "one rank per host, every such group at once, sharing the link (a mesh axis across nodes)",
-    "inter_host_alone": "one rank per host, one group alone on the link (the link's own rate)",
-}
-ALONE_KINDS = ("all_reduce", "all_gather")
-CHECK_BYTES = 8_000_000             # the all-reduce compared with its alpha-beta prediction
-
-
-@dataclass(frozen=True)
-class HostTimings:
-    """Collective timings per path (:data:`HOST_PATHS`) and the 8 MB all-reduces, from one launch."""
-
-    settings: Settings
-    nodes: int
-    per_node: int
-    paths: dict[str, tuple[CollectiveTiming, ...]]
-    checks: dict[str, float]          # "inter_host_alone" / "inter_host" / "world": seconds of an 8 MB all-reduce
-    link: dict[str, float]            # what the testbed set: rate_mbit, delay_ms (from its environment)
-    machine: str = ""
-    seconds: float = 0.0
-
-
-def host_groups(world: int, per_node: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(each host's ranks, each set of ranks with one per host): 4 ranks, 2 per host -> [[0,1],[2,3]], [[0,2],[1,3]]."""
-    if per_node < 1 or world % per_node or world // per_node < 2:
-        raise ValueError(f"calibrate --across-hosts: {world} ranks with {per_node} per host is not 2 or more "
-                         "whole hosts; launch one torchrun agent per host with the same --nproc-per-node")
-    intra = [list(range(h * per_node, (h + 1) * per_node)) for h in range(world // per_node)]
-    return intra, [list(range(r, world, per_node)) for r in range(per_node)]
-
-
-def _host_paths_rank(b: "_Bench", per_node: int) -> dict[str, Any]:
-    """One rank's timings of every path (and the 8 MB checks), keyed (path, kind, n, bytes)."""
-    dist, sizes = b.dist, b.s.message_bytes
-    intra, inter = host_groups(b.s.nproc, per_node)
-    mine_intra = dist.new_subgroups_by_enumeration(intra)[0]
-    mine_inter = dist.new_subgroups_by_enumeration(inter)[0]
-    alone = dist.new_group(inter[0])
-    results: dict[tuple, list[float]] = {}
-    how: dict[tuple, str] = {}
-    plan = [("intra_host", COLLECTIVE_KINDS, mine_intra, intra), ("inter_host", COLLECTIVE_KINDS, mine_inter, inter)]
-    for path, kinds, group, sets in plan:
-        ranks = tuple(next(s for s in sets if b.rank in s))
-        for kind in kinds:
-            reps, texts = b.time_kind(kind, sizes, len(ranks), group, ranks=ranks)
-            results.update({(path, *k): v for k, v in reps.items()})
-            how.update({(path, *k): v for k, v in texts.items()})
-            b.say(f"{path} {kind} on {len(ranks)} ranks x {len(sets)} groups: "
-                  + ", ".join(f"{k[2] >> 10} KB {statistics.median(v) * 1e3:.2f} ms" for k, v in reps.items()))
-    if b.rank in inter[0]:
-        for kind in ALONE_KINDS:
-            reps, texts = b.time_kind(kind, sizes, len(inter[0]), alone, sync=alone, ranks=tuple(inter[0]))
-            results.update({("inter_host_alone", *k): v for k, v in reps.items()})
-            how.update({("inter_host_alone", *k): v for k, v in texts.items()})
-            b.say(f"inter_host_alone {kind}: " + ", ".join(f"{k[2] >> 10} KB {statistics.median(v) * 1e3:.2f} ms"
-                                                           for k, v in reps.items()))
-    dist.barrier()
-    return {"results": results, "how": how, "checks": _check_all_reduces(b, inter, mine_inter, alone)}
-
-
-def _check_all_reduces(b: "_Bench", inter: list[list[int]], mine_inter: Any, alone: Any) -> dict[str, list[float]]:
-    """8 MB all-reduces: one cross-host group alone, every cross-host group at once, all ranks."""
-    out: dict[str, list[float]] = {}
-    cases = (("inter_host_alone", alone, alone, tuple(inter[0])),
-             ("inter_host", mine_inter, None, tuple(next(s for s in inter if b.rank in s))),
-             ("world", None, None, tuple(range(b.s.nproc))))
-    for name, group, sync, ranks in cases:
-        if b.rank in ranks:
-            reps, _ = b.time_kind("all_reduce", (CHECK_BYTES,), len(ranks), group, sync=sync, ranks=ranks)
-            out[name] = next(iter(reps.values()))
-        b.dist.barrier()
-    return out
-
-
-def measure_across_hosts(settings: Settings, per_node: int) -> HostTimings | None:
-    """Inside a torchrun rank (RANK, WORLD_SIZE, MASTER_* set): time every path; rank 0 gets the result."""
-    rank = int(os.environ["RANK"])
-    start = time.perf_counter()
-    b = _Bench(settings, rank)
-    try:
-        mine = _host_paths_rank(b, per_node)
-        every: list[Any] = [None] * settings.nproc
-        b.dist.all_gather_object(every, mine)
-    finally:
-        b.dist.destroy_process_group()
-    if rank != 0:
-        return None
-    return _combine_hosts(settings, per_node, every, time.perf_counter() - start,
-                          machine=f"{os.cpu_count()} cores shared by the hosts, torch {b.torch.__version__}")
-
-
-def _combine_hosts(settings: Settings, per_node: int, ranks: list[dict], wall_s: float, machine: str) -> HostTimings:
-    """Per point: each repetition's slowest rank among those that ran it, then the median over repetitions."""
-    def median_of_max(key: Any, field_name: str) -> float:
-        runs = [r[field_name][key] for r in ranks if key in r[field_name]]
-        return statistics.median(max(run[i] for run in runs) for i in range(len(runs[0])))
-
-    paths: dict[str, list[CollectiveTiming]] = {p: [] for p in HOST_PATHS}
-    for key, how in ranks[0]["how"].items():
-        path, kind, n, nbytes = key
-        paths[path].append(CollectiveTiming(kind, n, nbytes, median_of_max(key, "results"), how))
-    checks = {name: median_of_max(name, "checks") for name in ranks[0]["checks"]}
-    link = {k: float(os.environ.get(f"TWO_HOSTS_{k.upper()}", "nan")) for k in ("rate_mbit", "delay_ms")}
-    return HostTimings(settings, settings.nproc // per_node, per_node, {p: tuple(v) for p, v in paths.items()},
-                       checks, link, machine, wall_s)
-
-
-def _median_link(fits: dict[str, Any]) -> Any:
-    from autoddl.cluster import LinkSpec
-
-    if not fits:
-        raise ValueError("calibrate --across-hosts: no collective of this path could be fitted (too noisy); "
-                         "run again on an idle machine")
-    return LinkSpec(bandwidth_gbps=float(f"{statistics.median(f.bandwidth_gbps for f in fits.values()):.4g}"),
-                    latency_us=float(f"{statistics.median(f.latency_us for f in fits.values()):.4g}"))
-
-
-def fit_host_paths(ht: HostTimings, fit_kinds: Callable[..., dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per path, one fit per kind: ``fit_kinds(timings, backend, failed)`` is the calibrate command's
-    per-kind fit (``costmodel.collectives.fit_collective`` per kind), passed in so that the executor
-    imports only the core. Kinds that cannot be fitted are left out of their path."""
-    return {path: fit_kinds(list(timings), ht.settings.backend, {}) for path, timings in ht.paths.items()}
-
-
-def _with_link(fit: Any, link: Any) -> Any:
-    """``fit`` (its kind's formula) with ``link``'s latency and bandwidth: what the cost model predicts."""
-    import dataclasses
-
-    return dataclasses.replace(fit, latency_us=link.latency_us, bandwidth_gbps=link.bandwidth_gbps)
-
-
-def check_lines(ht: HostTimings, fits: dict[str, dict[str, Any]], inter: Any) -> list[str]:
-    """The 8 MB all-reduces measured against the alpha-beta predictions (and the link rate)."""
-    m, rate = CHECK_BYTES, ht.link.get("rate_mbit", float("nan"))
-    alone_fit, inter_fit = fits["inter_host_alone"].get("all_reduce"), fits["inter_host"].get("all_reduce")
-    lines = []
-    for name, n, fit, what in (("inter_host_alone", 2, alone_fit, "one pair alone on the link"),
-                               ("inter_host", 2, inter_fit and _with_link(inter_fit, inter),
-                                f"{ht.per_node} pairs at once (links.inter_node)"),
-                               ("world", ht.settings.nproc, inter_fit and _with_link(inter_fit, inter),
-                                f"all {ht.settings.nproc} ranks (links.inter_node, n = {ht.settings.nproc})"),
-                               ("world", ht.settings.nproc, alone_fit, f"all {ht.settings.nproc} ranks with the "
-                                "one-pair fit (a ring crosses the link once each way)")):
-        if name not in ht.checks or fit is None:
-            continue
-        got, want = ht.checks[name], fit.predict_s(m, n)
-        line = (f"  {what}: measured {got * 1e3:.1f} ms, alpha-beta {want * 1e3:.1f} ms "
-                f"({(want - got) / got:+.0%})")
-        if name == "inter_host_alone" and math.isfinite(rate):
-            line += f", link rate alone {2 * (n - 1) / n * m * 8 / (rate * 1e6) * 1e3:.1f} ms"
-        lines.append(line)
-    return lines
-
-
-def two_hosts_cluster(ht: HostTimings, fits: dict[str, dict[str, Any]], base: Any,
-                      command: str = "") -> tuple[Any, dict[str, str], str]:
-    """``base`` on ``ht.nodes`` x ``ht.per_node`` with both links fitted; its YAML comments and header."""
-    import dataclasses
-
-    from autoddl.cluster import CollectiveFits, LinkSpec
-
-    intra, inter = _median_link(fits["intra_host"]), _median_link(fits["inter_host"])
-    per_kind = {k: LinkSpec(float(f"{f.bandwidth_gbps:.4g}"), float(f"{f.latency_us:.4g}"))
-                for k, f in fits["intra_host"].items()}
-    differ = [k for k, v in per_kind.items() if abs(v.bandwidth_gbps / intra.bandwidth_gbps - 1) > 0.2
-              or abs(v.latency_us - intra.latency_us) / max(intra.latency_us, 5.0) > 0.2]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    at_once = max(1, cores // ht.settings.threads // ht.nodes)
-    cluster = dataclasses.replace(base, name="two-hosts" if ht.nodes == 2 else f"{ht.nodes}-hosts",
-                                  nodes=ht.nodes, devices_per_node=ht.per_node, intra_node=intra, inter_node=inter,
-                                  collectives=CollectiveFits(**per_kind) if differ else CollectiveFits(),
-                                  cores_per_node=at_once, source="")
-    comments, header = _two_hosts_text(ht, fits, intra, inter, differ, cores, at_once, base, command)
-    return cluster, comments, header
-
-
-def _fit_line(f: Any) -> str:
-    return (f"a {f.latency_us:.1f} us, b {f.bandwidth_gbps:.4f} GB/s ({f.carried_as.value} formula), "
-            f"{f.points} points, R^2 {f.r2:.4f}, max rel residual {f.max_rel_residual:.0%}")
-
-
-def _two_hosts_text(ht: HostTimings, fits: dict[str, dict[str, Any]], intra: Any, inter: Any, differ: list[str],
-                    cores: int, at_once: int, base: Any, command: str) -> tuple[dict[str, str], str]:
-    s, rate, delay = ht.settings, ht.link.get("rate_mbit", float("nan")), ht.link.get("delay_ms", float("nan"))
-    sizes = sorted({t.nbytes for p in ht.paths.values() for t in p})
-    span = f"{sizes[0] / 1024:g} KB .. {sizes[-1] / 2**20:g} MB, median of {s.repeats}"
-    src = base.source or base.name
-    if os.path.isabs(src) and Path(src).resolve().is_relative_to(Path(__file__).resolve().parents[1]):
-        src = str(Path(src).resolve().relative_to(Path(__file__).resolve().parents[1]))
-    comments = {
-        "nodes": "hosts: network namespaces joined by a veth pair (benchmarks/two_hosts.py)",
-        "devices_per_node": f"ranks per host ({s.threads} thread{'s' * (s.threads > 1)} each)",
-        "device": f"from {src} (measured on this machine, 2 ranks); not re-measured here",
-        "links.intra_node": (f"fitted: median over the {len(fits['intra_host'])} kinds, {ht.per_node} ranks of each "
-                             f"host (gloo over lo, unshaped), every host at once; {span}"),
-        "links.inter_node": (f"fitted: median over the {len(fits['inter_host'])} kinds, one rank per host, "
-                             f"{ht.per_node} groups at once sharing the {rate:g} Mbit/s link (GB/s per device); {span}"),
-        "cores_per_node": (f"this machine's {cores} cores / {s.threads} thread{'s' * (s.threads > 1)} per rank / "
-                           f"{ht.nodes} hosts: the hosts share the cores"),
-    }
-    if differ:
-        comments["collectives"] = (f"per-kind intra-host fits ({', '.join(differ)} differ from links.intra_node by "
-                                   "> 20%); used instead of it on intra-host axes")
-        comments.update({f"collectives.{k}": _fit_line(f) for k, f in fits["intra_host"].items()})
-    applied = "none (no netem qdisc in this kernel)" if delay == 0 else f"{delay:g} ms each way (netem)"
-    lines = [f"Measured by `{command or 'autoddl calibrate --across-hosts'}` on {time.strftime('%Y-%m-%d %H:%M')}",
-             f"under benchmarks/two_hosts.py: {ht.nodes} hosts x {ht.per_node} ranks, link between hosts tbf "
-             f"{rate:g} Mbit/s each direction, added delay {applied}; on {ht.machine}; {ht.seconds:.0f} s.",
-             "Units are in the field names: *_gbps = GB/s (1e9 bytes/s, per device, one direction), "
-             "*_us = microseconds.",
-             f"Collective fits (gloo; t = formula of costmodel.collectives with latency a, bandwidth b; {span}):"]
-    for path, what in HOST_PATHS.items():
-        lines.append(f" {path}: {what}")
-        lines += [f"  {k}: {_fit_line(f)}" for k, f in fits[path].items()]
-    lines.append(f"All-reduce of {CHECK_BYTES / 1e6:g} MB across the link, measured vs predicted:")
-    lines += check_lines(ht, fits, inter)
-    lines.append(f"Fields not under links / collectives / cores_per_node / nodes come from {src}.")
-    return comments, "\n".join(lines)
-
-
-def calibrate_across_hosts(out: str | None, base_path: str, fit_kinds: Callable[..., dict[str, Any]],
-                           quick: bool = False) -> int:
-    """``autoddl calibrate --across-hosts`` in one torchrun rank: measure; rank 0 fits and writes ``out``."""
-    from autoddl.cluster import Cluster
-
-    rate = os.environ.get("TWO_HOSTS_RATE_MBIT", "?")
-    command = (f"python benchmarks/two_hosts.py --rate-mbit {rate} -- -m autoddl calibrate --across-hosts"
-               + (f" --out {out}" if out else "") + (" --quick" if quick else ""))
-
-    if "RANK" not in os.environ or "LOCAL_WORLD_SIZE" not in os.environ:
-        raise ValueError("calibrate --across-hosts runs in torchrun ranks on several hosts; launch it with "
-                         "`python benchmarks/two_hosts.py -- -m autoddl calibrate --across-hosts --out YAML`")
-    world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    host_groups(world, per_node)                                  # fails early on a launch that is not whole hosts
-    base = Cluster.from_yaml(base_path)
-    settings = Settings.default(world, "gloo", quick=quick, threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
-    load_before = os.getloadavg()[0]
-    ht = measure_across_hosts(settings, per_node)
-    if ht is None:
-        return 0
-    cluster, comments, header = two_hosts_cluster(ht, fit_host_paths(ht, fit_kinds), base, command)
-    header += (f"\n1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after "
-               f"({os.cpu_count()} cores; other processes share them).")
-    if out:
-        cluster.to_yaml(out, comments=comments, header=header)
-        print(f"wrote {out} ({ht.seconds:.0f} s)\n" + "\n".join(header.splitlines()[3:]), flush=True)
-    else:
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            cluster.to_yaml(os.path.join(tmp, "c.yaml"), comments=comments, header=header)
-            sys.stdout.write(open(os.path.join(tmp, "c.yaml")).read())
-    return 0

@@ -73,17 +73,13 @@ class Boxer:
         if move.kind is CollectiveKind.REDUCE_SCATTER:
             return wait(funcol.reduce_scatter_single(x.contiguous(), "sum", dst.dim, group))
         if move.kind is CollectiveKind.ALL_TO_ALL:
-            return self._all_to_all(x, src.dim, dst.dim, move.axis, kind)
+            return self._all_to_all(x, src.dim, dst.dim, move.axis)
         raise NotImplementedError(f"no executor for collective move {move}")
 
-    def _all_to_all(self, x: torch.Tensor, gather_dim: int, split_dim: int, axis: int,
-                    kind: CollectiveKind) -> torch.Tensor:
-        """S(gather_dim) -> S(split_dim) on ``axis``: natively, or as the backend carries it out
-        (gloo: gather the whole tensor, keep this rank's chunk of ``split_dim``)."""
+    def _all_to_all(self, x: torch.Tensor, gather_dim: int, split_dim: int, axis: int) -> torch.Tensor:
+        """S(gather_dim) -> S(split_dim) on ``axis``: this rank's ``split_dim`` chunks go one to each
+        rank, the pieces received are joined along ``gather_dim``."""
         n, group = self.mesh_shape[axis], self.groups[axis]
-        if kind is CollectiveKind.ALL_GATHER:
-            full = wait(funcol.all_gather_single(x.contiguous(), gather_dim, group))
-            return full.chunk(n, dim=split_dim)[self.coord[axis]].contiguous()
         pieces = torch.stack(x.chunk(n, dim=split_dim))                               # (n, ...)
         out = wait(funcol.all_to_all_single(pieces.contiguous(), None, None, group))  # (n, ...)
         return torch.cat(out.unbind(0), dim=gather_dim)

@@ -533,112 +533,135 @@ def coordinate_descent(problem: SearchProblem, starts: dict[str, np.ndarray] | N
     """
     t0 = time.perf_counter()
     problem.check_memory_limit()
-    A = problem._arrays
-    limit = None
-    if problem.memory_limit_bytes is not None:
-        limit = problem.memory_limit_bytes - problem.base_mem + memory_tolerance(problem.memory_limit_bytes)
-    groups = _compile_groups(problem, A) if block_moves else []
-    rng = np.random.default_rng(seed)
-    engine = _Engine(A, A.nc, limit, groups, pair_moves, forest_roots, rng)
-    engine.waves = wave_moves
-    say = progress or (lambda _msg: None)
-
+    search = _Descent(problem, block_moves, pair_moves, forest_roots, wave_moves, seed, max_sweeps, progress)
     all_starts = {name: problem.check_assignment(a, f"start {name!r}") for name, a in (starts or {}).items()}
     greedy = np.array([int(c.argmin()) for c in problem.node_cost], dtype=np.int64)
     all_starts["greedy" if "greedy" not in all_starts else "greedy (cheapest node cost)"] = greedy
-
-    start_costs: dict[str, float] = {}
-    descended: dict[str, float] = {}
-    best = (np.inf, "", greedy, 0)                          # (cost, start name, assignment, sweeps)
-
-    def offer(cost: float, name: str, a: np.ndarray, sweeps: int) -> None:
-        nonlocal best
-        if cost < best[0] and (limit is None or A.memory(a) <= limit):
-            best = (cost, name, a.copy(), sweeps)
-
-    # 1. plain descent (node and block moves) from every start
-    pool = []
-    for name, a0 in all_starts.items():
-        start_costs[name] = A.cost(a0)
-        offer(start_costs[name], name, a0, 0)               # a feasible start is itself a candidate
-        engine.reset(a0)
-        sweeps = engine.descend(max_sweeps, forest=False)
-        descended[name] = A.cost(engine.a)
-        pool.append((descended[name], name, engine.a.copy(), sweeps))
-        say(f"start {name}: {start_costs[name]:.6g} -> {descended[name]:.6g} s in {sweeps} sweeps")
-    max_mem = float(sum(m.max() for m in problem.node_mem))
-    if lagrangian and limit is not None and max_mem > limit:      # memory may bind
-        for lam, a in _lagrangian_starts(A, groups, rng, max_sweeps):
-            name = f"lagrangian(lambda={lam:.3g} s/B)"
-            engine.reset(a)
-            sweeps = engine.descend(max_sweeps, forest=False)
-            descended[name] = A.cost(engine.a)
-            pool.append((descended[name], name, engine.a.copy(), sweeps))
-    # 2. escapes (forest moves) from the best few distinct local minima
-    pool.sort(key=lambda t: t[0])
-    polished: list[np.ndarray] = []
-    for cost, name, a, sweeps in pool:
-        offer(cost, name, a, sweeps)
-        if len(polished) < polish and not any(np.array_equal(a, b) for b in polished):
-            polished.append(a)
-            engine.reset(a)
-            sweeps += engine.descend(max_sweeps)
-            offer(A.cost(engine.a), name, engine.a, sweeps)
-
-    # 2b. exact region moves from every root of the best plan: cyclic blocks forest moves cannot take
+    search.best = (np.inf, "", greedy, 0)
+    pool = search.from_starts(all_starts, lagrangian)                   # 1. plain descent from every start
+    search.polish_minima(pool, polish)                                  # 2. forest moves on the best few
     deadline = None if time_limit_s is None else t0 + time_limit_s
-    if region_roots or wave_moves:
-        sweeps = _region_polish(engine, best[2], max_sweeps, deadline, region_roots)
-        offer(A.cost(engine.a), best[1], engine.a, best[3] + sweeps)
-
-    # 3. restarts: exact re-optimisation around a random root, or a random kick, then descent
-    n = problem.n
-    best_before_restarts = best[0]
-    roots = rng.permutation(n)                 # exact moves visit every root before repeating one
-    since_improved = r = 0
-    while since_improved < restarts and r < 4 * restarts:
-        if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
-            say(f"time limit reached after {r} restarts")
-            break
-        a = best[2].copy()
-        if r % 2 == 0:                          # exact re-optimisation around a root, each root choice
-            engine.reset(a, np.zeros(n, bool))
-            moved = engine.forest_move(int(roots[(r // 2) % n]), _LNS_SIZE, condition=True)
-        else:                                   # random kick of a connected region
-            region = _region(A, int(rng.integers(n)), int(rng.integers(1, max(2, min(12, n // 2)) + 1)))
-            a[region] = rng.integers(0, A.k[region])
-            touched = np.zeros(n, bool)
-            touched[region] = True
-            for i in region:
-                touched[A.nbr[i]] = True
-            engine.reset(a, touched)
-            moved = True
-        r += 1
-        since_improved += 1
-        if not moved:
-            continue
-        sweeps = engine.descend(max_sweeps, forest=False)
-        cost = A.cost(engine.a)
-        if _improves(cost, best[0]) and (limit is None or engine.mem_now <= limit):
-            say(f"restart {r}: {best[0]:.6g} -> {cost:.6g} s")
-            if best[0] - cost > _PATIENCE_TOL * abs(best[0]):     # only a real gain buys more restarts
-                since_improved = 0
-        offer(cost, best[1], engine.a, best[3] + sweeps)
-
-    if best[0] < best_before_restarts:                      # polish what the restarts found
-        engine.reset(best[2])
-        sweeps = engine.descend(max_sweeps)
-        offer(A.cost(engine.a), best[1], engine.a, best[3] + sweeps)
+    if region_roots or wave_moves:                                      # 2b. exact region and wave moves
+        search.region_polish(deadline, region_roots)
+    before = search.best[0]
+    search.restarts(restarts, t0, time_limit_s)                         # 3. restarts
+    if search.best[0] < before:                                         # polish what the restarts found
+        search.engine.reset(search.best[2])
+        search.offer_engine(search.engine.descend(max_sweeps))
         if region_roots or wave_moves:
-            sweeps = _region_polish(engine, best[2], max_sweeps, deadline, region_roots)
-            offer(A.cost(engine.a), best[1], engine.a, best[3] + sweeps)
-    cost, name, a, sweeps = best
-    feasible_start_costs = [start_costs[s] for s, a0 in all_starts.items() if problem.feasible(a0)]
+            search.region_polish(deadline, region_roots)
+    cost, name, a, sweeps = search.best
+    feasible_start_costs = [search.start_costs[s] for s, a0 in all_starts.items() if problem.feasible(a0)]
     assert not feasible_start_costs or cost <= min(feasible_start_costs), "descent lost its best start"
     return SearchResult(assignment=a, cost=float(cost), memory_bytes=problem.memory(a),
                         method="coordinate_descent", start=name, sweeps=sweeps,
-                        start_costs=start_costs, descended_costs=descended,
+                        start_costs=search.start_costs, descended_costs=search.descended,
                         seconds=time.perf_counter() - t0)
+
+
+class _Descent:
+    """One search's engine, random stream and best feasible plan so far: the stages of
+    :func:`coordinate_descent`, in its order (the random stream is drawn in that order)."""
+
+    def __init__(self, problem: SearchProblem, block_moves: bool, pair_moves: bool, forest_roots: int,
+                 wave_moves: bool, seed: int, max_sweeps: int, progress: Callable[[str], None] | None) -> None:
+        self.problem, self.A, self.max_sweeps = problem, problem._arrays, max_sweeps
+        self.limit = None
+        if problem.memory_limit_bytes is not None:
+            self.limit = (problem.memory_limit_bytes - problem.base_mem
+                          + memory_tolerance(problem.memory_limit_bytes))
+        self.groups = _compile_groups(problem, self.A) if block_moves else []
+        self.rng = np.random.default_rng(seed)
+        self.engine = _Engine(self.A, self.A.nc, self.limit, self.groups, pair_moves, forest_roots, self.rng)
+        self.engine.waves = wave_moves
+        self.say = progress or (lambda _msg: None)
+        self.best: tuple[float, str, np.ndarray, int] = (np.inf, "", np.zeros(0, np.int64), 0)  # cost, start, a, sweeps
+        self.start_costs: dict[str, float] = {}
+        self.descended: dict[str, float] = {}
+
+    def offer(self, cost: float, name: str, a: np.ndarray, sweeps: int) -> None:
+        if cost < self.best[0] and (self.limit is None or self.A.memory(a) <= self.limit):
+            self.best = (cost, name, a.copy(), sweeps)
+
+    def offer_engine(self, sweeps: int) -> None:
+        """The engine's plan, found from the best plan in ``sweeps`` more sweeps."""
+        self.offer(self.A.cost(self.engine.a), self.best[1], self.engine.a, self.best[3] + sweeps)
+
+    def from_starts(self, all_starts: dict[str, np.ndarray], lagrangian: bool) -> list[tuple]:
+        """Plain descent (node and block moves) from every start, and from Lagrangian starts when
+        memory may bind: the local minima, as (cost, name, plan, sweeps)."""
+        A, engine, pool = self.A, self.engine, []
+        for name, a0 in all_starts.items():
+            self.start_costs[name] = A.cost(a0)
+            self.offer(self.start_costs[name], name, a0, 0)      # a feasible start is itself a candidate
+            engine.reset(a0)
+            sweeps = engine.descend(self.max_sweeps, forest=False)
+            self.descended[name] = A.cost(engine.a)
+            pool.append((self.descended[name], name, engine.a.copy(), sweeps))
+            self.say(f"start {name}: {self.start_costs[name]:.6g} -> {self.descended[name]:.6g} s in {sweeps} sweeps")
+        max_mem = float(sum(m.max() for m in self.problem.node_mem))
+        if lagrangian and self.limit is not None and max_mem > self.limit:
+            for lam, a in _lagrangian_starts(A, self.groups, self.rng, self.max_sweeps):
+                name = f"lagrangian(lambda={lam:.3g} s/B)"
+                engine.reset(a)
+                sweeps = engine.descend(self.max_sweeps, forest=False)
+                self.descended[name] = A.cost(engine.a)
+                pool.append((self.descended[name], name, engine.a.copy(), sweeps))
+        return pool
+
+    def polish_minima(self, pool: list[tuple], polish: int) -> None:
+        """Escapes (forest moves) from the ``polish`` best distinct local minima of ``pool``."""
+        pool.sort(key=lambda t: t[0])
+        polished: list[np.ndarray] = []
+        for cost, name, a, sweeps in pool:
+            self.offer(cost, name, a, sweeps)
+            if len(polished) < polish and not any(np.array_equal(a, b) for b in polished):
+                polished.append(a)
+                self.engine.reset(a)
+                sweeps += self.engine.descend(self.max_sweeps)
+                self.offer(self.A.cost(self.engine.a), name, self.engine.a, sweeps)
+
+    def region_polish(self, deadline: float | None, roots: int) -> None:
+        """Exact region and wave moves from the best plan (cyclic blocks forest moves cannot take)."""
+        self.offer_engine(_region_polish(self.engine, self.best[2], self.max_sweeps, deadline, roots))
+
+    def restarts(self, patience: int, t0: float, time_limit_s: float | None) -> None:
+        """Exact re-optimisation around a root (roots in turn) or a random kick of a region, then
+        descent, until ``patience`` restarts in a row gain nothing (at most 4 x ``patience``)."""
+        A, engine, n = self.A, self.engine, self.problem.n
+        roots = self.rng.permutation(n)              # exact moves visit every root before repeating one
+        since_improved = r = 0
+        while since_improved < patience and r < 4 * patience:
+            if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
+                self.say(f"time limit reached after {r} restarts")
+                break
+            moved = self._perturb(r, roots)
+            r += 1
+            since_improved += 1
+            if not moved:
+                continue
+            sweeps = engine.descend(self.max_sweeps, forest=False)
+            cost = A.cost(engine.a)
+            if _improves(cost, self.best[0]) and (self.limit is None or engine.mem_now <= self.limit):
+                self.say(f"restart {r}: {self.best[0]:.6g} -> {cost:.6g} s")
+                if self.best[0] - cost > _PATIENCE_TOL * abs(self.best[0]):   # only a real gain buys more
+                    since_improved = 0
+            self.offer(cost, self.best[1], engine.a, self.best[3] + sweeps)
+
+    def _perturb(self, r: int, roots: np.ndarray) -> bool:
+        """Restart ``r``'s move on a copy of the best plan, loaded into the engine; whether it moved."""
+        A, engine, n, a = self.A, self.engine, self.problem.n, self.best[2].copy()
+        if r % 2 == 0:                               # exact re-optimisation around a root, each root choice
+            engine.reset(a, np.zeros(n, bool))
+            return engine.forest_move(int(roots[(r // 2) % n]), _LNS_SIZE, condition=True)
+        region = _region(A, int(self.rng.integers(n)), int(self.rng.integers(1, max(2, min(12, n // 2)) + 1)))
+        a[region] = self.rng.integers(0, A.k[region])      # random kick of a connected region
+        touched = np.zeros(n, bool)
+        touched[region] = True
+        for i in region:
+            touched[A.nbr[i]] = True
+        engine.reset(a, touched)
+        return True
 
 
 def _region_polish(engine: _Engine, a: np.ndarray, max_sweeps: int, deadline: float | None,

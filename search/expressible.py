@@ -2,11 +2,11 @@
 
 A ``TrainerConfig`` (autoddl/trainers) is priced as the expert configuration of its degrees
 (``price_config``: the one call into ``search.planner.price_degrees``). ``structured_configs``
-lists a trainer's structured space on a cluster: every split of the devices into a data-parallel
-part (replicated, sharded, both, with the trainer's ZeRO stages) and a tensor-parallel degree that
-stays inside a node, with and without sequence parallel as the trainer allows; ``best_config``
-prices each and keeps the fastest that fits. A configuration with pipeline stages is priced
-(``pp`` is a role of ``--degrees``), but the structured space does not list pipeline degrees yet.
+lists a trainer's structured space on a cluster: every split of the devices into pipeline stages
+(outermost, at most one per repeated block; 1F1B, or interleaved 1F1B with 2 stages per rank), a
+data-parallel part (replicated, sharded, both, with the trainer's ZeRO stages) and a tensor-parallel
+degree that stays inside a node, with and without sequence parallel as the trainer allows
+(search/meshes.py ``role_splits``); ``best_config`` prices each and keeps the fastest that fits.
 """
 
 from __future__ import annotations
@@ -20,11 +20,15 @@ from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph
 from autoddl.trainers import TrainerConfig, TrainerConfigError
 from autoddl.training import RECOMPUTE_POLICIES, Training
+from search.meshes import divisors, inner_axis_in_node, role_splits
 from search.planner import PlanningError, Scheme, price_degrees, recompute_blocks
 
 TRAINERS = ("torchtitan", "megatron")
 # torch.distributed.pipelining's schedule names (as the trainers take them) -> the schedules autoddl prices
 PRICED_SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved"}
+# the schedules the structured space tries (search/pipeline_search.py's reason: GPipe has 1F1B's bubble
+# and holds more micro-batches in flight, never better), with their virtual stages per rank
+PIPELINE_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))
 
 
 def price_config(graph: OpGraph, cluster: Cluster, config: TrainerConfig, *, base: Training | None = None,
@@ -54,27 +58,25 @@ def check_priceable(config: TrainerConfig) -> None:
                             f"use one of {', '.join(PRICED_SCHEDULES)}")
 
 
-def structured_configs(trainer: str, cluster: Cluster, settings: TrainerConfig) -> list[TrainerConfig]:
+def structured_configs(trainer: str, cluster: Cluster, settings: TrainerConfig,
+                       max_pp: int = 1) -> list[TrainerConfig]:
     """``trainer``'s structured configurations on ``cluster`` (module docstring), each with
-    ``settings``'s precision, recompute and batch sizes (its degrees are ignored)."""
+    ``settings``'s precision, recompute and batch sizes (its degrees are ignored); pipeline degrees
+    up to ``max_pp`` (the model's repeated blocks: at most one stage per block)."""
     if trainer not in TRAINERS:
         raise ValueError(f"trainer {trainer!r}: choose one of {list(TRAINERS)}")
-    n, per_node = cluster.num_devices, cluster.devices_per_node
+    per_node = cluster.devices_per_node
     out = []
-    for tp in _divisors(n):
-        if tp > 1 and tp != n and per_node % tp:
-            continue                                   # tensor parallel stays inside a node
-        rest = n // tp
-        for dp in _divisors(rest):
-            for zero in _zero_stages(trainer, dp, rest // dp):
+    for pp, data, tp in role_splits(cluster.num_devices, per_node, max_pp):
+        for dp in divisors(data):
+            if not inner_axis_in_node((pp, dp, data // dp, tp), per_node):
+                continue                               # replicated outside sharded: the inner one in a node
+            for zero in _zero_stages(trainer, dp, data // dp):
                 for sp in _sequence_parallel(trainer, tp):
-                    out.append(dataclasses.replace(settings, dp=dp, fsdp=rest // dp, tp=tp, pp=1, zero=zero,
-                                                   sequence_parallel=sp, schedule=None, virtual_stages=1))
+                    for schedule, v in PIPELINE_SCHEDULES if pp > 1 else ((None, 1),):
+                        out.append(dataclasses.replace(settings, dp=dp, fsdp=data // dp, tp=tp, pp=pp, zero=zero,
+                                                       sequence_parallel=sp, schedule=schedule, virtual_stages=v))
     return out
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _zero_stages(trainer: str, dp: int, fsdp: int) -> tuple[int, ...]:

@@ -221,10 +221,10 @@ def _node_vectors(node: OpNode, cands: list[Signature], mesh: tuple[int, ...], c
             frac = sig.outputs[0].shard_fraction(mesh)
             numel = meta.numel * frac
             if meta.is_floating:           # float32 masters, whatever the working dtype
-                cost[j] = optimizer_time_s(numel * MASTER_ITEMSIZE, numel, optimizer, cluster)
+                cost[j] = optimizer_time_s(numel * MASTER_ITEMSIZE, numel, optimizer, cluster, mesh)
                 mem[j] = param_state_bytes(numel, training, optimizer)
             else:
-                cost[j] = optimizer_time_s(meta.nbytes * frac, numel, optimizer, cluster)
+                cost[j] = optimizer_time_s(meta.nbytes * frac, numel, optimizer, cluster, mesh)
                 mem[j] = 2 * meta.nbytes * frac + optimizer_state_bytes(numel, optimizer)
     elif node.kind is NodeKind.OP:
         saves = node.op_name not in VIEW_OPS and node.op_name != "getitem"

@@ -49,10 +49,33 @@ def mesh_shapes(num_devices: int, devices_per_node: int, max_ndim: int = 2) -> l
         return [(1,)]
     shapes: list[tuple[int, ...]] = [(num_devices,)]
     for ndim in range(2, max_ndim + 1):
-        for shape in _factorisations(num_devices, ndim):
-            if devices_per_node == 1 or devices_per_node % shape[-1] == 0:
-                shapes.append(shape)
+        shapes += [s for s in _factorisations(num_devices, ndim) if inner_axis_in_node(s, devices_per_node)]
     return shapes
+
+
+def inner_axis_in_node(shape: tuple[int, ...], devices_per_node: int) -> bool:
+    """The module's rule for ``shape``, whose size-1 entries take no mesh axis: with more than one
+    axis, the innermost one divides ``devices_per_node`` (or nodes have one device)."""
+    axes = [d for d in shape if d > 1]
+    return len(axes) <= 1 or devices_per_node == 1 or devices_per_node % axes[-1] == 0
+
+
+def role_splits(num_devices: int, devices_per_node: int, max_pp: int = 1) -> list[tuple[int, int, int]]:
+    """Every (pp, data, tp) with pp x data x tp = ``num_devices`` and pp <= ``max_pp``, as a mesh
+    (pp, data, tp) meeting the module's rule: pipeline stages outermost, tensor parallel innermost
+    (inside a node), data parallel (to be split into replicated and sharded by the caller) between.
+    The one enumeration of role degrees: trainers' structured spaces and the 3-D search use it."""
+    out = []
+    for tp in divisors(num_devices):
+        for pp in divisors(num_devices // tp):
+            data = num_devices // tp // pp
+            if pp <= max_pp and inner_axis_in_node((pp, data, tp), devices_per_node):
+                out.append((pp, data, tp))
+    return out
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:

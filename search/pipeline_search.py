@@ -36,6 +36,7 @@ from autoddl.training import Training
 from autoddl.precision import itemsize
 from costmodel.collectives import cluster_collective_time_s
 from costmodel.memory import param_state_bytes
+from search.meshes import role_splits
 from search.stages import BlockCosts, block_costs, cuts_of
 
 FULL_PRICES = 1          # candidates priced by the full cost model after the fast estimate
@@ -60,16 +61,9 @@ class Estimate:
 
 
 def factorisations(cluster: Cluster, blocks: int) -> list[tuple[int, int, int]]:
-    """(pp, dp, tp) with tp dividing a node, pp >= 2 and at most ``blocks``, pp x dp x tp = devices
-    (without tp, dp inside a node)."""
-    n, per = cluster.num_devices, cluster.devices_per_node
-    out = []
-    for tp in (d for d in range(1, per + 1) if per % d == 0 and n % d == 0):
-        for pp in (d for d in range(2, min(blocks, n // tp) + 1) if (n // tp) % d == 0):
-            dp = n // tp // pp
-            if tp > 1 or per % dp == 0:           # the innermost axis inside a node (degrees_spec's rule)
-                out.append((pp, dp, tp))
-    return out
+    """(pp, dp, tp) with pp >= 2 and at most ``blocks``, pp x dp x tp = devices, tp inside a node
+    (without tp, dp inside a node): search.meshes.role_splits."""
+    return [s for s in role_splits(cluster.num_devices, cluster.devices_per_node, max_pp=blocks) if s[0] >= 2]
 
 
 def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int, dp: int, tp: int, role: str,

@@ -42,7 +42,7 @@ from costmodel.memory import activation_bytes, memory_bytes, recomputed_bytes
 from search.baselines import BaselineSpec, baseline_specs, build_baseline
 from search.coordinate_descent import coordinate_descent
 from search.formulate import Formulation, FormulationCache, formulate
-from search.meshes import mesh_shapes
+from search.meshes import inner_axis_in_node, mesh_shapes
 from search.stages import stage_cuts
 from search.problem import NoFeasiblePlanError, memory_tolerance
 from search.zero import ZERO_STAGES, data_parallel_axes, with_zero
@@ -529,7 +529,7 @@ def degrees_spec(degrees: list[tuple[str, int]], cluster: Cluster) -> tuple[Base
         m = model[0]
         raise PlanningError(f"--degrees {text}: {m} must be the innermost (last) degree, inside a node; "
                             f"e.g. --degrees {','.join(f'{r}={d}' for r, d in axes if r != m)},{m}={dict(axes)[m]}")
-    if len(axes) + (pp > 1) > 1 and per_node > 1 and per_node % axes[-1][1]:
+    if not inner_axis_in_node((pp,) + tuple(d for _, d in axes), per_node):
         raise PlanningError(f"--degrees {text}: the innermost degree {axes[-1][0]}={axes[-1][1]} must divide the "
                             f"{per_node} devices of a node (it runs inside one); put the axis that spans nodes first")
     if pp > 1:

@@ -107,7 +107,7 @@ def test_data_parallel_mlp(a100):
     expected_compute = sum(op_compute_time_s(op, plan.signatures[op.name], (n,), a100) for op in g.ops())
     assert cost.compute_s == pytest.approx(expected_compute)
     bw = a100.device.memory_bandwidth_gbps * 1e9 * a100.efficiency.memory
-    assert cost.optimizer_s == pytest.approx(7 * g.parameter_bytes / bw)       # AdamW, replicated params
+    assert cost.optimizer_s == pytest.approx(20 * g.parameter_bytes / bw)      # foreach AdamW, replicated params
     # the one bucket is ready only when the first layer's backward is done: nothing overlaps it;
     # the loss's all-reduce is only reported, so it runs while backward does
     assert cost.step_time_s == pytest.approx(cost.compute_s + cost.grad_sync_s + cost.optimizer_s)
@@ -126,7 +126,8 @@ def test_data_parallel_mlp(a100):
 def test_data_parallel_over_two_axes_buckets_both_all_reduces(a100):
     """Data parallel on a 2x2 mesh: each gradient is P on both axes and syncs by an all-reduce on
     each; they travel in one bucket, all-reduced on axis 0 and then on axis 1 (once each, not once
-    per parameter), back to back at the end of backward."""
+    per parameter), back to back at the end of backward; the axis-1 all-reduce is issued when backward
+    is done (executor/gradsync.py launches it there, so that no backward hook waits)."""
     from search.baselines import baseline_specs, build_baseline
     from search.formulate import formulate
     from search.planner import assignment_plan
@@ -140,6 +141,9 @@ def test_data_parallel_over_two_axes_buckets_both_all_reduces(a100):
     total = sum(p.outputs[0].nbytes for p in g.parameters().values())
     assert [(b.kind, b.axes, b.nbytes) for b in program.buckets] == [(K.ALL_REDUCE, (0, 1), total)]
     assert sorted(program.param_uses[i].fqn for i in program.buckets[0].uses) == sorted(g.parameters())
+    first, then = [t for t in program.tasks if t.tensor == "bucket0"]
+    last_backward = max(t.id for t in program.tasks if t.phase == "backward" and t.collective is None)
+    assert (first.axis, then.axis) == (0, 1) and set(then.deps) == {first.id, last_backward}   # as GradSync runs it
     syncs = [(c.kind, c.axis, c.bytes) for c in predicted_collectives(g, plan, cluster) if c.phase == "grad_sync"]
     assert syncs == [(K.ALL_REDUCE, 0, total), (K.ALL_REDUCE, 1, total)]
     one = _ar(total, 2, cluster.intra_node, cluster.efficiency.network)

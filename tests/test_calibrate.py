@@ -34,7 +34,7 @@ def ring_time_s(kind: str, m: float, n: int, b: float, a: float) -> float:
 
 
 GLOO_FORMULA = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "all_reduce",
-                "all_to_all": "all_gather", "broadcast": "broadcast"}
+                "all_to_all": "all_to_all", "broadcast": "broadcast"}      # what gloo runs for each kind
 
 
 def base_cluster() -> Cluster:
@@ -170,10 +170,10 @@ def test_cost_model_uses_per_kind_fits_on_intra_node_axes():
         ring_time_s("all_gather", m, 2, 0.7e9 * eff, 90e-6), rel=1e-12)
     # gloo reduce-scatter is an all-reduce: without its own fit it takes all_reduce's
     assert cluster_collective_time_s(K.REDUCE_SCATTER, m, (2, 2), 1, fitted) == pytest.approx(ar, rel=1e-12)
-    # all-to-all on gloo is an all-gather of M: all_gather's fit
-    assert cluster_collective_time_s(K.ALL_TO_ALL, m, (2, 2), 1, fitted) == pytest.approx(
-        ring_time_s("all_gather", m, 2, 0.7e9 * eff, 90e-6), rel=1e-12)
     link = base.intra_node
+    # all-to-all runs natively on gloo: without its own fit, the link and the all-to-all formula
+    assert cluster_collective_time_s(K.ALL_TO_ALL, m, (2, 2), 1, fitted) == pytest.approx(
+        ring_time_s("all_to_all", m, 2, link.bandwidth_gbps * 1e9 * eff, link.latency_us * 1e-6), rel=1e-12)
     assert cluster_collective_time_s(K.BROADCAST, m, (2, 2), 1, fitted) == pytest.approx(
         ring_time_s("broadcast", m, 2, link.bandwidth_gbps * 1e9 * eff, link.latency_us * 1e-6), rel=1e-12)
     assert cluster_collective_time_s(K.ALL_REDUCE, m, (2, 2), 0, fitted) == pytest.approx(
@@ -290,18 +290,18 @@ def test_compute_summary_peak_per_dtype():
 
 
 def test_slow_dtype_is_timed_no_further_and_gets_no_peak():
-    from executor.calibrate import SLOW_DTYPE_FACTOR, _Bench, _combine
+    from executor.calibrate import SLOW_DTYPE_FACTOR, Bench, _combine
 
     shapes = ((64, 64, 64), (128, 128, 128), (256, 256, 256))
     settings = Settings.default(2, quick=True, threads=1, matmul_shapes=shapes)
     assert SLOW_DTYPE_FACTOR == 8
     per_call = {"float32": 1e-3, "bfloat16": 2e-3, "float16": 9e-3}
-    bench = object.__new__(_Bench)                     # the rank's logic alone: no process group
+    bench = object.__new__(Bench)                     # the rank's logic alone: no process group
     bench.s, bench.rank = settings, 0
     bench.say = lambda text: None
     bench.agree_max = lambda value, group=None: value
     bench._time_matmul = lambda m, n, k, dtype: (per_call[dtype] * m / 64, 3)
-    out = _Bench.matmuls(bench)
+    out = Bench.matmuls(bench)
     assert out["matmul"] == [1e-3, 2e-3, 4e-3] and out["matmul_dtypes"]["bfloat16"] == [2e-3, 4e-3, 8e-3]
     assert out["matmul_dtypes"]["float16"] == [9e-3]                         # dropped after the first shape
     assert out["matmul_dropped"] == {"float16": "9x float32's time on 64x64 @ 64x64 (more than 8x): not a dtype "
@@ -454,7 +454,8 @@ def _family_measurements(cluster, a_f=6.0, s_f=0.5, a_b=12.0, s_b=2.0):
     """Synthetic family timings: t = a + s x roofline of the probed op (the Probe's real sizes), in float32,
     for linear, gelu and view (no roofline: a alone); the chain ops timed at 2 us forward and backward."""
     from costmodel.compute import backward_factor
-    from executor.calibrate import FamilyTiming, probe_ops
+    from executor.calibrate import FamilyTiming
+    from executor.calibrate_models import probe_ops
 
     settings = Settings.default(2, quick=True, family_dtypes=("float32",), family_sizes=("tiny", "small", "medium"))
     rows = []

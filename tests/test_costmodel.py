@@ -61,7 +61,8 @@ def test_gloo_emulation():
     all_reduce = 2 * (n - 1) / n * M / b + 2 * (n - 1) * a
     all_gather = (n - 1) / n * M / b + (n - 1) * a
     assert collective_time_s(K.REDUCE_SCATTER, M, n, LINK, Backend.GLOO, EFF) == pytest.approx(all_reduce)
-    assert collective_time_s(K.ALL_TO_ALL, M, n, LINK, Backend.GLOO, EFF) == pytest.approx(all_gather)
+    all_to_all = (n - 1) / n * (M / n) / b + (n - 1) * a                 # native: alltoall_base
+    assert collective_time_s(K.ALL_TO_ALL, M, n, LINK, Backend.GLOO, EFF) == pytest.approx(all_to_all)
     assert collective_time_s(K.ALL_REDUCE, M, n, LINK, "gloo", EFF) == pytest.approx(all_reduce)
     assert collective_time_s(K.ALL_GATHER, M, n, LINK, "gloo", EFF) == pytest.approx(all_gather)
     # gloo's reduce-scatter costs twice NCCL's bandwidth term
@@ -71,7 +72,7 @@ def test_gloo_emulation():
 
 def test_backend_table():
     assert carried_out_as(K.REDUCE_SCATTER, "gloo") is K.ALL_REDUCE
-    assert carried_out_as(K.ALL_TO_ALL, Backend.GLOO) is K.ALL_GATHER
+    assert carried_out_as(K.ALL_TO_ALL, Backend.GLOO) is K.ALL_TO_ALL
     assert all(carried_out_as(k, "nccl") is k for k in K)
     assert set(BACKENDS) == set(Backend)
     with pytest.raises(ValueError, match="unknown backend"):
@@ -268,11 +269,48 @@ def test_optimizer_sgd_vs_adamw(a100):
     pbytes = 4 * numel
     bw = a100.device.memory_bandwidth_gbps * 1e9 * a100.efficiency.memory
     assert optimizer_time_s(pbytes, numel, "sgd", a100) == pytest.approx(3 * pbytes / bw)
-    assert optimizer_time_s(pbytes, numel, "adamw", a100) == pytest.approx(7 * pbytes / bw)
-    # bf16 params keep fp32 states: 3 x 2-byte param traffic + 4 x 4-byte state traffic
-    assert optimizer_time_s(2 * numel, numel, "AdamW", a100) == pytest.approx((6 + 16) * numel / bw)
+    assert optimizer_time_s(pbytes, numel, "adamw", a100) == pytest.approx(20 * pbytes / bw)   # foreach passes
+    # 2-byte params keep fp32 states: 6 x 2-byte param and gradient traffic + 14 x 4-byte state traffic
+    assert optimizer_time_s(2 * numel, numel, "AdamW", a100) == pytest.approx((12 + 56) * numel / bw)
+    shared = dataclasses.replace(a100, cores_per_node=2)          # 4 ranks on a node running 2 at once
+    assert optimizer_time_s(pbytes, numel, "adamw", shared, (4,)) == pytest.approx(2 * 20 * pbytes / bw)
     with pytest.raises(ValueError, match="unknown optimizer"):
         optimizer_time_s(pbytes, numel, "lion", a100)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_optimizer_bytes_are_the_passes_the_executor_optimizer_makes(name):
+    """optimizer_bytes against the memory torch's foreach optimizer (built as the executor builds it)
+    touches in one step, counted op by op: every distinct tensor an op reads, and what it writes
+    (its first argument when in place, else its outputs); 1-element step counters left out."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from costmodel.compute import optimizer_bytes
+    from executor.runtime import torch_optimizer
+
+    params = [torch.randn(1000, requires_grad=True), torch.randn(30, 20, requires_grad=True)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch_optimizer(name, params, 1e-3, foreach=True)
+    opt.step()                                                   # the states exist from here on
+
+    class Count(TorchDispatchMode):
+        nbytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            big = lambda xs: [t for t in tree_leaves(xs) if isinstance(t, torch.Tensor) and t.numel() > 1]
+            reads = {id(t): t for t in big((args, kwargs))}
+            writes = big(args[0]) if func._schema.name.endswith("_") else big(out)
+            Count.nbytes += sum(t.numel() * t.element_size() for t in list(reads.values()) + writes)
+            return out
+
+    with Count():
+        opt.step()
+    numel = sum(p.numel() for p in params)
+    assert Count.nbytes == optimizer_bytes(4 * numel, numel, name)
 
 
 def test_efficiency_scales_times(a100):
@@ -399,7 +437,7 @@ def test_simulated_step_adds_the_checkpoint_costs_of_every_task_of_a_recomputed_
     from autoddl.program import block_of, lower, recomputed_ops
     from autoddl.training import Training
     from costmodel.breakdown import plan_cost
-    from executor.calibrate import broadcast_plan
+    from executor.calibrate_models import broadcast_plan
     from search.planner import with_training
 
     graph = load_model_file("examples/gpt.py", preset="tiny").trace("bfloat16")
@@ -452,3 +490,17 @@ def test_time_sharing_slows_compute_and_collectives_beyond_cores(a100):
             factor * cluster_collective_time_s(K.ALL_REDUCE, M, mesh, 0, a100), rel=1e-12)
     two_nodes = dataclasses.replace(a100.resized(16), cores_per_node=4)   # 8 of 16 ranks on each node
     assert two_nodes.time_sharing((2, 8)) == 2.0
+
+
+def test_collectives_measured_with_every_rank_busy_are_not_slowed_twice(a100):
+    """Two hosts of 2 ranks on 1 core each, collectives fitted with both ranks of each host at once: a 2x2
+    mesh's collectives cost the fit (its compute still runs at half speed); one rank alone, half of it; a fit measured at full speed (no comm_measured_ranks_per_node) is slowed 2x."""
+    from costmodel.collectives import cluster_collective_time_s
+
+    hosts = dataclasses.replace(a100.resized(4), nodes=2, devices_per_node=2, cores_per_node=1)
+    measured_busy = dataclasses.replace(hosts, comm_measured_ranks_per_node=2)
+    bare = cluster_collective_time_s(K.ALL_REDUCE, M, (2, 2), 0, dataclasses.replace(hosts, cores_per_node=None))
+    assert hosts.time_sharing((2, 2)) == measured_busy.time_sharing((2, 2)) == 2.0
+    assert cluster_collective_time_s(K.ALL_REDUCE, M, (2, 2), 0, hosts) == pytest.approx(2 * bare, rel=1e-12)
+    assert measured_busy.comm_time_sharing((2, 2)) == 1.0 and measured_busy.comm_time_sharing((1,)) == 0.5
+    assert cluster_collective_time_s(K.ALL_REDUCE, M, (2, 2), 0, measured_busy) == pytest.approx(bare, rel=1e-12)

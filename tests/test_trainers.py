@@ -242,6 +242,40 @@ def test_structured_space_on_one_node_of_four():
     assert not any(c.dp > 1 and c.fsdp > 1 for c in megatron)
 
 
+def test_structured_space_with_pipeline_stages_on_two_nodes_of_four():
+    """pp outermost and at most max_pp, tp inside a node, the innermost data-parallel degree too;
+    each pipeline split under 1F1B and under interleaved 1F1B with 2 stages per rank."""
+    cluster = SimpleNamespace(num_devices=8, devices_per_node=4)
+    titan = structured_configs("torchtitan", cluster, TrainerConfig(), max_pp=4)
+    staged = sorted((c.pp, c.dp, c.fsdp, c.tp, c.schedule, c.virtual_stages) for c in titan if c.pp > 1)
+    splits = [(2, 1, 4, 1), (2, 2, 2, 1), (2, 4, 1, 1), (2, 1, 2, 2), (2, 2, 1, 2), (2, 1, 1, 4),
+              (4, 1, 2, 1), (4, 2, 1, 1), (4, 1, 1, 2)]          # by hand: pp=8 > max_pp; pp=2 x tp=8 > 8 devices
+    assert staged == sorted(s + sched for s in splits for sched in (("1F1B", 1), ("Interleaved1F1B", 2)))
+    flat = sorted((c.dp, c.fsdp, c.tp) for c in titan if c.pp == 1)
+    assert flat == [(1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 8, 1), (2, 1, 4), (2, 2, 2), (2, 4, 1), (4, 1, 2),
+                    (4, 2, 1), (8, 1, 1)]                        # tp=8: one axis over every device
+    assert not any(c.pp > 1 for c in structured_configs("torchtitan", cluster, TrainerConfig()))
+
+
+def test_cli_emit_finds_pipeline_stages_the_found_plan_did_not_try(tmp_path, capsys):
+    """Four one-GPU nodes on 25 Gb/s Ethernet: the best Megatron-LM configuration is pp=4, priced as the
+    same --degrees configuration, and said to beat the found plan (which did not search stages)."""
+    flags, argv = tmp_path / "flags.txt", ["plan", str(GPT), "--preset", "tiny", "--set", "n_layer=4", "--set",
+                                           "n_embd=512", "--cluster", str(ROOT / "configs" / "v100-16x1.yaml"),
+                                           "--devices", "4", "--micro-batch-size", "1", "--global-batch-size", "16"]
+    assert main(argv + ["--emit", "megatron", "--emit-out", str(flags), "--out", str(tmp_path / "a.json")]) == 0
+    text = flags.read_text()
+    emitted_ms = _ms(r"autoddl predicts ([\d.]+) ms per optimizer step", text)[0]
+    found_ms = _ms(r"the found plan \(per-op signatures, finer than Megatron-LM expresses\): ([\d.]+) ms", text)[0]
+    assert "which the found plan's search did not try: add --pipeline" in text and emitted_ms < found_ms
+    config, _ = from_megatron(" ".join(ln.rstrip(" \\") for ln in text.splitlines() if not ln.startswith("#")),
+                           devices=4)
+    assert (config.pp, config.dp, config.tp, config.schedule) == (4, 1, 1, "1F1B")
+    capsys.readouterr()
+    assert main(argv + ["--degrees", "pp=4", "--schedule", "1f1b", "--no-search", "--out", "/dev/null"]) == 0
+    assert _ms(r"given pp=4[^:]*: mesh \S+, predicted ([\d.]+) ms", capsys.readouterr().out) == [emitted_ms]
+
+
 def test_a_pipeline_schedule_autoddl_does_not_price_is_refused():
     config = dataclasses.replace(BOTH[3], schedule="ZBVZeroBubble")
     with pytest.raises(PlanningError, match="schedule ZBVZeroBubble is not one autoddl prices"):

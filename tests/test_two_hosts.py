@@ -59,17 +59,18 @@ def test_dp_plan_checks_across_two_namespaced_hosts(tmp_path):
 
 # -- the across-hosts fit, on synthetic timings (no testbed needed) ----------------------------------
 def _ring_s(kind: str, m: float, n: int, b: float, a: float) -> float:
-    """Gloo's formulas of the cost model (DESIGN.md "Cost model"): reduce-scatter runs as an all-reduce,
-    all-to-all as an all-gather."""
+    """Gloo's formulas of the cost model (DESIGN.md "Cost model"): reduce-scatter runs as an all-reduce."""
     ar, ag = 2 * (n - 1) / n * m / b + 2 * (n - 1) * a, (n - 1) / n * m / b + (n - 1) * a
-    return {"all_reduce": ar, "reduce_scatter": ar, "all_gather": ag, "all_to_all": ag,
+    return {"all_reduce": ar, "reduce_scatter": ar, "all_gather": ag,
+            "all_to_all": (n - 1) / n * (m / n) / b + (n - 1) * a,
             "broadcast": m / b + (n - 1) * a}[kind]
 
 
 def test_host_groups_and_two_hosts_cluster_recover_both_links(tmp_path, monkeypatch):
     from autoddl.calibration import fit_collectives
     from autoddl.cluster import CONFIG_DIR, Cluster
-    from executor.calibrate import (CHECK_BYTES, HOST_PATHS, CollectiveTiming, HostTimings, Settings,
+    from executor.calibrate import CollectiveTiming, Settings
+    from executor.calibrate_hosts import (CHECK_BYTES, HOST_PATHS, HostTimings,
                                     fit_host_paths, host_groups, two_hosts_cluster)
 
     assert host_groups(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])

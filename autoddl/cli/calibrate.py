@@ -49,7 +49,7 @@ def add_calibrate(subparsers: "argparse._SubParsersAction") -> None:
 def run_calibrate(args: argparse.Namespace) -> int:
     if args.across_hosts:            # measured by executor.calibrate, fitted per kind by autoddl.calibration
         from autoddl.calibration import fit_collectives
-        from executor.calibrate import calibrate_across_hosts
+        from executor.calibrate_hosts import calibrate_across_hosts
         return calibrate_across_hosts(args.out, args.base, fit_collectives, quick=args.quick)
     if args.devices_per_node is not None and args.devices_per_node < 1:
         raise ValueError(f"--devices-per-node must be a positive integer, got {args.devices_per_node}")

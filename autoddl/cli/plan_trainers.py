@@ -21,6 +21,7 @@ from autoddl.cli import model_overrides
 from autoddl.cluster import Cluster
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.loader import ModelFileError, load_model_file
+from autoddl.pipeline import pipeline_degree
 from autoddl.trainers import TrainerConfig
 from autoddl.trainers.formats import DEFAULT_OUT, NAMES, TRAINERS, check_expressible, read_config, write_config
 from autoddl.training import Training
@@ -145,8 +146,10 @@ def choose_emitted(args: argparse.Namespace, result: Planned, tracer: _Tracer, u
         relation = (f"the found plan: {found * 1e3:.3f} ms; this configuration takes "
                     f"{slower(result.given.step_time_s, found):.2f}x its step time" if found else "")
         return Emitted(trainer, _complete(config, result.given, result), result.given, relation)
-    settings = TrainerConfig(precision=args.precision, reduce_dtype=args.reduce_dtype, recompute="none")
-    candidates = [v for c in structured_configs(trainer, result.planned, settings)
+    blocks = len(recompute_blocks(result.graph))
+    settings = TrainerConfig(precision=args.precision, reduce_dtype=args.reduce_dtype, recompute="none",
+                             num_layers=blocks or None)
+    candidates = [v for c in structured_configs(trainer, result.planned, settings, max_pp=blocks or 1)
                   for v in recompute_variants(c, args.recompute)]
 
     def price(config: TrainerConfig):
@@ -168,6 +171,8 @@ def choose_emitted(args: argparse.Namespace, result: Planned, tracer: _Tracer, u
         relation = (f"the found plan (per-op signatures, finer than {NAMES[trainer]} expresses): {found * 1e3:.3f} "
                     f"ms; this, the best of {sum(p.scheme is not None for p in tried)} configurations "
                     f"{NAMES[trainer]} expresses, is predicted {slower(config_s, found):.2f}x its step time")
+        if config_s < found and best.config.pp > 1 and pipeline_degree(result.outcome.found) == 1:
+            relation += " (pipeline stages, which the found plan's search did not try: add --pipeline)"
     result.extra.append(best.scheme)
     return Emitted(trainer, _complete(best.config, best.scheme, result), best.scheme, relation)
 
