@@ -33,6 +33,11 @@ every micro-step, as FSDP does): ``syncs_every_micro_step``; the optimizer runs 
 Mixed precision: gradients cross the network in ``Training.grad_reduce_dtype``; the graph (traced
 under the policy) already holds activations and parameter working copies in ``param_dtype``.
 
+Spilling to host memory (``Training.offload``, autoddl/offload.py): the host copies are emitted by
+autoddl/offload_program.py at four points (before an op's forward and backward, after an op's
+backward, around the optimizer, which then runs on the host); a compute task waits for the copies
+it needs (``wait_for``).
+
 ZeRO-3 / FSDP gathers: the parameter uses whose move is one all-gather are grouped by layer
 group (``layer_group``; groups under ``GATHER_MIN_BYTES`` merge with the next), gathered as one
 collective where forward first needs the group, the next group launched right after without
