@@ -135,6 +135,25 @@ def _total_memory_gb() -> float:
     return 0.0
 
 
+
+CPU_HOST_COMMENTS = {
+    "host_link": "host and device are the same RAM on a CPU: a spill is a tensor copy",
+    "host_link.bandwidth_gbps": "measured: copy over large arrays (bytes read + written) / 2, per rank",
+    "host_link.latency_us": "measured: op_overhead_us, one copy_ call's dispatch",
+    "host_memory_gb": "measured: the machine's RAM (shared with the devices on a CPU)",
+    "host_memory_bandwidth_gbps": "measured: best of copy / add per rank x ranks at once",
+}
+
+
+def cpu_host(base: Cluster, meas: "Measurements", ram_gb: float, mem_gbps: float, nproc: int) -> dict:
+    """The host fields of a CPU cluster from the memory measurement (CPU_HOST_COMMENTS); none for a GPU."""
+    if base.device.kind != "cpu":
+        return {}
+    copy_gbps = meas.memory_gbps.get("copy", mem_gbps) / 2
+    return {"host_link": LinkSpec(_sig(copy_gbps), _sig(meas.op_overhead_us, 3)), "host_memory_gb": _sig(ram_gb, 3),
+            "host_memory_bandwidth_gbps": _sig(mem_gbps * nproc)}
+
+
 def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int | None = None,
                       command: str = "", min_r2: float = MIN_R2) -> Calibration:
     """Turn ``meas`` into a cluster: measured fields replaced, the rest from ``base`` (module docstring)."""
@@ -171,7 +190,7 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
         intra_node=link, inter_node=inter,
         efficiency=Efficiency(compute=_sig(min(1.0, comp.large_efficiency), 3), memory=1.0, network=1.0),
         op_overhead_us=_sig(meas.op_overhead_us, 3), collectives=CollectiveFits(**per_kind),
-        compute_curve=comp.curve, source="")
+        compute_curve=comp.curve, source="", **cpu_host(base, meas, _total_memory_gb() or memory_gb * dpn, mem_gbps, s.nproc))
 
     sizes = sorted({t.nbytes for t in meas.collectives})
     axes = sorted({t.n_devices for t in meas.collectives})
@@ -200,6 +219,8 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
         "op_overhead_us": f"measured: add of 1-element tensors needing grad {meas.tiny_op_us:.1f} us, per rank",
         "compute_curve": "measured: matmul efficiency (of peak_tflops) by GFLOPs per matmul",
     }
+    if base.device.kind == "cpu":
+        comments.update(CPU_HOST_COMMENTS)
     comments["links.inter_node"] = ("not measured (one node): same as intra_node, for resized()"
                                     if base.nodes == 1 else "from base: not measured on one machine")
     if per_kind:

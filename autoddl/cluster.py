@@ -27,6 +27,13 @@ and compute dtype (``op_us: {dtype: {family: [forward_us, backward_us]}}``, the 
 fixed cost of one op of that family, and ``op_work``, the multiple of the roofline
 time its kernels take, by op size), measured on synthetic inputs; and per recompute policy what
 activation checkpointing adds per op and per block (``recompute``).
+The host side of a node (optional; needed to spill to host memory, ``--offload``):
+``host_link: {bandwidth_gbps, latency_us}`` is one device's copy path to and from host
+memory (a GPU's PCIe link, per direction; a copy of M bytes takes latency + M / bandwidth),
+``host_memory_gb`` the node's host memory (its devices share it) and
+``host_memory_bandwidth_gbps`` the node's host memory bandwidth (an optimizer step spilled to
+the host is memory-bound on it). Files without them load; planning with offload then stops
+with an error naming the missing field (``Cluster.require_host``).
 ``cores_per_node`` (CPU clusters) is how many ranks a node runs at full speed at
 once (its cores / threads per rank): a mesh with more ranks than that on a node
 time-shares the cores, and the cost model slows that mesh's compute and
@@ -405,7 +412,13 @@ _EXECUTOR_FIELDS = {k: (f"a non-negative number of microseconds {what}", "nonneg
     ("step_us", "per training step (inputs, loss, zero_grad)"))}
 _TOP_KEYS = ("name", "nodes", "devices_per_node", "device", "links", "backend", "efficiency",
              "op_overhead_us", "collectives", "compute_curve", "executor", "cores_per_node",
-             "comm_measured_ranks_per_node")
+             "comm_measured_ranks_per_node", "host_link", "host_memory_gb", "host_memory_bandwidth_gbps")
+HOST_FIELDS = {   # the host side of a node (module docstring): field -> what it is
+    "host_link": "{bandwidth_gbps: GB/s per device one direction, latency_us: microseconds per copy} "
+                 "(a GPU's PCIe link to host memory)",
+    "host_memory_gb": "a positive number in GB (1e9 bytes) of host memory per node",
+    "host_memory_bandwidth_gbps": "a positive number in GB/s of host memory bandwidth per node",
+}
 _LINK_KEYS = ("intra_node", "inter_node")
 _NUMBER_WITH_UNIT = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([^\d\s].*?)\s*$")
 
@@ -658,6 +671,12 @@ def _parse(d: Any, src: str) -> tuple[dict[str, Any], list[str]]:
             src, "comm_measured_ranks_per_node", d["comm_measured_ranks_per_node"],
             "a positive integer: ranks of a node that ran at once while links and collectives were measured", "int",
             errors)
+    if d.get("host_link") is not None:
+        host = _section(src, "host_link", d["host_link"], _LINK_FIELDS, errors)
+        kw["host_link"] = LinkSpec(**host) if host else None
+    for key in ("host_memory_gb", "host_memory_bandwidth_gbps"):
+        if d.get(key) is not None:
+            kw[key] = _number(src, key, d[key], HOST_FIELDS[key], "pos", errors)
     if d.get("collectives") is not None:
         kw["collectives"] = _collectives(src, d["collectives"], errors)
     if d.get("compute_curve") is not None:
@@ -829,6 +848,9 @@ class Cluster:
     executor: ExecutorOverheads = ExecutorOverheads()
     cores_per_node: int | None = None   # CPU: ranks a node runs at once at full speed; None: no sharing
     comm_measured_ranks_per_node: int | None = None   # ranks per node busy while links / collectives were measured
+    host_link: LinkSpec | None = None   # one device's copy path to host memory (None: not described)
+    host_memory_gb: float | None = None             # host memory per node, 1e9 bytes
+    host_memory_bandwidth_gbps: float | None = None  # host memory bandwidth per node, GB/s
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -848,6 +870,8 @@ class Cluster:
             object.__setattr__(self, "executor", ExecutorOverheads())
         elif isinstance(self.executor, dict):
             object.__setattr__(self, "executor", ExecutorOverheads(**self.executor))
+        if isinstance(self.host_link, dict):
+            object.__setattr__(self, "host_link", LinkSpec(**self.host_link))
         if isinstance(self.compute_curve, (list, tuple)):
             object.__setattr__(self, "compute_curve", tuple(
                 tuple(p) if isinstance(p, (list, tuple)) else p for p in self.compute_curve))
@@ -914,7 +938,23 @@ class Cluster:
             **({"cores_per_node": self.cores_per_node} if self.cores_per_node else {}),
             **({"comm_measured_ranks_per_node": self.comm_measured_ranks_per_node}
                if self.comm_measured_ranks_per_node else {}),
+            **({"host_link": dataclasses.asdict(self.host_link)} if self.host_link else {}),
+            **{k: getattr(self, k) for k in ("host_memory_gb", "host_memory_bandwidth_gbps")
+               if getattr(self, k) is not None},
         }
+
+    def require_host(self, why: str) -> None:
+        """Raise naming every host field (module docstring) this cluster file leaves out, for ``why``."""
+        missing = [k for k in HOST_FIELDS if getattr(self, k) is None]
+        if missing:
+            raise ClusterConfigError(
+                [f"{self.source or self.name}: {k}: missing; {why} needs it: add {k}: {HOST_FIELDS[k]} "
+                 f"(with its source), or plan with --offload none" for k in missing], self.source)
+
+    def host_bytes_per_device(self) -> float:
+        """Host memory one device's rank may use: the node's, shared by its devices."""
+        self.require_host("host memory accounting")
+        return self.host_memory_gb * 1e9 / self.devices_per_node
 
     def to_yaml(self, path: str | os.PathLike, comments: dict[str, str] | None = None,
                 header: str = "") -> None:
@@ -1023,7 +1063,10 @@ class Cluster:
                    if self.executor.op_us else "")
                 + (" | recompute costs: " + ", ".join(self.executor.recompute) if self.executor.recompute
                    else "")
-                + (f" | {self.cores_per_node} ranks per node at once" if self.cores_per_node else ""))
+                + (f" | {self.cores_per_node} ranks per node at once" if self.cores_per_node else "")
+                + (f" | host link {self.host_link.bandwidth_gbps:g} GB/s {self.host_link.latency_us:g} us"
+                   if self.host_link else "")
+                + (f" | host {self.host_memory_gb:g} GB per node" if self.host_memory_gb else ""))
 
     def __str__(self) -> str:
         return self.summary()

@@ -33,6 +33,11 @@ every micro-step, as FSDP does): ``syncs_every_micro_step``; the optimizer runs 
 Mixed precision: gradients cross the network in ``Training.grad_reduce_dtype``; the graph (traced
 under the policy) already holds activations and parameter working copies in ``param_dtype``.
 
+Spilling to host memory (``Training.offload``, autoddl/offload.py): the host copies are emitted by
+autoddl/offload_program.py at four points (before an op's forward and backward, after an op's
+backward, around the optimizer, which then runs on the host); a compute task waits for the copies
+it needs (``wait_for``).
+
 ZeRO-3 / FSDP gathers: the parameter uses whose move is one all-gather are grouped by layer
 group (``layer_group``; groups under ``GATHER_MIN_BYTES`` merge with the next), gathered as one
 collective where forward first needs the group, the next group launched right after without
@@ -49,6 +54,8 @@ from typing import Sequence
 from autoddl.boxing import Move, boxing_moves, gradient_moves, grad_ndsbp, needed_grad_ndsbp
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
+from autoddl.offload import check_offload
+from autoddl.offload_program import SpillTasks
 from autoddl.pipeline import boundary_tensors, pipeline_degree, schedule_actions, stage_of_ops, tied_parameters
 from autoddl.pipeline_program import PipelineLayout, pipeline_tasks
 from autoddl.plan import Plan
@@ -130,6 +137,9 @@ class _Lowering:
         self.deferred: dict[str, frozenset[int]] = {}      # op -> axes its output gradient arrives P on
         self.deferred_syncs: set[int] = set()              # sync tasks only the last micro-step runs
         self.stage_of: dict[str, int] = stage_of_ops(graph, plan) if pipeline_degree(plan) > 1 else {}
+        check_offload(graph, plan)
+        self.bucket_tasks: list[int] = []
+        self.spill = SpillTasks(self)                      # host copies (autoddl/offload_program.py)
 
     def stage(self, op: str) -> int:
         """The virtual pipeline stage op ``op`` runs in (0 without stages)."""
@@ -166,6 +176,9 @@ class _Lowering:
     def emit(self, *, host: bool = True, deps: tuple[int, ...] | None = None, **fields) -> Task:
         if deps is None:
             deps = () if self.last is None else (self.last,)
+        if fields.get("stream") == COMPUTE and self.wait_for:     # prefetched copies the op waits for
+            deps = tuple(dict.fromkeys(deps + tuple(self.wait_for)))
+            self.wait_for = []
         task = Task(id=len(self.prog.tasks), deps=deps, **fields)
         self.prog.tasks.append(task)
         if host:
@@ -185,6 +198,7 @@ class _Lowering:
         sig = signature_of(self.plan, node)
         sources = tuple(self.source(node, sig, slot, ref) for slot, ref in enumerate(node.inputs))
         self.prog.op_inputs[node.name] = sources
+        self.spill.before_forward(node)
         share = work_divisor(sig, self.mesh)
         deps = ((self.last,) if self.last is not None else ()) + tuple(self.wait_for)
         self.wait_for = []
@@ -374,12 +388,14 @@ class _Lowering:
         if loss is not None and loss.key.grad is not None:
             self.emit_moves(loss.backward, "backward", loss.label, loss.key.node)
         remaining = {b.index: len(b.uses) for b in self.prog.buckets}
-        self.bucket_tasks: list[int] = []
+        self.bucket_tasks = []
+        self.spill.count_gradients(self.prog.param_uses)
         recompute_at = {block_ops[-1].name: block_ops for block_ops in recomputed_ops(self.graph, self.plan).values()}
         last_in_block = {name: name for name in recompute_at}
         for node in reversed(ops):
             if node.name not in self.rg and node.name not in recompute_at:
                 continue
+            self.spill.before_backward(node, recompute_at.get(node.name, []))
             for g in self.prog.gathers:     # backward reached a resharded group: gather it again
                 if g.reshard and g.last_consumer == node.name:
                     self.emit(phase="backward", stream=comm_stream(g.axis), op=node.name,
@@ -398,10 +414,13 @@ class _Lowering:
                 if isinstance(source, BoxKey):
                     edge = self.prog.edges[source]
                     self.emit_moves(edge.backward, "backward", edge.label, node.name)
-                elif self.prog.param_uses[source].bucket >= 0:
-                    bucket = self.prog.param_uses[source].bucket
-                    remaining[bucket] -= 1
-                    self.launch_ready_buckets(remaining, node.name)
+                else:
+                    self.spill.gradient_ready(self.prog.param_uses[source])
+                    if self.prog.param_uses[source].bucket >= 0:
+                        bucket = self.prog.param_uses[source].bucket
+                        remaining[bucket] -= 1
+                        self.launch_ready_buckets(remaining, node.name)
+            self.spill.after_backward(node.name)
         self.launch_then_axes()
         for use in self.prog.param_uses:              # the rest, at the end of backward
             if use.grad is not None and use.bucket < 0:
@@ -410,6 +429,7 @@ class _Lowering:
                 self.sync_use.update(dict.fromkeys(range(first, len(self.prog.tasks)), use.index))
                 if not syncs_every_micro_step([use]):
                     self.deferred_syncs.update(range(first, len(self.prog.tasks)))
+        self.spill.after_backward("backward end", final=True)
 
     def recompute(self, block_ops: list[OpNode]) -> None:
         """The block's recomputed ops forward again (module docstring), each after the forward
@@ -498,7 +518,10 @@ class _Lowering:
     def optimizer(self) -> None:
         syncs = tuple(t.id for t in self.prog.tasks if t.phase == "grad_sync") + tuple(self.async_tasks)
         deps = tuple(sorted(set(syncs + ((self.last,) if self.last is not None else ()))))
-        self.emit(deps=deps, phase="optimizer", stream=COMPUTE, op="optimizer")
+        if self.plan.training.offload_level == "none":
+            self.emit(deps=deps, phase="optimizer", stream=COMPUTE, op="optimizer")
+        else:                                        # on the host, between the copies (autoddl/offload.py)
+            self.spill.optimizer(deps)
         self.prog.param_syncs = param_syncs(self.graph, self.plan)
         for sync in self.prog.param_syncs:           # ZeRO-1/2: rebuild the updated parameters
             self.emit(phase="optimizer", stream=comm_stream(sync.axis), op="optimizer",

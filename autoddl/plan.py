@@ -84,6 +84,8 @@ class CostReport:
     fits_memory: bool
     exposed_comm_s: float = 0.0
     bubble_s: float = 0.0                       # the pipeline bubble (costmodel.simulate.bubble_s)
+    offload_s: float = 0.0                      # host copies, added up (Training.offload)
+    host_memory_bytes_per_device: int = 0       # what the plan spills to host memory, per device
     memory: dict[str, int] = field(default_factory=dict)
     collectives: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     tokens_per_s: float | None = None

@@ -11,10 +11,11 @@
   backward, up to ``plan.training.bucket_mb``, launched asynchronously as each
   fills (as DistributedDataParallel's Reducer does);
 - the ordered ``tasks`` with dependencies, each on a stream (``compute``, or
-  ``comm<axis>`` for the collectives of a mesh axis, ``p2p`` for pipeline sends) of one
-  pipeline rank (``pp_rank``; autoddl/pipeline_program.py): forward ops and the
+  ``comm<axis>`` for the collectives of a mesh axis, ``p2p`` for pipeline sends, ``copy_h2d`` /
+  ``copy_d2h`` for host copies and ``host`` for an optimizer step on the host: autoddl/offload.py)
+  of one pipeline rank (``pp_rank``; autoddl/pipeline_program.py): forward ops and the
   collectives boxing their inputs, backward ops in reverse with their gradients'
-  collectives, the buckets, the remaining syncs, the optimizer.
+  collectives, the buckets, the remaining syncs, the optimizer (and, spilling, the host copies).
 
 The cost model simulates the tasks' timeline (costmodel/simulate.py); the
 executor compiles ``op_inputs``/edges/param uses/buckets into a local fx program
@@ -40,10 +41,11 @@ from autoddl.plan import Plan
 from autoddl.sbp import NdSbp, Signature
 
 if TYPE_CHECKING:
+    from autoddl.offload import SpillGroup
     from autoddl.pipeline_program import PipelineLayout
 
 COMPUTE = "compute"
-PHASES = ("forward", "recompute", "backward", "grad_sync", "optimizer")
+PHASES = ("forward", "recompute", "backward", "grad_sync", "optimizer", "offload")   # offload: host copies
 
 
 def comm_stream(axis: int) -> str:
@@ -273,10 +275,15 @@ class Task:
     local_bytes: float = 0.0
     micro_step: int = 0              # which micro-step of the optimizer step (Training.micro_batches)
     pp_rank: int = 0                 # which pipeline rank runs it (autoddl/pipeline.py; 0 without stages)
+    copy: str = ""                   # a host copy (autoddl/offload.py): "h2d" or "d2h" of ``nbytes``
 
     @property
     def is_collective(self) -> bool:
         return self.collective is not None
+
+    @property
+    def is_copy(self) -> bool:
+        return bool(self.copy)
 
 
 @dataclass
@@ -293,10 +300,15 @@ class StepProgram:
     loss_async: bool = False         # the loss's all-reduce is waited for at the step's end only
     param_syncs: list["ParamSync"] = field(default_factory=list)   # ZeRO-1/2: after the optimizer
     pipeline: "PipelineLayout | None" = None   # stages and schedule (autoddl/pipeline_program.py)
+    spills: list["SpillGroup"] = field(default_factory=list)   # offload params: groups kept on the host
 
     def collectives(self) -> list[Task]:
         """The collective tasks in issue order (what the audit compares with)."""
         return [t for t in self.tasks if t.is_collective]
+
+    def copies(self) -> list[Task]:
+        """The host copy tasks in issue order (autoddl/offload.py; what the executor's copies match)."""
+        return [t for t in self.tasks if t.is_copy]
 
     def uses_of(self, fqn: str) -> list[ParamUse]:
         return [u for u in self.param_uses if u.fqn == fqn]

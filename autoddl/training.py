@@ -23,6 +23,12 @@ tasks of the step program, which the cost model prices and the executor runs.
 - ``schedule`` / ``virtual_stages`` / ``stage_cuts``: with a ``pp`` mesh axis, the pipeline
   schedule (gpipe, 1f1b, interleaved), the chunks per pp rank (interleaved only) and the first
   block of each virtual stage after the first (empty: equal block counts): autoddl/pipeline.py.
+- ``offload``: spilling to host memory (autoddl/offload.py): ``none``; ``optimizer`` (float32
+  masters, optimizer states and the optimizer step on the host, ZeRO-Offload); ``params`` (also
+  each layer group's working parameters, copied in one group ahead of use). ``auto`` is a
+  request: the planner tries none, then optimizer, then params, and writes the level it chose.
+- ``spill_blocks``: under ``offload params``, the repeated blocks spilled (empty: every one); the
+  planner spills the fewest, in block order, with which the plan fits.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}   # --precis
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 RECOMPUTE_CHOICES = RECOMPUTE_POLICIES + ("auto",)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")   # pipeline schedules (autoddl/pipeline.py)
+OFFLOAD_LEVELS = ("none", "optimizer", "params")   # what lives in host memory (autoddl/offload.py), least first
+OFFLOAD_CHOICES = OFFLOAD_LEVELS + ("auto",)
 
 
 def dtype_name(name: str, what: str) -> str:
@@ -62,8 +70,13 @@ class Training:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     stage_cuts: tuple[str, ...] = ()
+    offload: str = "none"
+    spill_blocks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.offload not in OFFLOAD_CHOICES:
+            raise ValueError(f"training.offload {self.offload!r} is not an offload level; choose one of "
+                             f"{list(OFFLOAD_CHOICES)}")
         if not self.bucket_mb >= 0:
             raise ValueError(f"training.bucket_mb must be >= 0 (MB of gradients per bucket), got {self.bucket_mb!r}")
         object.__setattr__(self, "param_dtype", dtype_name(self.param_dtype, "param_dtype"))
@@ -89,11 +102,12 @@ class Training:
             raise ValueError(f"training.virtual_stages {self.virtual_stages} needs schedule 'interleaved' "
                              f"(got {self.schedule!r}); gpipe and 1f1b run one chunk per pp rank")
         object.__setattr__(self, "stage_cuts", tuple(self.stage_cuts))
+        object.__setattr__(self, "spill_blocks", tuple(self.spill_blocks))
 
     def __hash__(self) -> int:
         return hash((self.bucket_mb, self.param_dtype, self.reduce_dtype, self.recompute,
                      tuple(sorted(self.recompute_blocks.items())), self.micro_batches, self.schedule,
-                     self.virtual_stages, self.stage_cuts))
+                     self.virtual_stages, self.stage_cuts, self.offload, self.spill_blocks))
 
     @property
     def bucket_bytes(self) -> int:
@@ -109,6 +123,11 @@ class Training:
         """Computing in a lower precision than the float32 parameters."""
         return self.param_dtype != "float32"
 
+    @property
+    def offload_level(self) -> str:
+        """What lives in host memory as the step runs: ``offload``, with ``auto`` (a request) as none."""
+        return "none" if self.offload == "auto" else self.offload
+
     def recompute_of(self, block: str) -> str:
         """The policy block ``block`` runs under (``root``, outside any block, is never recomputed)."""
         if block == "root":
@@ -117,7 +136,7 @@ class Training:
         return "none" if policy == "auto" else policy
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "stage_cuts": list(self.stage_cuts)}
+        return {**asdict(self), "stage_cuts": list(self.stage_cuts), "spill_blocks": list(self.spill_blocks)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, *, source: str = "plan") -> "Training":

@@ -4,7 +4,8 @@ collectives  alpha-beta time per collective kind, mesh axis and backend
 boxing       NdSbp -> NdSbp transitions, forward and the dual gradient transition
 compute      roofline per op on its local shard, backward per op family, optimizer step
 edges        which collectives a plan runs (forward, backward, gradient sync)
-memory       per-device memory by category
+memory       per-device memory by category (device and, spilling, host)
+host         spilling to host memory: a host copy on the host link, the optimizer step on the host
 breakdown    plan_cost -> CostBreakdown, predicted_collectives
 """
 

@@ -8,8 +8,9 @@ duration, added up: ``boxing_forward_s + boxing_backward_s + grad_sync_s``; with
 sends of activations and their gradients; the backward boxing
 includes the recomputed blocks' collectives, the grad sync ZeRO-1/2's all-gather of the
 updated parameters),
-``exposed_comm_s`` (step time the compute stream does not cover, less the bubble), the
-optimizer, and memory per device. With pipeline stages the times are the busiest pp rank's, and
+``exposed_comm_s`` (step time the compute stream does not cover, less the bubble: with offload,
+host copies nothing overlapped are in it too), the optimizer (on the host under offload), ``offload_s``
+(every host copy's duration, added up), and memory per device (device and, spilled, host). With pipeline stages the times are the busiest pp rank's, and
 ``bubble_s`` is the pipeline bubble (costmodel.simulate.bubble_s), its own term. :func:`predicted_collectives` lists the
 program's collectives, kinds after the backend's emulation, for the executor's
 audit (compare as a multiset of ``(kind, axis, bytes, phase)``).
@@ -25,6 +26,7 @@ import pandas as pd
 
 from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph
+from autoddl.offload import HOST
 from autoddl.plan import CostReport, Plan
 from autoddl.program import COMPUTE, StepProgram, lower, signature_of
 from costmodel.collectives import Collective, carried_out_as
@@ -51,11 +53,20 @@ class CostBreakdown:
     step_overhead_s: float = 0.0
     exposed_comm_s: float = 0.0
     bubble_s: float = 0.0
+    offload_s: float = 0.0                     # host copies, added up (the copy stream's busy time)
+    host_limit_bytes: int = 0                  # host memory per device (offload; 0: not checked)
     timeline: Timeline | None = None
 
     @property
+    def host_memory_bytes(self) -> int:
+        """Host memory per device the plan spills into (costmodel/memory.py ``host``)."""
+        return int(self.memory.get("host", 0))
+
+    @property
     def fits_memory(self) -> bool:
-        return self.memory_limit_bytes <= 0 or self.memory_bytes_per_device <= self.memory_limit_bytes
+        """Device memory within its limit, and what is spilled within the host's share."""
+        device = self.memory_limit_bytes <= 0 or self.memory_bytes_per_device <= self.memory_limit_bytes
+        return device and (self.host_limit_bytes <= 0 or self.host_memory_bytes <= self.host_limit_bytes)
 
     def op_rows(self) -> list[dict[str, Any]]:
         """The per-op table as JSON-able rows (what Plan.op_costs stores)."""
@@ -82,6 +93,7 @@ class CostBreakdown:
             "boxing_backward_s": float(self.boxing_backward_s), "grad_sync_s": float(self.grad_sync_s),
             "optimizer_s": float(self.optimizer_s), "step_overhead_s": float(self.step_overhead_s),
             "exposed_comm_s": float(self.exposed_comm_s), "bubble_s": float(self.bubble_s),
+            "offload_s": float(self.offload_s), "host_memory_bytes_per_device": self.host_memory_bytes,
             "memory_bytes_per_device": int(self.memory_bytes_per_device),
             "memory_limit_bytes": int(self.memory_limit_bytes), "fits_memory": bool(self.fits_memory),
             "memory": {k: int(v) for k, v in self.memory.items()},
@@ -108,9 +120,10 @@ def plan_cost(graph: OpGraph, plan: Plan, cluster: Cluster) -> CostBreakdown:
     memory = memory_bytes(graph, plan, collectives, program)
     rank = timeline.busiest_rank
     bubble = bubble_s(timeline, program)
+    host_limit = int(cluster.host_bytes_per_device()) if plan.training.offload_level != "none" else 0
     return CostBreakdown(
         step_time_s=timeline.step_time_s, compute_s=timeline.busy_s(stream=COMPUTE, collective=False, pp_rank=rank)
-        - timeline.busy_s(phase="optimizer", collective=False, pp_rank=rank),
+        - timeline.busy_s(stream=COMPUTE, phase="optimizer", collective=False, pp_rank=rank),
         comm_s=timeline.busy_s(collective=True, pp_rank=rank),
         boxing_forward_s=timeline.busy_s(phase="forward", collective=True, pp_rank=rank),
         boxing_backward_s=timeline.busy_s(phase="backward", collective=True, pp_rank=rank)
@@ -121,9 +134,19 @@ def plan_cost(graph: OpGraph, plan: Plan, cluster: Cluster) -> CostBreakdown:
         - cluster.executor.step_us * 1e-6,
         memory_bytes_per_device=memory["total"], memory=memory, per_op=_per_op(graph, plan, timeline),
         memory_limit_bytes=int(cluster.device.memory_gb * 1e9), collectives=collectives,
-        step_overhead_s=cluster.executor.step_us * 1e-6, exposed_comm_s=max(0.0, timeline.exposed_comm_s - bubble),
-        bubble_s=bubble, timeline=timeline,
+        step_overhead_s=cluster.executor.step_us * 1e-6, exposed_comm_s=_exposed_comm_s(timeline, bubble, rank),
+        bubble_s=bubble, offload_s=timeline.busy_s(phase="offload"), host_limit_bytes=host_limit,
+        timeline=timeline,
     )
+
+
+def _exposed_comm_s(timeline: Timeline, bubble: float, rank: int) -> float:
+    """Step time the compute stream does not cover, less the bubble and an optimizer step on the host
+    (offload), at most the collectives' time (host copies nothing overlapped are not communication)."""
+    host = timeline.busy_s(stream=HOST, pp_rank=rank)
+    rest = max(0.0, timeline.exposed_comm_s - bubble - host)
+    copies = timeline.busy_s(phase="offload", pp_rank=rank)
+    return min(rest, timeline.busy_s(collective=True, pp_rank=rank)) if host or copies else rest
 
 
 def _per_op(graph: OpGraph, plan: Plan, timeline: Timeline) -> pd.DataFrame:

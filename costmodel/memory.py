@@ -24,6 +24,15 @@
 - ``boxing_buffer``: the largest tensor a collective materialises, other than the
   parameter gathers above: M for all-gather / all-reduce / reduce-scatter / broadcast,
   M/n for a native all-to-all.
+
+Spilling to host memory (``Training.offload``, autoddl/offload.py) moves some of these off the
+device, and ``host`` (not in ``total``: host memory per device, checked against the node's
+``host_memory_gb`` shared by its devices) counts them there: the float32 masters, their float32
+gradients and the optimizer states of every parameter, and under ``params`` the spilled groups'
+working copies. The device keeps the other parameters' working copies (``parameters`` in float32,
+or ``working_params``) and their gradients in the reduce dtype until copied out (``gradients``), and
+``spilled_params`` / ``spilled_grads``: two consecutive spilled groups' working copies and gradients
+at once (the one computing and the one in flight: double buffering).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from autoddl.graph import NodeKind, OpGraph
+from autoddl.offload import grad_bytes, kept_parameters, spill_groups
 from autoddl.pipeline import in_flight_peak, input_stage
 from autoddl.plan import Plan
 from autoddl.precision import MASTER_ITEMSIZE, itemsize
@@ -42,7 +52,7 @@ from costmodel.collectives import Collective, CollectiveKind
 from costmodel.compute import ZERO_COST, optimizer_state_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "working_params", "buffers", "activations",
-              "recomputed", "gathered_params", "boxing_buffer")
+              "recomputed", "gathered_params", "boxing_buffer", "spilled_params", "spilled_grads")
 
 
 def local_bytes(nbytes: int, nd: NdSbp, mesh_shape: Sequence[int]) -> int:
@@ -194,9 +204,34 @@ def _rank_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective], p
         "recomputed": recomputed_bytes(graph, plan),
         "gathered_params": gathered_param_bytes(graph, plan, program, only),
         "boxing_buffer": boxing_buffer_bytes(collectives, graph, mesh),
+        "spilled_params": 0, "spilled_grads": 0,
     }
+    if plan.training.offload_level != "none":
+        mem.update(offloaded_bytes(graph, plan, program))
     mem["total"] = sum(mem[k] for k in CATEGORIES)
     return mem
+
+
+def offloaded_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None) -> dict[str, int]:
+    """The categories spilling changes (module docstring), ``host`` included."""
+    groups = spill_groups(graph, plan)
+    kept_metas = kept_parameters(graph, plan)
+    kept = frozenset(kept_metas)
+    master_bytes, master_numel = master_parameters(graph, plan)
+    host_grads = local_parameters(graph, plan, grad_storage_of)[0]
+    spilled_working = sum(g.param_bytes for g in groups) if plan.training.mixed else 0
+
+    def pair(sizes: list[int]) -> int:        # the largest two consecutive groups
+        return max((a + b for a, b in zip(sizes, sizes[1:] + [0])), default=0)
+    return {
+        "parameters": 0 if plan.training.mixed else local_parameters(graph, plan, only=kept)[0],
+        "gradients": sum(grad_bytes(plan, f, meta) for f, meta in kept_metas.items()),
+        "optimizer_states": 0,
+        "working_params": working_param_bytes(graph, plan, program, kept),
+        "spilled_params": pair([g.param_bytes for g in groups]),
+        "spilled_grads": pair([g.grad_bytes for g in groups]),
+        "host": master_bytes + host_grads + int(optimizer_state_bytes(master_numel, plan.optimizer)) + spilled_working,
+    }
 
 
 def chunk_activation_bytes(graph: OpGraph, plan: Plan, program: StepProgram) -> list[int]:

@@ -15,7 +15,9 @@ activations: the bubble, priced as the schedule runs. Durations:
 - collective: alpha-beta on the link of its mesh axis, as the backend carries it out
   (costmodel.collectives);
 - optimizer: the memory-bound step over the local parameters (a pp rank's own), plus the
-  executor's fixed per-step cost (``cluster.executor.step_us``).
+  executor's fixed per-step cost (``cluster.executor.step_us``); on the ``host`` stream (offload) at
+  the host's memory bandwidth (costmodel/host.py);
+- host copy (``copy`` stream, offload): latency + bytes / bandwidth of the host link (costmodel/host.py).
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from dataclasses import dataclass, field
 
 from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph
+from autoddl.offload import HOST
 from autoddl.plan import Plan
 from autoddl.pipeline import schedule_makespan
 from autoddl.program import COMPUTE, StepProgram, Task, block_of, recomputed_ops, signature_of
 from costmodel.collectives import cluster_collective_time_s
 from costmodel.compute import op_backward_time_s, op_forward_time_s, optimizer_time_s, recompute_overhead_s
+from costmodel.host import host_copy_time_s, host_optimizer_time_s
 from costmodel.memory import master_parameters
 
 
@@ -104,9 +108,15 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
     mesh = tuple(plan.mesh.shape)
     if task.is_collective:
         return cluster_collective_time_s(task.collective, task.nbytes, mesh, task.axis, cluster)
+    if task.is_copy:
+        return host_copy_time_s(task.nbytes, cluster)
     if task.phase == "optimizer":
         param_bytes, param_numel = master_parameters(graph, plan, params)
-        return optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster, mesh) + cluster.executor.step_us * 1e-6
+        if task.stream == HOST:
+            step_s = host_optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster)
+        else:
+            step_s = optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster, mesh)
+        return step_s + cluster.executor.step_us * 1e-6
     node = graph[task.op]
     sig = signature_of(plan, node)
     if task.phase in ("forward", "recompute"):
@@ -131,7 +141,7 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
     rank_params = program.pipeline.rank_params if program.pipeline is not None else ()
     memo: dict[tuple, float] = {}       # a pipeline copies each chunk's tasks once per micro-batch
     for task in program.tasks:
-        key = (task.phase, task.op, task.stream, task.collective, task.axis, task.nbytes, task.pp_rank)
+        key = (task.phase, task.op, task.stream, task.collective, task.axis, task.nbytes, task.pp_rank, task.copy)
         if key not in memo:
             params = rank_params[task.pp_rank] if rank_params and task.phase == "optimizer" else None
             memo[key] = task_time_s(task, graph, plan, cluster, recompute, params)

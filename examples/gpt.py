@@ -9,6 +9,9 @@ Presets (PRESETS below; default "gpt2-small"):
   tiny        2 layers, 4 heads, 64 wide, vocab 512, batch 4 x seq 32 (tests)
   gpt2-small  12/12/768, vocab 50304, seq 1024, batch 16    (124.5M params)
   gpt2-xl     48/25/1600, vocab 50304, seq 1024, batch 16   (1.56B params)
+  gpt-6b      28/16/4096, vocab 50400, seq 2048, batch 1    (5.9B params; GPT-J-6B's sizes: EleutherAI/gpt-j-6b
+              config.json n_layer 28, n_head 16, n_embd 4096, n_positions 2048, vocab_size 50400; this file's
+              GPT-2 blocks, learned positions and tied lm_head, not GPT-J's rotary parallel blocks)
   gpt3-175b   96/96/12288, vocab 50304, seq 2048, batch 32  (175B params)
 
 Sizes are set by keyword, then preset (the file reads no environment):
@@ -53,6 +56,8 @@ PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=512, block_size=64, batch_size=4, seq_len=32),
     "gpt2-small": GPTConfig(n_layer=12, n_head=12, n_embd=768),
     "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),
+    "gpt-6b": GPTConfig(n_layer=28, n_head=16, n_embd=4096, vocab_size=50400, block_size=2048, batch_size=1,
+                        seq_len=2048),
     "gpt3-175b": GPTConfig(n_layer=96, n_head=96, n_embd=12288, block_size=2048, batch_size=32, seq_len=2048),
 }
 DEFAULT_PRESET = "gpt2-small"

@@ -35,6 +35,7 @@ from autoddl.program import BoxKey, InputSource, StepProgram, block_of, signatur
 from autoddl.sbp import NdSbp
 from executor.gradsync import GradSync
 from executor.moves import Boxer, BoxFunction, place_local, unflatten_gathered, wait
+from executor.offload import HostCopies
 from executor.recompute import OP_META, outline_blocks
 
 
@@ -42,13 +43,16 @@ class LocalStep:
     """What the compiled graph calls at run time: parameter uses, boxes, and local placement."""
 
     def __init__(self, program: StepProgram, boxer: Boxer, local_params: dict[str, torch.Tensor],
-                 grad_sync: GradSync, param_dtype: str = "float32"):
+                 grad_sync: GradSync, param_dtype: str = "float32", spill: HostCopies | None = None):
         self.program, self.boxer, self.local_params, self.grad_sync = program, boxer, local_params, grad_sync
         self.param_dtype = param_dtype
+        self.spill = spill                   # offload params: the spilled groups' host copies
+        spilled = spill.group_of if spill is not None else {}
         self.edges = list(program.edges.values())
         self.edge_index = {e.key: i for i, e in enumerate(self.edges)}
         self.standing = {u.index: self._leaf(u.index, local_params[u.fqn]) for u in program.param_uses
-                         if not u.forward and self._working(local_params[u.fqn]) is local_params[u.fqn]}
+                         if not u.forward and self._working(local_params[u.fqn]) is local_params[u.fqn]
+                         and u.fqn not in spilled}
         self.slot = {i: n for g in program.gathers for n, i in enumerate(g.uses)}   # use -> place in its group
         self.pending_losses: list[torch.Tensor] = []        # the loss all-reduces in flight (loss_async)
         self.start_step()
@@ -90,6 +94,8 @@ class LocalStep:
         with torch.no_grad():
             if use.gather >= 0:
                 value = self._gathered(use.gather)[self.slot[index]]
+            elif self.spill is not None and use.fqn in self.spill.group_of:     # copied in from the host
+                value = self.boxer.run(use.forward, self.spill.fetch(use.fqn), use.meta.shape, use.fqn)
             else:
                 value = self.boxer.run(use.forward, self._working(self.local_params[use.fqn]), use.meta.shape, use.fqn)
         return self._leaf(index, value)
@@ -200,6 +206,10 @@ class ProgramCompiler:
                 if done:
                     self.env[node.name] = self.fx.call_function(self.step.reshard_after, (self.env[node.name], done))
                     self.env[node.name].meta[OP_META] = ""       # outside any recomputed block
+                if self.step.spill is not None and node.name in self.step.spill.last_forward.values():
+                    self.env[node.name] = self.fx.call_function(self.step.spill.after_forward_op,
+                                                                (self.env[node.name], node.name))
+                    self.env[node.name].meta[OP_META] = ""
         loss = self.step.program.loss
         if stage is not None and not stage.last:         # a pipeline stage: what the next one receives
             self.fx.output(tuple(self.output_node(b.ref) for b in stage.sent))

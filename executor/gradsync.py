@@ -43,8 +43,10 @@ class GradSync:
 
     def __init__(self, program: StepProgram, boxer: Boxer, local_params: dict[str, torch.Tensor],
                  set_phase: Callable[[str], None], reduce_dtype: str = "float32",
-                 grad_targets: dict[str, tuple[torch.Tensor, tuple]] | None = None):
+                 grad_targets: dict[str, tuple[torch.Tensor, tuple]] | None = None,
+                 copy_out: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None):
         self.program, self.boxer, self.local_params, self.set_phase = program, boxer, local_params, set_phase
+        self.copy_out = copy_out                     # offload params: synced gradients -> host (executor/offload.py)
         self.grad_targets = grad_targets or {}       # ZeRO-1/2: fqn -> (optimizer shard, local moves to it)
         self.reduce_dtype = torch_dtype(reduce_dtype)
         self.layouts = [self._layout(b) for b in program.buckets]   # per bucket, per use: fixed for the run
@@ -142,6 +144,8 @@ class GradSync:
                 continue
             g = self.boxer.run(use.grad_sync, self._grad(use).to(self.reduce_dtype), use.meta.shape, use.fqn)
             synced[use.fqn] = g if use.fqn not in synced else synced[use.fqn] + g
+        if self.copy_out is not None:
+            synced = self.copy_out(synced)
         for fqn, g in synced.items():
             local, moves = self.grad_targets.get(fqn, (self.local_params[fqn], ()))
             if moves:           # ZeRO-1: this rank's piece of the whole reduced gradient

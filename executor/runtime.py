@@ -51,6 +51,7 @@ from executor.audit import CommRecord, CommRecorder
 from executor.compiled import LocalStep, ProgramCompiler
 from executor.gradsync import GradSync
 from executor.moves import Boxer, place_local, shard_view, unflatten_gathered, wait
+from executor.offload import HostCopies
 
 
 class PlanExecutionError(RuntimeError):
@@ -140,6 +141,7 @@ class DistributedModel(nn.Module):
                       [mesh.get_group(a).group_name for a in range(mesh.ndim)], dist.get_backend(), self._on_collective)
         self.boxer = boxer
         self.local_params = self._place_parameters(boxer)
+        self.host_copies = HostCopies(self.program, self.local_params, plan.training.param_dtype, self.device)
         ep = graph.exported
         self._user_inputs = list(ep.graph_signature.user_inputs)
         self._constants = dict(getattr(ep.graph_signature, "inputs_to_lifted_tensor_constants", {}))
@@ -151,15 +153,17 @@ class DistributedModel(nn.Module):
         """This rank's gradient sync, local step and compiled program (a pipeline compiles one per stage:
         executor/pipelined.py)."""
         training = self.plan.training
-        self.grad_sync = self._grad_sync(self.program)
+        spill = self.host_copies if self.program.spills else None
+        self.grad_sync = self._grad_sync(self.program, spill)
         self.step = LocalStep(self.program, self.boxer, self.local_params, self.grad_sync,
-                              param_dtype=training.param_dtype)
+                              param_dtype=training.param_dtype, spill=spill)
         self.local_program = ProgramCompiler(self.graph, self.plan, self.step, self.device, self._fx_targets).compile()
         self.run_program: Callable[..., torch.Tensor] = self.local_program
 
-    def _grad_sync(self, program) -> GradSync:
+    def _grad_sync(self, program, spill: "HostCopies | None" = None) -> GradSync:
         return GradSync(program, self.boxer, self.local_params, self._set_phase,
-                        reduce_dtype=self.plan.training.grad_reduce_dtype, grad_targets=self._grad_targets())
+                        reduce_dtype=self.plan.training.grad_reduce_dtype, grad_targets=self._grad_targets(),
+                        copy_out=spill.copy_out if spill is not None else None)
 
     def _place_parameters(self, boxer: Boxer) -> dict[str, torch.Tensor]:
         """Every parameter as a DTensor of its storage layout (tied weights stay tied); returns the
@@ -213,6 +217,7 @@ class DistributedModel(nn.Module):
                                              for f, t in zip(sync.fqns, shards)])
                 for f, whole in zip(sync.fqns, wholes):
                     params[f]._autoddl_local.copy_(whole)
+        self.host_copies.refresh()          # offload params: the host's updated working copies
 
     # -- audit labels ----------------------------------------------------------------------------
     def _set_phase(self, phase: str) -> None:
@@ -267,6 +272,7 @@ class DistributedModel(nn.Module):
         share of the loss, its all-reduce still in flight: :meth:`loss_value` reads the loss."""
         self._set_phase("forward")
         self.step.start_step()
+        self.host_copies.start_step()
         loss = self.run_program(*self._local_inputs(inputs))
         if loss.requires_grad:
             loss.register_hook(self._queue_finish)

@@ -170,9 +170,11 @@ def time_plan(mf: ModelFile, graph, plan: Plan, mesh, args: argparse.Namespace, 
     out = _gather_timing(times, memory.peak_mb(), losses)
     if args.profile:
         out["profile"] = _profile_step(lambda: train_step(dmodel, mf.example_inputs, opt), args.profile, rank)
+    dmodel.host_copies.records.clear()
     records = audit_records(dmodel, audit_step(dmodel, mf.example_inputs, opt))
     out["collectives"] = [r.to_dict() for r in records]
     out["collectives_summary"] = summarize(records)
+    out["host_copies"] = [[r.copy, r.nbytes, r.tensor] for r in dmodel.host_copies.records]   # offload params
     return out
 
 

@@ -17,7 +17,8 @@ then full (the levels of :func:`recompute_levels`), until the mesh's best plan f
 cost model counts memory. Memory falls level by level, so the first level that fits is found by
 bisection (of the formulation's least memory while the search finds nothing that fits, then of
 the full cost model's memory of the plan found), and the search runs again at that level.
-Baselines take the first level at which they fit themselves.
+Baselines take the first level at which they fit themselves. ``Training.offload`` other than
+none is search/offload.py's: it runs this search and spills the plans it finds.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class Scheme:
     plan: Plan | None
     breakdown: CostBreakdown | None
     reason: str = ""
+    no_offload_s: float | None = None        # spilled (search/offload.py): the step of the plan without it
+    no_offload_fits: bool = True             # ... and whether that fits the memory limit
 
     @property
     def step_time_s(self) -> float:
@@ -286,8 +289,12 @@ def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tupl
            progress: Callable[[str], None] | None = None, training: Training | None = None) -> SearchOutcome:
     """Search every mesh; return the found plan and each baseline, all priced by the full cost model
     and all carrying ``training`` (module docstring; ``recompute="auto"`` chooses per block)."""
-    t0 = time.perf_counter()
     training = training or Training()
+    if training.offload != "none":            # spilling to host memory: search/offload.py
+        from search.offload import offload_search
+        return offload_search(graph, cluster, search, training=training, memory_gb=memory_gb, model_name=model_name,
+                              mesh=mesh, optimizer=optimizer, cd_time_limit_s=cd_time_limit_s, progress=progress)
+    t0 = time.perf_counter()
     say = progress or (lambda _msg: None)
     if memory_gb is not None and memory_gb <= 0:
         raise PlanningError(f"--memory-gb {memory_gb}: must be a positive number of GB per device")

@@ -237,10 +237,14 @@ def test_calibrate_cluster_from_synthetic_measurements(tmp_path):
     assert c.device.peak_tflops == 0.04 and c.efficiency.compute == 1.0 and c.device.memory_bandwidth_gbps == 9.0
     assert c.device.peaks == {"float32": 0.04}          # only float32 timed: a mapping, so bfloat16 is not guessed
     assert c.op_overhead_us == 4.0 and all(e == 1.0 for _, e in c.compute_curve)
+    # the host side of a CPU (spilling): a copy moves half the bytes the copy rate counts (read + written)
+    assert c.host_link == LinkSpec(4.5, 4.0) and c.host_memory_bandwidth_gbps == 2 * 9.0
+    assert c.host_memory_gb == pytest.approx(4 * c.device.memory_gb, rel=0.01)
     out = tmp_path / "cal.yaml"
     cal.write(out)
     assert Cluster.from_yaml(out) == c
     text = out.read_text()
+    assert "  bandwidth_gbps: 4.5  # measured: copy over large arrays (bytes read + written) / 2, per rank" in text
     assert "devices_per_node: 4  # ranks on this machine; calibrated with 2; above 2 ranks they share cores" in text
     differ = dict(agree, broadcast=(20e-6, 4e9))
     cal = calibrate_cluster(synthetic_measurements(differ), base_cluster(), command="x")

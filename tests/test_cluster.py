@@ -322,7 +322,8 @@ def test_unknown_top_level_key_suggests_closest(tmp_path):
     _, errors, _ = errors_of(tmp_path, dict(GOOD, zzz=1))
     assert errors == [f"{tmp_path / 'x.yaml'}: zzz: unknown key; known keys: name, nodes, devices_per_node, "
                       "device, links, backend, efficiency, op_overhead_us, collectives, compute_curve, executor, "
-                      "cores_per_node, comm_measured_ranks_per_node"]
+                      "cores_per_node, comm_measured_ranks_per_node, host_link, host_memory_gb, "
+                      "host_memory_bandwidth_gbps"]
 
 
 def test_not_yaml_not_mapping_missing_file(tmp_path):
@@ -549,3 +550,35 @@ def test_executor_op_families_and_recompute_errors(tmp_path):
         "(an aten op name, e.g. linear): [forward_us, backward_us]}, got [1]",
         f"{path}: executor.recompute: expected a mapping from recompute policy (selective, full) to {{op_forward_us, "
         "op_backward_us, matmul_forward_us, matmul_backward_us, block_forward_us, block_backward_us}, got 3"]
+
+
+# -- the host side of a node (spilling to host memory) ------------------------------------------------
+
+def test_host_fields_load_round_trip_and_are_optional(tmp_path):
+    """Every bundled file but two-hosts describes its host; an old file without the fields loads, and
+    asking it for the host names each missing field and what to add."""
+    a100 = Cluster.from_yaml(bundled_config("dgx-a100-8"))
+    assert a100.host_link == LinkSpec(31.5, 10.0) and a100.host_memory_gb == 2000
+    assert a100.host_memory_bandwidth_gbps == 409.6
+    assert Cluster.from_dict(a100.to_dict()) == a100
+    assert a100.host_bytes_per_device() == 2000e9 / 8
+    assert Cluster.from_yaml(bundled_config("h100-4x8")).host_link.bandwidth_gbps == 63.0      # PCIe 5.0 x16
+    assert Cluster.from_yaml(bundled_config("v100-16x1")).host_link.bandwidth_gbps == 15.75    # PCIe 3.0 x16
+    old = Cluster.from_yaml(bundled_config("two-hosts"))
+    assert old.host_link is None and old.host_memory_gb is None
+    with pytest.raises(ClusterConfigError) as exc:
+        old.require_host("--offload params")
+    assert [e.split(": ")[1] for e in exc.value.errors] == ["host_link", "host_memory_gb",
+                                                            "host_memory_bandwidth_gbps"]
+    assert "--offload params needs it" in exc.value.errors[0] and "--offload none" in exc.value.errors[0]
+
+
+def test_host_fields_bad_values_name_the_field(tmp_path):
+    d = dict(GOOD, host_link={"bandwidth_gbps": "31.5 GB/s", "latency_us": -1, "lat": 1}, host_memory_gb=0)
+    path, errors, _ = errors_of(tmp_path, d)
+    assert f"{path}: host_link.bandwidth_gbps: expected a positive number in GB/s per device, one direction, " \
+           "got '31.5 GB/s': wrong unit" in errors[1]
+    assert any(e.startswith(f"{path}: host_link.lat: unknown key") for e in errors)
+    assert f"{path}: host_link.latency_us: expected a non-negative number in microseconds, got -1" in errors
+    assert f"{path}: host_memory_gb: expected a positive number in GB (1e9 bytes) of host memory per node, got 0" \
+        in errors

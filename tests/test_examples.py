@@ -106,8 +106,8 @@ def test_published_parameter_counts():
     assert resnet_params(load("resnet").config("resnet50")) == 25_557_032  # torchvision resnet50
 
 
-# presets traced with torch.export here; gpt2-xl, gpt3-175b and llama3-70b only in benchmarks/
-TRACED = [(m, p) for m, p in ALL_PRESETS if p not in ("gpt2-xl", "gpt3-175b", "llama3-70b")]
+# presets traced with torch.export here; gpt2-xl, gpt-6b, gpt3-175b and llama3-70b only in benchmarks/
+TRACED = [(m, p) for m, p in ALL_PRESETS if p not in ("gpt2-xl", "gpt-6b", "gpt3-175b", "llama3-70b")]
 OP_COUNTS = {  # (model, preset) -> {op: count} the graph must contain
     ("gpt", "tiny"): {"scaled_dot_product_attention": 2, "embedding": 2},
     ("gpt", "gpt2-small"): {"scaled_dot_product_attention": 12},

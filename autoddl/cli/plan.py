@@ -28,7 +28,7 @@ from autoddl.graph import NodeKind, OpGraph
 from autoddl.loader import ModelFile, ModelFileError, load_for_plan, load_model_file
 from autoddl.ops import coverage_report
 from autoddl.plan import Mesh, Plan
-from autoddl.training import DEFAULT_BUCKET_MB, DTYPES, RECOMPUTE_CHOICES, RECOMPUTE_POLICIES, SCHEDULES, Training
+from autoddl.training import OFFLOAD_CHOICES, DEFAULT_BUCKET_MB, DTYPES, RECOMPUTE_CHOICES, RECOMPUTE_POLICIES, SCHEDULES, Training
 from search.pipeline_search import best_fitting, search_3d
 from search.planner import (SCHEMES, Scheme, SearchOutcome, data_parallel_degree, degrees_spec, inner_tp_plan,
                             parse_degrees, price_degrees, recompute_blocks, resolve_cluster, search)
@@ -58,6 +58,11 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
     t.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="none",
                    help="activation recompute per repeated block: none, selective (recompute all but matmul "
                         "outputs), full, or auto (the planner chooses per block under the memory limit)")
+    t.add_argument("--offload", choices=OFFLOAD_CHOICES, default="none",
+                   help="spill to host memory: none, optimizer (fp32 masters, optimizer states and step on the "
+                        "host), params (and each block's parameters, copied in one block ahead), or auto (none, "
+                        "then optimizer, then params: the first with which a plan fits); needs the cluster "
+                        "file's host_link, host_memory_gb, host_memory_bandwidth_gbps")
     t.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB, metavar="MB",
                    help=f"gradient-sync bucket size (default {DEFAULT_BUCKET_MB:g}, as DDP)")
     t.add_argument("--micro-batch-size", type=int, metavar="M",
@@ -87,7 +92,7 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
 def training_of(args: argparse.Namespace) -> Training:
     """The Training of the command line's settings (one micro-step; the batch flags set micro_batches)."""
     return Training(bucket_mb=args.bucket_mb, param_dtype=args.precision, reduce_dtype=args.reduce_dtype,
-                    recompute=args.recompute)
+                    recompute=args.recompute, offload=getattr(args, "offload", "none"))
 
 
 def step_batch(micro_batch: int | None, global_batch: int | None, dp_degree: int) -> tuple[int | None, int]:
@@ -252,6 +257,7 @@ MEMORY_PARTS = {            # --memory-breakdown column -> costmodel/memory.py c
     "grads GB": ("gradients",),
     "optim GB": ("optimizer_states",),
     "activ GB": ("activations", "recomputed"),
+    "spilled GB": ("spilled_params", "spilled_grads"),
     "other GB": ("buffers", "boxing_buffer"),
 }
 
@@ -296,6 +302,7 @@ def _print_schemes(schemes: list[Scheme], graphs: dict[str, OpGraph | None], bre
     show_recompute = any(s.plan is not None and _recompute_label(s.plan, graphs.get(s.name)) != "none"
                          for s in schemes)
     show_bubble = any(s.plan is not None and s.breakdown.bubble_s > 0 for s in schemes)
+    show_offload = any(s.plan is not None and s.plan.training.offload_level != "none" for s in schemes)
     for s in schemes:
         if s.plan is None:
             skipped.append(f"{s.name}: not applicable: {s.reason}")
@@ -306,15 +313,34 @@ def _print_schemes(schemes: list[Scheme], graphs: dict[str, OpGraph | None], bre
                      f"{bd.optimizer_s * 1e3:.3f}")
                     + ((f"{bd.bubble_s * 1e3:.3f}",) if show_bubble else ())
                     + ((_recompute_label(s.plan, graphs.get(s.name)),) if show_recompute else ())
+                    + (_offload_cells(s) if show_offload else ())
                     + (_rate(s.plan), f"{c.model_tflops_per_device:.1f}" if c.model_tflops_per_device else "-")
                     + _memory_cells(bd, breakdown) + ("yes" if bd.fits_memory else "NO",))
     header = (("scheme", "mesh", "step ms", "compute ms", "boxing ms", "grad sync ms", "optimizer ms")
-              + (("bubble ms",) if show_bubble else ()) + (("recompute",) if show_recompute else ()) + (_rate_column(schemes), "TFLOP/s/dev")
+              + (("bubble ms",) if show_bubble else ()) + (("recompute",) if show_recompute else ())
+              + (OFFLOAD_HEADER if show_offload else ()) + (_rate_column(schemes), "TFLOP/s/dev")
               + _memory_header(breakdown) + ("fits",))
-    numeric = [i for i, h in enumerate(header) if h not in ("scheme", "mesh", "recompute", "fits")]
+    numeric = [i for i, h in enumerate(header) if h not in ("scheme", "mesh", "recompute", "fits") + OFFLOAD_HEADER]
     print(table(header, rows, numeric=numeric))
     for line in skipped:
         print(line)
+
+
+OFFLOAD_HEADER = ("offload", "copies ms", "vs no offload", "host GB")
+
+
+def _offload_cells(s: Scheme) -> tuple[str, ...]:
+    """What a scheme spills, its host copies' time, its step against the same plan without offload
+    (``does not fit`` there when it needs the offload), the host memory it uses per device."""
+    level = s.plan.training.offload_level
+    if level == "none":
+        return ("none", "-", "-", "-")
+    ratio = (f"{s.step_time_s / s.no_offload_s:.2f}x" if s.no_offload_s else "-") + \
+        ("" if s.no_offload_fits else " (does not fit without)")
+    blocks = s.plan.training.spill_blocks
+    if level == "params":
+        level += f" ({len(blocks)} blocks)" if blocks else " (all)"
+    return (level, f"{s.breakdown.offload_s * 1e3:.3f}", ratio, f"{s.breakdown.host_memory_bytes / 1e9:.3f}")
 
 
 def _graphs_by_scheme(result: Planned) -> dict[str, OpGraph | None]:
@@ -330,7 +356,8 @@ def _training_line(training: Training, result: Planned, args: argparse.Namespace
     precision = next(k for k, v in DTYPES.items() if v == training.param_dtype)
     text = (f"training: {precision}" + (f" (gradients reduced in {next(k for k, v in DTYPES.items() if v == reduce)})"
                                         if reduce != training.param_dtype else "")
-            + f", recompute {args.recompute}, buckets {training.bucket_mb:g} MB")
+            + f", recompute {args.recompute}, buckets {training.bucket_mb:g} MB"
+            + (f", offload {getattr(args, 'offload', 'none')}" if getattr(args, "offload", "none") != "none" else ""))
     plan = result.outcome.found if result.outcome else result.given.plan if result.given else None
     if plan is not None and plan.batch_size:
         k = plan.training.micro_batches

@@ -20,6 +20,7 @@ from typing import Any
 from autoddl import runs
 from autoddl.cli import EXPECTED_ERRORS, common_options, register, table
 from autoddl.plan import Plan
+from autoddl.program import lower
 from executor.launch import LaunchSpec
 from executor.references import REFERENCE_NAMES, REFERENCES
 from executor.measure import StepStats, append_row
@@ -84,7 +85,8 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.3f}"
 
 
-def print_summary(plan: Plan, result: dict[str, Any], cost: dict[str, Any], predicted_colls, note: str) -> int:
+def print_summary(plan: Plan, result: dict[str, Any], cost: dict[str, Any], predicted_colls, note: str,
+                  copies: list | None = None) -> int:
     """The human summary; returns the number of collective groups that differ from the prediction."""
     world = result.get("world_size")
     print()
@@ -121,7 +123,22 @@ def print_summary(plan: Plan, result: dict[str, Any], cost: dict[str, Any], pred
         print(text)
         if differ:
             print(f"collectives: {differ} (phase, kind, axis) group(s) differ from the plan's prediction")
+    if copies:
+        differ += _copies_audit(copies, result.get("host_copies", []))
     return differ
+
+
+def _copies_audit(copies: list, ran: list) -> int:
+    """Offload: the host copies one step ran against the program's (the executor does not run the
+    kept parameters' copies around the optimizer: executor/offload.py); returns 1 when they differ."""
+    planned = sorted((t.copy, t.nbytes, t.tensor) for t in copies if t.op != "optimizer")
+    got = sorted(tuple(r) for r in ran)
+    skipped = sum(1 for t in copies if t.op == "optimizer")
+    print(f"host copies of one step: {len(got)} ran ({sum(r[1] for r in got) / 1e6:.3f} MB), the program's "
+          f"{len(planned)} ({sum(p[1] for p in planned) / 1e6:.3f} MB)"
+          + (f"; its {skipped} copies around the optimizer are not run" if skipped else "")
+          + (": the same" if got == planned else ": they DIFFER"))
+    return int(got != planned)
 
 
 def run_run(args: argparse.Namespace) -> int:
@@ -179,7 +196,7 @@ def run_run(args: argparse.Namespace) -> int:
         return 0
     if result is None:
         raise ValueError(f"the run of {args.plan_json} ended without a result from rank 0")
-    print_summary(plan, result, cost, predicted_colls, note)
+    print_summary(plan, result, cost, predicted_colls, note, lower(graph, plan).copies())
     if args.out:
         for row in runs.csv_rows(plan, result, cost, runs.cluster_name(plan, cluster), mf.name):
             append_row(args.out, row)
