@@ -1,0 +1,107 @@
+"""Sharded-LRTF against hand-worked schedules, the baselines against their formulas, the flows of a
+cut graph, and a cut model priced shard by shard against its one-device timeline."""
+
+from __future__ import annotations
+
+import pytest
+
+from autoddl.shard_program import BACKWARD, FORWARD, Flow, JobPlacement, ShardedJob, TaskKey
+from search.shard_schedule import lrtf_schedule, one_per_device, sequential
+
+
+def _jobs() -> list[ShardedJob]:
+    return [
+        ShardedJob("A", 1, forward_s=(2.0, 2.0), backward_s=(2.0, 2.0), param_bytes=(8, 8),
+                   flows=(Flow(0, 1, 4, 4, "x"),)),
+        ShardedJob("B", 2, forward_s=(1.0,), backward_s=(1.0,), param_bytes=(8,)),
+        ShardedJob("C", 1, forward_s=(3.0,), backward_s=(3.0,), param_bytes=(8,)),
+    ]
+
+
+def _one_second(src: int, dst: int, nbytes: int) -> float:
+    return 1.0
+
+
+def _rows(schedule) -> list[tuple]:
+    names = [j.name for j in schedule.jobs]
+    return [(t.label(names), t.device, t.start_s, t.end_s, t.transfer_s) for t in schedule.tasks]
+
+
+def test_lrtf_without_prefetch_matches_the_hand_worked_schedule():
+    # remaining work A 8 s, C 6 s, B 4 s; a free device takes the ready job with the most left, a
+    # backward stays on its forward's device, ties go to the job listed first; B's second forward
+    # lands on device 0 while its weights are on device 1: one 1 s message first.
+    s = lrtf_schedule(_jobs(), 2, _one_second, prefetch=False)
+    assert _rows(s) == [
+        ("A:F0@0", 0, 0.0, 2.0, 0.0), ("C:F0@0", 1, 0.0, 3.0, 0.0), ("A:F1@0", 0, 2.0, 4.0, 0.0),
+        ("B:F0@0", 1, 3.0, 4.0, 0.0), ("A:B1@0", 0, 4.0, 6.0, 0.0), ("B:B0@0", 1, 4.0, 5.0, 0.0),
+        ("C:B0@0", 1, 5.0, 8.0, 0.0), ("A:B0@0", 0, 6.0, 8.0, 0.0), ("B:F0@1", 0, 9.0, 10.0, 1.0),
+        ("B:B0@1", 0, 10.0, 11.0, 0.0)]
+    assert s.makespan_s == 11.0
+    assert s.finish_s() == [8.0, 11.0, 8.0]
+    assert [m.what for m in s.tasks[8].inbox] == ["params"] and s.tasks[8].inbox[0].src == 1
+
+
+def test_lrtf_with_prefetch_places_the_next_task_when_the_current_one_starts():
+    # device 0 takes C at t=0 while A.F0 runs (C is the longest ready job then), so A's second
+    # forward waits for C: the lookahead costs 3 s here (14 s against 11 s without it).
+    s = lrtf_schedule(_jobs(), 2, _one_second, prefetch=True)
+    assert _rows(s) == [
+        ("A:F0@0", 0, 0.0, 2.0, 0.0), ("C:F0@0", 0, 2.0, 5.0, 0.0), ("B:F0@0", 1, 0.0, 1.0, 0.0),
+        ("B:B0@0", 1, 1.0, 2.0, 0.0), ("A:F1@0", 0, 5.0, 7.0, 0.0), ("B:F0@1", 1, 2.0, 3.0, 0.0),
+        ("B:B0@1", 1, 3.0, 4.0, 0.0), ("C:B0@0", 0, 7.0, 10.0, 0.0), ("A:B1@0", 0, 10.0, 12.0, 0.0),
+        ("A:B0@0", 0, 12.0, 14.0, 0.0)]
+    assert s.makespan_s == 14.0
+
+
+def test_activation_and_gradient_messages_follow_the_devices_of_the_flow():
+    # one job, two shards, one device each way: shard 1's forward on device 1 receives x from
+    # device 0; shard 0's backward (on device 0) receives x's gradient from device 1
+    job = ShardedJob("A", 1, forward_s=(1.0, 1.0), backward_s=(1.0, 1.0), param_bytes=(8, 8),
+                     flows=(Flow(0, 1, 4, 4, "x"),))
+    p = JobPlacement(job)
+    assert p.task_inputs(TaskKey(0, 0, FORWARD), 0) == ()
+    p.place(TaskKey(0, 0, FORWARD), 0)
+    (act,) = p.task_inputs(TaskKey(0, 1, FORWARD), 1)
+    assert (act.src, act.nbytes, act.what) == (0, 4, "act:x")
+    p.place(TaskKey(0, 1, FORWARD), 1)
+    assert not p.allowed(TaskKey(0, 1, BACKWARD), 0)
+    with pytest.raises(ValueError, match="backward of shard 1 must run on device 1"):
+        p.place(TaskKey(0, 1, BACKWARD), 0)
+    (grad,) = p.task_inputs(TaskKey(0, 0, BACKWARD), 0)
+    assert (grad.src, grad.nbytes, grad.what) == (1, 4, "grad:x")
+    # the next step's forward of shard 0 on device 1 pulls the weights from device 0
+    (w,) = p.task_inputs(TaskKey(1, 0, FORWARD), 1)
+    assert (w.src, w.nbytes, w.what) == (0, 8, "params")
+
+
+def test_one_device_runs_every_task_back_to_back():
+    jobs = _jobs()
+    s = lrtf_schedule(jobs, 1, _one_second)
+    assert s.makespan_s == sum(j.total_s for j in jobs) == 18.0
+    assert all(t.transfer_s == 0 for t in s.tasks)
+
+
+def test_sequential_baseline_adds_the_solo_times_in_order():
+    r = sequential([3.0, 5.0, 2.0])
+    assert r.finish_s == (3.0, 8.0, 10.0) and r.makespan_s == 10.0
+
+
+def test_one_per_device_assigns_longest_first_to_the_least_loaded_device():
+    r = one_per_device([3.0, 5.0, 2.0, 4.0], [True] * 4, 2, ["a", "b", "c", "d"])
+    # 5 -> d0 (5); 4 -> d1 (4); 3 -> d1 (7); 2 -> d0 (7)
+    assert r.device_of == (1, 0, 0, 1)
+    assert r.finish_s == (7.0, 5.0, 7.0, 4.0) and r.makespan_s == 7.0
+
+
+def test_one_per_device_is_not_applicable_when_a_job_does_not_fit():
+    r = one_per_device([3.0, 5.0], [True, False], 2, ["a", "b"])
+    assert r.finish_s is None and r.makespan_s is None and "b do not fit" in r.reason
+
+
+def test_a_job_rejects_flows_backwards_and_missing_shard_costs():
+    with pytest.raises(ValueError, match="one entry per shard"):
+        ShardedJob("A", 1, forward_s=(1.0, 1.0), backward_s=(1.0,), param_bytes=(0, 0))
+    with pytest.raises(ValueError, match="must go from a shard to a later one"):
+        ShardedJob("A", 1, forward_s=(1.0, 1.0), backward_s=(1.0, 1.0), param_bytes=(0, 0),
+                   flows=(Flow(1, 0, 4, 4),))
