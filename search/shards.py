@@ -13,13 +13,16 @@ activations and its parameters' state) fits one device's memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from autoddl.cluster import Cluster
+from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import OpGraph
 from autoddl.pipeline import stages_from_cuts
 from autoddl.shard_program import ShardedJob, param_homes, shard_flows
 from autoddl.training import Training
 from costmodel.breakdown import plan_cost
+from costmodel.collectives import collective_time_s
 from search.planner import inner_tp_plan
 from search.stages import BlockCosts, balanced_cuts, block_costs
 
@@ -71,3 +74,17 @@ def shard_job(name: str, graph: OpGraph, cluster: Cluster, steps: int, shards: i
         param_bytes=tuple(params), flows=shard_flows(graph, shard_of), cuts=cuts)
     bd = plan_cost(graph, plan, one)
     return job, SoloCost(bd.step_time_s, bd.memory_bytes_per_device, bd.fits_memory)
+
+
+def transfer_fn(cluster: Cluster) -> Callable[[int, int, int], float]:
+    """Seconds to send ``nbytes`` from device ``src`` to ``dst`` of ``cluster`` (numbered node-major):
+    the send_recv formula of costmodel/collectives.py on the link the two devices share (inside a node
+    or between nodes), plus the executor's fixed cost per message; 0 on the same device."""
+    def seconds(src: int, dst: int, nbytes: int) -> float:
+        if src == dst or not nbytes:
+            return 0.0
+        same_node = src // cluster.devices_per_node == dst // cluster.devices_per_node
+        link = cluster.intra_node if same_node else cluster.inter_node
+        return (collective_time_s(CollectiveKind.SEND_RECV, nbytes, 2, link, cluster.backend,
+                                  cluster.efficiency.network) + cluster.executor.collective_us * 1e-6)
+    return seconds

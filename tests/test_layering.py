@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("autoddl", "costmodel", "search", "executor")
-TOP = ("autoddl", "autoddl.api", "autoddl.calibration", "autoddl.runs", "autoddl.cli", "autoddl.charts",
+TOP = ("autoddl", "autoddl.api", "autoddl.calibration", "autoddl.runs", "autoddl.scheduling", "autoddl.cli", "autoddl.charts",
        "autoddl.__main__")
 ALLOWED = {  # layer -> the layers it may import
     "core": {"core"},

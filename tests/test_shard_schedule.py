@@ -105,3 +105,34 @@ def test_a_job_rejects_flows_backwards_and_missing_shard_costs():
     with pytest.raises(ValueError, match="must go from a shard to a later one"):
         ShardedJob("A", 1, forward_s=(1.0, 1.0), backward_s=(1.0, 1.0), param_bytes=(0, 0),
                    flows=(Flow(1, 0, 4, 4),))
+
+
+def test_a_tiny_gpt_cut_in_two_prices_its_shards_from_the_one_device_timeline():
+    from autoddl.cluster import Cluster
+    from autoddl.loader import load_model_file
+    from search.planner import inner_tp_plan
+    from search.shards import shard_job, transfer_fn
+    from autoddl.training import Training
+    from search.stages import block_costs
+
+    cluster = Cluster.from_yaml("configs/local-cpu.yaml").resized(2)
+    graph = load_model_file("examples/gpt.py", preset="tiny").trace()
+    job, solo = shard_job("gpt", graph, cluster, steps=3, shards=2)
+    costs = block_costs(graph, inner_tp_plan(graph, cluster.resized(1), 1, Training(), "sgd"),
+                        cluster.resized(1))
+    assert job.cuts == ("transformer.h.1",)
+    assert job.forward_s == pytest.approx(tuple(costs.forward_s))            # one block per shard
+    assert sum(job.backward_s) == pytest.approx(sum(costs.backward_s) + costs.optimizer_s)
+    assert solo.fits and solo.step_s == pytest.approx(job.step_s, rel=1e-9)
+    # flows: the residual stream (B, T, C) = 4 x 32 x 64 float32, and the tied wte / lm_head weight
+    # (vocab 512 x 64) kept by shard 0 and read by the head in shard 1; both send their gradient back
+    assert sorted((f.src, f.dst, f.nbytes, f.grad_nbytes) for f in job.flows) == [
+        (0, 1, 4 * 32 * 64 * 4, 4 * 32 * 64 * 4), (0, 1, 512 * 64 * 4, 512 * 64 * 4)]
+    # every parameter is kept by one shard: shard 0 has wte, wpe and block 0
+    block = 4 * (2 * 64 + 64 * 192 + 192 + 64 * 64 + 64 + 2 * 64 + 64 * 256 + 256 + 256 * 64 + 64)
+    assert job.param_bytes == (4 * (512 * 64 + 64 * 64) + block, block + 4 * 2 * 64)
+    # a message between two devices of one node: send_recv on the intra-node link, plus the fixed cost
+    link = cluster.intra_node
+    assert transfer_fn(cluster)(0, 1, 10**6) == pytest.approx(
+        10**6 / (link.bandwidth_gbps * 1e9) + link.latency_us * 1e-6 + cluster.executor.collective_us * 1e-6)
+    assert transfer_fn(cluster)(1, 1, 10**6) == 0.0
