@@ -24,6 +24,7 @@ shard is a flow from the shard that keeps it, and its gradient comes back).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -105,12 +106,13 @@ class TaskKey:
 
 @dataclass(frozen=True)
 class Message:
-    """Bytes a task receives before it runs: ``what`` is ``params``, ``act:<tensor>`` or
-    ``grad:<tensor>``; from device ``src``."""
+    """Bytes a task receives before it runs: ``what`` is ``params``, ``act:<i>`` or ``grad:<i>``
+    (the value or the gradient of the job's flow i); from device ``src``, sent there when the job's task ``producer`` ended."""
 
     src: int
     nbytes: int
     what: str
+    producer: TaskKey
 
 
 @dataclass(frozen=True)
@@ -149,12 +151,13 @@ class JobPlacement:
         if key.kind == FORWARD:
             home = where[key.shard]
             if home is not None and home != device and job.param_bytes[key.shard]:
-                out.append(Message(home, job.param_bytes[key.shard], "params"))
-            out += [Message(where[f.src], f.nbytes, f"act:{f.tensor}") for f in job.flows
-                    if f.dst == key.shard and where[f.src] != device]
+                out.append(Message(home, job.param_bytes[key.shard], "params",
+                                   TaskKey(key.step - 1, key.shard, BACKWARD)))
+            out += [Message(where[f.src], f.nbytes, f"act:{i}", TaskKey(key.step, f.src, FORWARD))
+                    for i, f in enumerate(job.flows) if f.dst == key.shard and where[f.src] != device]
         else:
-            out += [Message(where[f.dst], f.grad_nbytes, f"grad:{f.tensor}") for f in job.flows
-                    if f.src == key.shard and f.grad_nbytes and where[f.dst] != device]
+            out += [Message(where[f.dst], f.grad_nbytes, f"grad:{i}", TaskKey(key.step, f.dst, BACKWARD))
+                    for i, f in enumerate(job.flows) if f.src == key.shard and f.grad_nbytes and where[f.dst] != device]
         return tuple(out)
 
     def place(self, key: TaskKey, device: int) -> None:
@@ -163,6 +166,44 @@ class JobPlacement:
                              f"{self.forward_device[key.shard]}, where its forward ran, not {device}")
         if key.kind == FORWARD:
             self.forward_device[key.shard] = device
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One message of a schedule: ``what`` of job ``job`` from device ``src`` (after its task
+    ``after``) to device ``dst`` (before its task ``before``), matched by ``tag``."""
+
+    job: int
+    src: int
+    dst: int
+    tag: int
+    what: str
+    after: TaskKey
+    before: TaskKey
+
+
+def device_order(tasks: Sequence[ScheduledTask], device: int) -> list[ScheduledTask]:
+    """The tasks of ``device`` in the order it runs them: by start."""
+    return sorted((t for t in tasks if t.device == device), key=lambda t: (t.start_s, t.end_s))
+
+
+def transfers(tasks: Sequence[ScheduledTask]) -> list[Transfer]:
+    """Every message of a schedule, numbered (``tag``) in placement order: the same list on every rank."""
+    out: list[Transfer] = []
+    for t in tasks:
+        first = len(out)
+        out += [Transfer(t.job, m.src, t.device, first + i, m.what, m.producer, t.key) for i, m in enumerate(t.inbox)]
+    return out
+
+
+def task_to_dict(t: ScheduledTask) -> dict:
+    """A scheduled task as JSON-able data (what ``autoddl schedule --run`` hands its ranks)."""
+    return dataclasses.asdict(t)
+
+
+def task_from_dict(d: dict) -> ScheduledTask:
+    inbox = tuple(Message(m["src"], m["nbytes"], m["what"], TaskKey(**m["producer"])) for m in d["inbox"])
+    return ScheduledTask(d["job"], TaskKey(**d["key"]), d["device"], d["start_s"], d["end_s"], d["transfer_s"], inbox)
 
 
 # -- from the op graph -----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from autoddl.shard_program import JobPlacement, ScheduledTask, ShardedJob
+from autoddl.shard_program import JobPlacement, ScheduledTask, ShardedJob, device_order
 
 TransferFn = Callable[[int, int, int], float]
 
@@ -52,7 +52,7 @@ class Schedule:
         return out
 
     def on_device(self, device: int) -> list[ScheduledTask]:
-        return sorted((t for t in self.tasks if t.device == device), key=lambda t: (t.start_s, t.end_s))
+        return device_order(self.tasks, device)
 
     def busy_fraction(self) -> float:
         """Compute time over devices x makespan."""

@@ -63,13 +63,13 @@ def test_activation_and_gradient_messages_follow_the_devices_of_the_flow():
     assert p.task_inputs(TaskKey(0, 0, FORWARD), 0) == ()
     p.place(TaskKey(0, 0, FORWARD), 0)
     (act,) = p.task_inputs(TaskKey(0, 1, FORWARD), 1)
-    assert (act.src, act.nbytes, act.what) == (0, 4, "act:x")
+    assert (act.src, act.nbytes, act.what) == (0, 4, "act:0")
     p.place(TaskKey(0, 1, FORWARD), 1)
     assert not p.allowed(TaskKey(0, 1, BACKWARD), 0)
     with pytest.raises(ValueError, match="backward of shard 1 must run on device 1"):
         p.place(TaskKey(0, 1, BACKWARD), 0)
     (grad,) = p.task_inputs(TaskKey(0, 0, BACKWARD), 0)
-    assert (grad.src, grad.nbytes, grad.what) == (1, 4, "grad:x")
+    assert (grad.src, grad.nbytes, grad.what) == (1, 4, "grad:0")
     # the next step's forward of shard 0 on device 1 pulls the weights from device 0
     (w,) = p.task_inputs(TaskKey(1, 0, FORWARD), 1)
     assert (w.src, w.nbytes, w.what) == (0, 8, "params")

@@ -3,7 +3,7 @@
 Prints one row per job (steps, shards, its solo times, its finish time under each schedule) and the
 three makespans with their ratios; writes ``gantt.png`` (device x time, one colour per job) and
 ``schedule.csv`` (every task: job, device, kind, shard, step, start, end, transfer) to ``--out``.
-With ``--run`` the schedule runs on gloo ranks (autoddl/scheduling_run.py's launch): measured
+With ``--run`` the schedule runs on gloo ranks (autoddl/scheduling_run.py): measured
 against predicted makespan, each job's losses against the job trained alone in one process.
 """
 
@@ -83,6 +83,6 @@ def run_schedule(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'gantt.png'} and {out / 'schedule.csv'}")
     if not args.run:
         return 0
-    from autoddl.scheduling_run import report_run, run_sweep
+    from autoddl.scheduling_run import report_run, run_sweep   # imported here: torch.distributed is slow to import
 
-    return report_run(sweep, run_sweep(sweep, args.jobs_yaml, timeout_s=args.timeout_s), args.runs_csv)
+    return report_run(sweep, run_sweep(sweep, timeout_s=args.timeout_s), args.jobs_yaml, args.runs_csv)
