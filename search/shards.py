@@ -7,7 +7,9 @@ the blocks are cut into K contiguous shards balanced by time and memory (``balan
 shard's forward / backward seconds are its blocks' sums, and its backward also carries its share
 of the optimizer step (the model's optimizer seconds split by parameter bytes, as the update runs
 per shard after its backward). K is given, or the smallest count whose largest shard (its saved
-activations and its parameters' state) fits one device's memory.
+activations and its parameters' state) fits one device's memory. All the cluster's devices work at
+once, so on a CPU node with fewer cores than devices every time is multiplied by
+``Cluster.time_sharing`` of that many ranks (as the cost model does for a mesh of them).
 """
 
 from __future__ import annotations
@@ -66,25 +68,28 @@ def shard_job(name: str, graph: OpGraph, cluster: Cluster, steps: int, shards: i
     for node_name, s in param_homes(graph, shard_of).items():
         params[s] += graph[node_name].outputs[0].nbytes
     total_params = sum(params) or 1
+    share = cluster.time_sharing((cluster.num_devices,))      # every device busy at once
     job = ShardedJob(
         name, steps,
-        forward_s=tuple(sum(costs.forward_s[a:b]) for a, b in ranges),
-        backward_s=tuple(sum(costs.backward_s[a:b]) + costs.optimizer_s * params[s] / total_params
+        forward_s=tuple(share * sum(costs.forward_s[a:b]) for a, b in ranges),
+        backward_s=tuple(share * (sum(costs.backward_s[a:b]) + costs.optimizer_s * params[s] / total_params)
                          for s, (a, b) in enumerate(ranges)),
         param_bytes=tuple(params), flows=shard_flows(graph, shard_of), cuts=cuts)
     bd = plan_cost(graph, plan, one)
-    return job, SoloCost(bd.step_time_s, bd.memory_bytes_per_device, bd.fits_memory)
+    return job, SoloCost(share * bd.step_time_s, bd.memory_bytes_per_device, bd.fits_memory)
 
 
 def transfer_fn(cluster: Cluster) -> Callable[[int, int, int], float]:
     """Seconds to send ``nbytes`` from device ``src`` to ``dst`` of ``cluster`` (numbered node-major):
     the send_recv formula of costmodel/collectives.py on the link the two devices share (inside a node
-    or between nodes), plus the executor's fixed cost per message; 0 on the same device."""
+    or between nodes), plus the executor's fixed cost per message, times the time sharing of the
+    module docstring; 0 on the same device."""
     def seconds(src: int, dst: int, nbytes: int) -> float:
         if src == dst or not nbytes:
             return 0.0
         same_node = src // cluster.devices_per_node == dst // cluster.devices_per_node
         link = cluster.intra_node if same_node else cluster.inter_node
         return (collective_time_s(CollectiveKind.SEND_RECV, nbytes, 2, link, cluster.backend,
-                                  cluster.efficiency.network) + cluster.executor.collective_us * 1e-6)
+                                  cluster.efficiency.network) + cluster.executor.collective_us * 1e-6) * share
+    share = cluster.time_sharing((cluster.num_devices,))
     return seconds

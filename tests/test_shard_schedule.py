@@ -136,3 +136,11 @@ def test_a_tiny_gpt_cut_in_two_prices_its_shards_from_the_one_device_timeline():
     assert transfer_fn(cluster)(0, 1, 10**6) == pytest.approx(
         10**6 / (link.bandwidth_gbps * 1e9) + link.latency_us * 1e-6 + cluster.executor.collective_us * 1e-6)
     assert transfer_fn(cluster)(1, 1, 10**6) == 0.0
+    # four ranks on this 2-core machine's node (cores_per_node 2) share the cores: every time doubles
+    four = Cluster.from_yaml("configs/local-cpu.yaml").resized(4)
+    assert four.time_sharing((4,)) == 2.0
+    job4, solo4 = shard_job("gpt", graph, four, steps=3, shards=2)
+    assert job4.forward_s == pytest.approx(tuple(2 * x for x in job.forward_s))
+    assert job4.backward_s == pytest.approx(tuple(2 * x for x in job.backward_s))
+    assert solo4.step_s == pytest.approx(2 * solo.step_s)
+    assert transfer_fn(four)(0, 1, 10**6) == pytest.approx(2 * transfer_fn(cluster)(0, 1, 10**6))
