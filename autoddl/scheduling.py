@@ -53,8 +53,11 @@ def load_job_model(spec: JobSpec, device: str = "meta") -> ModelFile:
 
 
 def plan_sweep(jobs_path: str | Path, cluster: Cluster, devices: int | None = None, steps: int | None = None,
-               progress=print) -> SweepPlan:
-    """Everything ``autoddl schedule`` prints (module docstring); ``steps`` overrides every job's."""
+               progress=print, best_plans: dict | None = None) -> SweepPlan:
+    """Everything ``autoddl schedule`` prints (module docstring); ``steps`` overrides every job's.
+    ``best_plans``: a dict kept between calls, (model, arguments, cluster) -> the best plan's step and
+    mesh, so that sweeps of the same models on the same cluster search each model once."""
+    best_plans = {} if best_plans is None else best_plans
     specs = load_jobs(jobs_path)
     if steps is not None:
         specs = [JobSpec(s.name, s.model, steps, s.args, s.lr, s.seed, s.shards) for s in specs]
@@ -64,9 +67,12 @@ def plan_sweep(jobs_path: str | Path, cluster: Cluster, devices: int | None = No
     for spec in specs:
         graph = load_job_model(spec).trace()
         job, one = shard_job(spec.name, graph, cluster, spec.steps, spec.shards)
-        outcome = search(graph, cluster, model_name=graph.model_name, optimizer="sgd")
+        key = (spec.model, repr(sorted(spec.args.items())), cluster.name)
+        if key not in best_plans:
+            outcome = search(graph, cluster, model_name=graph.model_name, optimizer="sgd")
+            best_plans[key] = (outcome.found_breakdown.step_time_s, str(outcome.found.mesh))
         jobs.append(job), solo.append(one)
-        best.append(outcome.found_breakdown.step_time_s), meshes.append(str(outcome.found.mesh))
+        best.append(best_plans[key][0]), meshes.append(best_plans[key][1])
         progress(f"{spec.name}: {job.shards} shards, {job.step_s * 1e3:.2f} ms a step on one device, "
                  f"{best[-1] * 1e3:.2f} ms with its best plan on {n} ({meshes[-1]})")
     move = transfer_fn(cluster)
