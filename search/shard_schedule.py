@@ -1,6 +1,7 @@
 """Schedule many jobs' shard tasks on the devices of one cluster: sharded-LRTF, and two baselines.
 
-**Sharded-LRTF** (Hydra, Nagrecha & Kumar 2021, section 4: "Sharded-LRTF"): whenever a device
+**Sharded-LRTF** (Nagrecha & Kumar, "Hydra: A System for Large Multi-Model Deep Learning",
+arXiv:2110.08633, 2021: longest-remaining-time-first over model shards): whenever a device
 is free it takes the next task of the job with the longest remaining time (the compute of its
 tasks not yet placed) among the jobs whose next task is ready (its previous task has ended) and
 may run there (a backward runs where its forward did, autoddl/shard_program.py); ties go to the
