@@ -33,6 +33,7 @@ class SweepRun:
     alone: list[list[float]]                   # the same job trained alone
     executed: dict[int, list[tuple]]           # device -> (job, step, shard, kind) in the order it ran them
     load_avg_1m: float
+    spans: dict[int, list[tuple[float, float]]]   # device -> (start, end) of each of those tasks, measured
 
     @property
     def max_rel_error(self) -> float:
@@ -68,7 +69,8 @@ def run_sweep(sweep: SweepPlan, timeout_s: float | None = 600.0) -> SweepRun:
             for step, value in per_step.items():
                 losses[int(j)][int(step)] = value
     alone = [train_alone(job, s.steps)[0] for job, s in zip(jobs, sweep.specs)]
-    return SweepRun(max(r["makespan_s"] for r in ranks), losses, alone, executed, load)
+    spans = {r["rank"]: [tuple(e[4:6]) for e in r["executed"]] for r in ranks}
+    return SweepRun(max(r["makespan_s"] for r in ranks), losses, alone, executed, load, spans)
 
 
 def run_row(sweep: SweepPlan, run: SweepRun, jobs_file: str) -> dict[str, Any]:

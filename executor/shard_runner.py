@@ -110,7 +110,17 @@ class ShardedModel:
             return reads[ref]
         return self._produced(step, ref)            # an op of this shard, or a parameter it keeps
 
-    def backward(self, step: int, shard: int) -> None:
+    def warm_up(self) -> None:
+        """One untimed forward and backward of every shard here, parameters left as they are (the first
+        call of each op pays one-off costs that a step of a long run does not)."""
+        for shard in range(self.shards):
+            self.forward(-1, shard)
+        for shard in reversed(range(self.shards)):
+            self.backward(-1, shard, update=False)
+        self.losses.pop(-1, None)
+        self.forget_before(0)
+
+    def backward(self, step: int, shard: int, update: bool = True) -> None:
         tensors, grads = [], []
         if shard == self.shards - 1:
             tensors, grads = [self._produced(step, self.loss_ref)], [None]
@@ -123,7 +133,7 @@ class ShardedModel:
         with torch.no_grad():
             for name in self.own[shard]:
                 p = self.params[name]
-                if p.grad is not None:
+                if p.grad is not None and update:
                     p.add_(p.grad, alpha=-self.lr)
                 p.grad = None
 

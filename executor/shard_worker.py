@@ -3,7 +3,8 @@
 ``python -m executor.shard_worker --spec SPEC_JSON --out-dir DIR`` (one rank per device, gloo).
 SPEC_JSON holds the jobs (model file, arguments, seed, learning rate, shard cuts and the names of
 their flows as the planner saw them) and every scheduled task with its inbox. Each rank builds
-every job (executor/shard_runner.py), then runs its own tasks in start order: before a task it
+every job (executor/shard_runner.py) and warms each up (one untimed forward and backward of every
+shard, no update, as ``autoddl run`` times steps after warm-up), then runs its own tasks in start order: before a task it
 receives the task's messages (``autoddl.shard_program.transfers``: one tag per message, the same
 numbering on every rank), after it sends the messages the task produced (non-blocking, so that a
 rank never waits on a peer that is computing). The makespan is timed between two barriers; each
@@ -79,6 +80,8 @@ def run_tasks(models: list[ShardedModel], mine: Sequence[ScheduledTask], maps: t
 
 def run(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     models = [build_job(job) for job in spec["jobs"]]
+    for model in models:
+        model.warm_up()
     tasks = [task_from_dict(t) for t in spec["tasks"]]
     pending = []
 
