@@ -1036,7 +1036,7 @@ def nb04():
            run checks that every rank ran exactly its tasks of the schedule, in order, and that every job's
            losses equal the job trained alone in one process.
         2. **Predicted**: 8 GPT-2 variants (6 or 12 layers, 512 to 1024 wide, batch 8 x 1024 tokens, 200 steps)
-           on one DGX A100 (`configs/dgx-a100-8.yaml`).
+           on one DGX A100 (`configs/dgx-a100-8.yaml`) and on 4 of its GPUs.
 
         Command-line equivalent of one run: `autoddl schedule examples/sweep.yaml --cluster configs/local-cpu.yaml --devices 2 --run`.
         """),
@@ -1112,28 +1112,33 @@ def nb04():
         _md(r"""
         ## 2. Eight GPT-2 variants on one DGX A100 (predicted)
 
-        Each variant fits one 80 GB A100, so the shard count is 1 (the fewest that fit) and sharded-LRTF places
-        whole steps; with 2 shards per job the tasks interleave more finely. `sequential` runs each variant on all
-        8 GPUs with its best plan (data parallel for these sizes).
+        Each variant fits one 80 GB A100, so each job is one shard (the fewest that fit) and its tasks run one
+        after another: with as many jobs as GPUs, no schedule of whole jobs ends before the longest job alone on
+        one GPU, while `sequential` gives every job all 8 GPUs with its best plan. The same 8 jobs are also
+        scheduled on 4 of the GPUs (`Cluster.resized(4)`), where two jobs share each GPU.
         """),
         _code(r"""
         DGX = Cluster.from_yaml(ROOT / "configs" / "dgx-a100-8.yaml")
         GPT2 = [(12, 768), (12, 1024), (6, 768), (6, 1024), (12, 512), (6, 512), (12, 640), (6, 640)]
-        big_rows, big_sweeps, searched = [], {}, {}
-        for shards in (None, 2):
-            jobs = write_jobs(f"gpt2-{shards}", [
-                {"name": f"gpt2-l{l}-w{w}", "model": GPT,
-                 "args": {"preset": "gpt2-small", "n_layer": l, "n_embd": w, "n_head": 8, "batch_size": 8},
-                 "steps": 200, "lr": 1e-3, "seed": i, **({"shards": shards} if shards else {})}
-                for i, (l, w) in enumerate(GPT2)])
-            sweep = plan_sweep(jobs, DGX, progress=lambda _msg: None, best_plans=searched)
-            big_sweeps[shards or 1] = sweep
-            big_rows.append(makespans(f"8 GPT-2 variants, {sweep.jobs[0].shards} shard(s) each", sweep))
+        gpt2 = write_jobs("gpt2", [
+            {"name": f"gpt2-l{l}-w{w}", "model": GPT,
+             "args": {"preset": "gpt2-small", "n_layer": l, "n_embd": w, "n_head": 8, "batch_size": 8},
+             "steps": 200, "lr": 1e-3, "seed": i} for i, (l, w) in enumerate(GPT2)])
+        big_rows, big_sweeps = [], {}
+        for n in (8, 4):
+            sweep = plan_sweep(gpt2, DGX, n, progress=lambda _msg: None)
+            big_sweeps[n] = sweep
+            big_rows.append(makespans(f"8 GPT-2 variants on {n} A100s", sweep))
         big = pd.DataFrame(big_rows).set_index("sweep")
         big
         """),
         _code(r"""
-        show_gantt("8 GPT-2 variants on dgx-a100-8, 2 shards each", big_sweeps[2])
+        print("shards per job:", [j.shards for j in big_sweeps[8].jobs])
+        pd.DataFrame(job_rows(big_sweeps[8])).set_index("job")
+        """),
+        _code(r"""
+        for n, sweep in big_sweeps.items():
+            show_gantt(f"8 GPT-2 variants on {n} A100s", sweep)
         """),
         _md(r"""
         ## What the numbers say
@@ -1159,7 +1164,7 @@ def nb04():
             return out
 
         summary = {"measured": {str(n): plain(r) for n, (_, r) in zip((2, 4), measured.iterrows())},
-                   "predicted": {str(k): plain(r) for k, (_, r) in zip((1, 2), big.iterrows())}}
+                   "predicted": {str(n): plain(r) for n, (_, r) in zip((8, 4), big.iterrows())}}
         print(f"notebook executed in {time.perf_counter() - T_START:.0f} s")
         print("SUMMARY " + json.dumps(summary))
         """),
