@@ -5,7 +5,8 @@ the tasks each rank ran, in order, must be the schedule's for that device (else 
 schedule that was priced, and this fails); the measured makespan (between the ranks' two barriers)
 is set beside the predicted one; each job's per-step losses are compared with the job trained alone
 in this process (same seed, same batch, same SGD), and the largest relative difference is reported
-(bound 1e-5). A row per run is appended to a CSV with the 1-minute load average.
+(bound 1e-5). A row per run is appended to a CSV with the 1-minute load average and every job's
+per-step losses.
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def run_row(sweep: SweepPlan, run: SweepRun, jobs_file: str) -> dict[str, Any]:
             "predicted_sequential_s": f"{sweep.sequential.makespan_s:.6g}",
             "predicted_one_per_device_s": ("" if sweep.one_per_device.makespan_s is None
                                            else f"{sweep.one_per_device.makespan_s:.6g}"),
-            "loss_max_rel_error": f"{run.max_rel_error:.3g}", "load_avg_1m": f"{run.load_avg_1m:.2f}"}
+            "loss_max_rel_error": f"{run.max_rel_error:.3g}", "load_avg_1m": f"{run.load_avg_1m:.2f}",
+            "job_losses": "; ".join(f"{s.name}: " + " ".join(f"{x:.6g}" for x in losses)
+                                    for s, losses in zip(sweep.specs, run.losses))}
 
 
 def report_run(sweep: SweepPlan, run: SweepRun, jobs_file: str, csv_path: str) -> int:

@@ -107,7 +107,8 @@ class TaskKey:
 @dataclass(frozen=True)
 class Message:
     """Bytes a task receives before it runs: ``what`` is ``params``, ``act:<i>`` or ``grad:<i>``
-    (the value or the gradient of the job's flow i); from device ``src``, sent there when the job's task ``producer`` ended."""
+    (the value or the gradient of the job's flow i); from device ``src``, sent there when the job's
+    task ``producer`` ended."""
 
     src: int
     nbytes: int

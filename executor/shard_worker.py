@@ -4,10 +4,10 @@
 SPEC_JSON holds the jobs (model file, arguments, seed, learning rate, shard cuts and the names of
 their flows as the planner saw them) and every scheduled task with its inbox. Each rank builds
 every job (executor/shard_runner.py) and warms each up (one untimed forward and backward of every
-shard, no update, as ``autoddl run`` times steps after warm-up), then runs its own tasks in start order: before a task it
-receives the task's messages (``autoddl.shard_program.transfers``: one tag per message, the same
-numbering on every rank), after it sends the messages the task produced (non-blocking, so that a
-rank never waits on a peer that is computing). The makespan is timed between two barriers; each
+shard, no update, as ``autoddl run`` times steps after warm-up), then runs its own tasks in start
+order: before a task it receives the task's messages (``autoddl.shard_program.transfers``: one tag
+per message, the same numbering on every rank), after it sends the messages the task produced
+(non-blocking, so that a rank never waits on a peer that is computing). The makespan is timed between two barriers; each
 rank writes ``DIR/rank<R>.json``: the tasks it ran in order with their start and end, and the
 losses of the steps whose last shard it ran.
 """

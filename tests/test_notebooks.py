@@ -224,4 +224,4 @@ def test_04_multi_model_runs_the_schedules_and_every_job_trains_as_alone():
     for r in [*s["measured"].values(), *s["predicted"].values()]:
         # busy = work / (devices x makespan): no schedule beats the work spread evenly over the devices
         assert 0 < r["busy"] <= 1 + 1e-9
-        assert r["sequential_over_lrtf"] == pytest.approx(r["sequential_s"] / r["lrtf_s"])
+        assert r["sequential_over_lrtf"] == pytest.approx(r["sequential_s"] / r["lrtf_s"], rel=1e-4)  # 6 decimals

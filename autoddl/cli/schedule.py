@@ -32,7 +32,8 @@ def add_schedule(subparsers) -> None:
                     "(sharded-LRTF: a free device takes the next shard task of the job with the longest remaining "
                     "time), and compare the makespan with one model at a time on all devices (its best plan) and "
                     "one model per device.")
-    p.add_argument("jobs_yaml", metavar="JOBS_YAML", help="the jobs (schema: autoddl/jobs.py, e.g. examples/sweep.yaml)")
+    p.add_argument("jobs_yaml", metavar="JOBS_YAML",
+                   help="the jobs (schema: autoddl/jobs.py, e.g. examples/sweep.yaml)")
     p.add_argument("--cluster", default=str(DEFAULT_CLUSTER_PATH), metavar="YAML", help="cluster (default dgx-a100-8)")
     p.add_argument("--devices", type=int, metavar="N", help="devices to use (default: the cluster's)")
     p.add_argument("--steps", type=int, metavar="S", help="train every job S steps (default: each job's own)")
