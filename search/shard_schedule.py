@@ -11,8 +11,9 @@ one after another, from the moment the task is placed.
 
 With ``prefetch`` (Hydra's double-buffering) a device places its *next* task when its current
 one starts, so that task's transfers overlap the current compute; a device that finds no ready
-job then tries again when the next running task ends. Without it a device places a task only when
-it is free. Links are not contended (each message takes its alpha-beta time).
+job then tries again when the next running task ends. At one instant, devices that are free choose
+before devices that look ahead (a busy device never takes a job an idle one could start now).
+Without prefetch a device places a task only when it is free. Links are not contended (each message takes its alpha-beta time).
 
 Baselines (finish time per job and the makespan), from each job's solo times:
 
@@ -83,15 +84,19 @@ def lrtf_schedule(jobs: Sequence[ShardedJob], devices: int, transfer_s: Transfer
     states = [_JobState(j) for j in jobs]
     out = Schedule(list(jobs), devices)
     free = [0.0] * devices
-    events = [(0.0, d) for d in range(devices)]          # (time, device): the device places a task then
+
+    def event(time: float, d: int) -> tuple[float, int, int]:
+        return time, int(free[d] > time), d          # at one instant, free devices choose before busy ones
+
+    events = [event(0.0, d) for d in range(devices)]     # the device places a task then
     sleeping: set[int] = set()
     while events:
-        now, d = heapq.heappop(events)
+        now, _, d = heapq.heappop(events)
         j = _pick(states, d, now)
         if j is None:
             later = [s.ready_s for s in states if not s.done and s.ready_s > now]
             if later:
-                heapq.heappush(events, (min(later), d))
+                heapq.heappush(events, event(min(later), d))
             else:
                 sleeping.add(d)
             continue
@@ -99,9 +104,9 @@ def lrtf_schedule(jobs: Sequence[ShardedJob], devices: int, transfer_s: Transfer
         out.tasks.append(task)
         free[d] = task.end_s
         for e in sleeping:
-            heapq.heappush(events, (task.end_s, e))
+            heapq.heappush(events, event(task.end_s, e))
         sleeping.clear()
-        heapq.heappush(events, (task.start_s if prefetch else task.end_s, d))
+        heapq.heappush(events, event(task.start_s if prefetch else task.end_s, d))
     left = [jobs[i].name for i, s in enumerate(states) if not s.done]
     if left:
         raise RuntimeError(f"sharded-LRTF left tasks of {left} unplaced (a scheduler bug)")

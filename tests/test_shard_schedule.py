@@ -43,15 +43,25 @@ def test_lrtf_without_prefetch_matches_the_hand_worked_schedule():
 
 
 def test_lrtf_with_prefetch_places_the_next_task_when_the_current_one_starts():
-    # device 0 takes C at t=0 while A.F0 runs (C is the longest ready job then), so A's second
-    # forward waits for C: the lookahead costs 3 s here (14 s against 11 s without it).
+    # at t=0 both free devices choose first (A on 0, C on 1); then device 0 looks ahead and takes B,
+    # queued after A.F0; B's second forward lands on device 1 and waits 1 s for its weights. A's
+    # tasks follow one another on device 0 with no gap: 10 s against 11 s without prefetch.
     s = lrtf_schedule(_jobs(), 2, _one_second, prefetch=True)
     assert _rows(s) == [
-        ("A:F0@0", 0, 0.0, 2.0, 0.0), ("C:F0@0", 0, 2.0, 5.0, 0.0), ("B:F0@0", 1, 0.0, 1.0, 0.0),
-        ("B:B0@0", 1, 1.0, 2.0, 0.0), ("A:F1@0", 0, 5.0, 7.0, 0.0), ("B:F0@1", 1, 2.0, 3.0, 0.0),
-        ("B:B0@1", 1, 3.0, 4.0, 0.0), ("C:B0@0", 0, 7.0, 10.0, 0.0), ("A:B1@0", 0, 10.0, 12.0, 0.0),
-        ("A:B0@0", 0, 12.0, 14.0, 0.0)]
-    assert s.makespan_s == 14.0
+        ("A:F0@0", 0, 0.0, 2.0, 0.0), ("C:F0@0", 1, 0.0, 3.0, 0.0), ("B:F0@0", 0, 2.0, 3.0, 0.0),
+        ("A:F1@0", 0, 3.0, 5.0, 0.0), ("C:B0@0", 1, 3.0, 6.0, 0.0), ("B:B0@0", 0, 5.0, 6.0, 0.0),
+        ("A:B1@0", 0, 6.0, 8.0, 0.0), ("B:F0@1", 1, 7.0, 8.0, 1.0), ("A:B0@0", 0, 8.0, 10.0, 0.0),
+        ("B:B0@1", 1, 8.0, 9.0, 0.0)]
+    assert s.makespan_s == 10.0
+
+
+def test_a_busy_device_never_takes_a_job_an_idle_device_could_start():
+    # two jobs, four devices: each job gets its own device at t=0 and keeps it (no lookahead steals it)
+    jobs = [ShardedJob("A", 2, (1.0,), (1.0,), (8,)), ShardedJob("B", 2, (2.0,), (2.0,), (8,))]
+    for prefetch in (True, False):
+        s = lrtf_schedule(jobs, 4, _one_second, prefetch=prefetch)
+        assert s.makespan_s == 8.0 and {t.device for t in s.tasks if t.job == 1} == {0}
+        assert all(t.transfer_s == 0 for t in s.tasks)
 
 
 def test_activation_and_gradient_messages_follow_the_devices_of_the_flow():
