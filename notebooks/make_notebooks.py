@@ -1142,6 +1142,12 @@ def nb04():
         """),
         _md(r"""
         ## What the numbers say
+
+        The measured makespans were taken while other jobs loaded this machine's 2 cores (the `load_avg_1m`
+        column). The kernel shares the cores per process, so 4 ranks get a larger share of them than 2 and can
+        finish sooner despite sharing the cores among themselves: the measured / predicted ratios here say how
+        loaded the machine was, not how good the prediction is. What the runs do show exactly: every rank ran
+        the tasks the schedule gave its device, in order, and every job's losses equal the job trained alone.
         """),
         _code(r"""
         for label, r in pd.concat([measured, big]).iterrows():
