@@ -34,3 +34,33 @@ def breakdown_chart(df: pd.DataFrame, title: str, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def gantt_chart(tasks, names, devices: int, title: str, path: str) -> None:
+    """Device x time bars of scheduled shard tasks (``start_s``, ``end_s``, ``device``, ``job``,
+    ``key``), one colour per job; forwards hatched lighter than backwards, transfers as thin grey bars
+    before the task they feed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    fig, ax = plt.subplots(figsize=(11, 0.7 * devices + 1.8))
+    for t in tasks:
+        forward = t.key.kind == "F"
+        ax.barh(t.device, (t.end_s - t.start_s) * 1e3, left=t.start_s * 1e3, height=0.6,
+                color=colours(t.job % colours.N), alpha=0.55 if forward else 1.0, edgecolor="black", linewidth=0.3)
+        if t.transfer_s:
+            ax.barh(t.device + 0.38, t.transfer_s * 1e3, left=t.start_s * 1e3 - t.transfer_s * 1e3, height=0.12,
+                    color="grey")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours(j % colours.N)) for j in range(len(names))]
+    ax.legend(handles, names, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              title="job (light: forward)", title_fontsize=8)
+    ax.set_yticks(range(devices), [f"device {d}" for d in range(devices)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

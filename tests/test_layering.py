@@ -10,7 +10,7 @@ layer limits what it may import:
 - ``search``: the core, ``costmodel`` and itself;
 - ``executor``: the core and itself;
 - the top (``autoddl`` itself, ``autoddl.api``, ``autoddl.calibration``,
-  ``autoddl.runs``, ``autoddl.cli``, ``autoddl.charts``, ``autoddl.__main__``):
+  ``autoddl.runs``, ``autoddl.scheduling``, ``autoddl.scheduling_run``, ``autoddl.cli``, ``autoddl.charts``, ``autoddl.__main__``):
   everything. ``benchmarks/``, ``tests/`` and ``notebooks/`` are not checked;
 - the example model files (``examples/``) are standalone: none of these packages.
 
@@ -26,7 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("autoddl", "costmodel", "search", "executor")
-TOP = ("autoddl", "autoddl.api", "autoddl.calibration", "autoddl.runs", "autoddl.cli", "autoddl.charts",
+TOP = ("autoddl", "autoddl.api", "autoddl.calibration", "autoddl.runs", "autoddl.scheduling",
+       "autoddl.scheduling_run", "autoddl.cli", "autoddl.charts",
        "autoddl.__main__")
 ALLOWED = {  # layer -> the layers it may import
     "core": {"core"},

@@ -77,7 +77,7 @@ def test_committed_notebook_is_built_from_make_notebooks(key):
     assert committed.metadata["kernelspec"]["name"] == "python3"
 
 
-@pytest.mark.parametrize("key", ["01", "03"] + (["02"] if FIDELITY_CSV.exists() else []))
+@pytest.mark.parametrize("key", ["01", "03", "04"] + (["02"] if FIDELITY_CSV.exists() else []))
 def test_committed_notebook_has_outputs(key):
     nb = nbformat.read(FILES[key], as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
@@ -207,3 +207,21 @@ def test_02_measured_vs_predicted_on_the_study(monkeypatch):
     assert s["runs"] == len(runs) > 0
     assert s["overall_mape_pct"] == pytest.approx(expected, abs=1e-3)
     assert math.isfinite(s["overall_mape_pct"])
+
+
+# -- 04: many models on one cluster -----------------------------------------------------------------
+
+@pytest.mark.slow
+def test_04_multi_model_runs_the_schedules_and_every_job_trains_as_alone():
+    nb = execute("04")
+    assert pngs(nb) >= 4 and not errors(nb)
+    s = summary(nb)
+    assert set(s["measured"]) == {"2", "4"} and set(s["predicted"]) == {"8", "4"}
+    for n, r in s["measured"].items():
+        assert r["devices"] == int(n)
+        assert r["loss_max_rel_error"] <= 1e-5, f"{n} ranks: a job's losses differ from the job alone"
+        assert r["measured_lrtf_s"] > 0
+    for r in [*s["measured"].values(), *s["predicted"].values()]:
+        # busy = work / (devices x makespan): no schedule beats the work spread evenly over the devices
+        assert 0 < r["busy"] <= 1 + 1e-9
+        assert r["sequential_over_lrtf"] == pytest.approx(r["sequential_s"] / r["lrtf_s"], rel=1e-4)  # 6 decimals

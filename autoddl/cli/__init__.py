@@ -27,7 +27,8 @@ AddFn = Callable[["argparse._SubParsersAction"], None]
 
 SUBCOMMANDS: dict[str, AddFn] = {}
 # imported before parsing, for their @register
-COMMAND_MODULES: list[str] = ["autoddl.cli.trace", "autoddl.cli.plan", "autoddl.cli.run", "autoddl.cli.calibrate"]
+COMMAND_MODULES: list[str] = ["autoddl.cli.trace", "autoddl.cli.plan", "autoddl.cli.run", "autoddl.cli.calibrate",
+                              "autoddl.cli.schedule"]
 # Failures that are the user's input, reported in one line; command modules may append their own.
 EXPECTED_ERRORS: list[type[BaseException]] = [ModelFileError, TraceError, FileNotFoundError, ValueError]
 

@@ -1,0 +1,89 @@
+"""``autoddl schedule JOBS.yaml``: many models' shards on one cluster (Hydra's sharded-LRTF).
+
+Prints one row per job (steps, shards, its solo times, its finish time under each schedule) and the
+three makespans with their ratios; writes ``gantt.png`` (device x time, one colour per job) and
+``schedule.csv`` (every task: job, device, kind, shard, step, start, end, transfer) to ``--out``.
+With ``--run`` the schedule runs on gloo ranks (autoddl/scheduling_run.py): measured
+against predicted makespan, each job's losses against the job trained alone in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from autoddl.atomic import write_csv_atomic
+from autoddl.charts import gantt_chart
+from autoddl.cli import EXPECTED_ERRORS, common_options, register, table
+from autoddl.cluster import DEFAULT_CLUSTER_PATH, Cluster
+from autoddl.jobs import JobsFileError
+from autoddl.scheduling import CSV_COLUMNS, SweepPlan, job_rows, plan_sweep, task_rows
+
+if JobsFileError not in EXPECTED_ERRORS:
+    EXPECTED_ERRORS.append(JobsFileError)
+
+
+@register
+def add_schedule(subparsers) -> None:
+    p = subparsers.add_parser(
+        "schedule", parents=[common_options()],
+        help="schedule many models' shards on one cluster (sharded-LRTF) against one-at-a-time and one-per-device",
+        description="Cut every model of JOBS_YAML into shards, schedule their tasks on the cluster's devices "
+                    "(sharded-LRTF: a free device takes the next shard task of the job with the longest remaining "
+                    "time), and compare the makespan with one model at a time on all devices (its best plan) and "
+                    "one model per device.")
+    p.add_argument("jobs_yaml", metavar="JOBS_YAML",
+                   help="the jobs (schema: autoddl/jobs.py, e.g. examples/sweep.yaml)")
+    p.add_argument("--cluster", default=str(DEFAULT_CLUSTER_PATH), metavar="YAML", help="cluster (default dgx-a100-8)")
+    p.add_argument("--devices", type=int, metavar="N", help="devices to use (default: the cluster's)")
+    p.add_argument("--steps", type=int, metavar="S", help="train every job S steps (default: each job's own)")
+    p.add_argument("--out", metavar="DIR", help="where gantt.png and schedule.csv go (default <JOBS stem>_schedule)")
+    p.add_argument("--run", action="store_true", help="run the schedule on gloo ranks, one per device, and measure it")
+    p.add_argument("--runs-csv", default="results/schedule_runs.csv", metavar="CSV",
+                   help="with --run: the table measured vs predicted makespan is appended to")
+    p.add_argument("--timeout-s", type=float, default=600.0, metavar="T", help="with --run: kill the ranks after T s")
+    p.set_defaults(func=run_schedule)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def print_sweep(sweep: SweepPlan) -> None:
+    rows = [(r["job"], str(r["steps"]), str(r["shards"]), _ms(r["solo_one_device_s"]), _ms(r["solo_best_plan_s"]),
+             _ms(r["finish_lrtf_s"]), _ms(r["finish_sequential_s"]), _ms(r["finish_one_per_device_s"]))
+            for r in job_rows(sweep)]
+    n = sweep.cluster.num_devices
+    print(table(("job", "steps", "shards", "alone on 1 (ms)", f"alone on {n}, best plan (ms)", "ends: sharded-LRTF",
+                 "ends: sequential", "ends: one per device"), rows, numeric=(1, 2, 3, 4, 5, 6, 7)))
+    lrtf = sweep.schedule.makespan_s
+    print(f"predicted makespan on {sweep.cluster.name} ({n} devices):")
+    print(f"  sharded-LRTF ({'with' if sweep.prefetch else 'without'} prefetch): {_ms(lrtf)} ms, devices busy "
+          f"{sweep.schedule.busy_fraction():.0%} (the schedule {'without' if sweep.prefetch else 'with'} prefetch: "
+          f"{_ms(sweep.other_makespan_s)} ms)")
+    for base, what in ((sweep.sequential, "one model at a time, each with its best plan on all devices"),
+                       (sweep.one_per_device, "one model per device")):
+        if base.makespan_s is None:
+            print(f"  {base.name} ({what}): not applicable: {base.reason}")
+        else:
+            print(f"  {base.name} ({what}): {_ms(base.makespan_s)} ms ({base.makespan_s / lrtf:.2f}x sharded-LRTF)")
+
+
+def run_schedule(args: argparse.Namespace) -> int:
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: must be >= 1")
+    cluster = Cluster.from_yaml(args.cluster)
+    sweep = plan_sweep(args.jobs_yaml, cluster, args.devices, args.steps)
+    print_sweep(sweep)
+    out = Path(args.out or f"{Path(args.jobs_yaml).stem}_schedule")
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv_atomic(out / "schedule.csv", task_rows(sweep.schedule, sweep.names), CSV_COLUMNS)
+    gantt_chart(sweep.schedule.tasks, sweep.names, sweep.cluster.num_devices,
+                f"{Path(args.jobs_yaml).name} on {sweep.cluster.name}: sharded-LRTF, predicted makespan "
+                f"{_ms(sweep.schedule.makespan_s)} ms", str(out / "gantt.png"))
+    print(f"wrote {out / 'gantt.png'} and {out / 'schedule.csv'}")
+    if not args.run:
+        return 0
+    from autoddl.scheduling_run import report_run, run_sweep   # imported here: torch.distributed is slow to import
+
+    return report_run(sweep, run_sweep(sweep, timeout_s=args.timeout_s), args.jobs_yaml, args.runs_csv)

@@ -1,0 +1,108 @@
+"""Plan a sweep of models on one cluster (``autoddl schedule``): shards, the schedule, the baselines.
+
+For each job of JOBS.yaml: trace its model file (meta device, the job's arguments), cut it into
+shards priced on one device (search/shards.py), and search its best plan on all the devices (the
+planner; baseline (a)). Then sharded-LRTF schedules every shard task (search/shard_schedule.py),
+with and without prefetch, and the shorter is kept (the lookahead of prefetch can cost more than
+the transfers it hides). Baselines: (a) ``sequential``, each job alone on all devices with its own
+best plan; (b) ``one_per_device``, each job alone on one device when it fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoddl.cluster import Cluster
+from autoddl.jobs import JobSpec, load_jobs
+from autoddl.loader import ModelFile, load_model_file
+from autoddl.shard_program import ShardedJob
+from search.planner import resolve_cluster, search
+from search.shard_schedule import BaselineResult, Schedule, lrtf_schedule, one_per_device, sequential
+from search.shards import SoloCost, shard_job, transfer_fn
+
+CSV_COLUMNS = ["job", "device", "kind", "shard", "step", "start_s", "end_s", "transfer_s"]
+
+
+@dataclass
+class SweepPlan:
+    specs: list[JobSpec]
+    jobs: list[ShardedJob]
+    solo_one: list[SoloCost]             # each job alone on one device
+    best_step_s: list[float]             # each job's found plan on all the devices, one step
+    best_mesh: list[str]
+    schedule: Schedule                   # the kept sharded-LRTF schedule
+    prefetch: bool                       # whether the kept one prefetches
+    other_makespan_s: float              # the makespan of the other one
+    sequential: BaselineResult
+    one_per_device: BaselineResult
+    cluster: Cluster
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.specs]
+
+
+def load_job_model(spec: JobSpec, device: str = "meta") -> ModelFile:
+    """The job's model file with its arguments, built after ``torch.manual_seed(spec.seed)``."""
+    torch.manual_seed(spec.seed)
+    return load_model_file(spec.model, device=device, **spec.args)
+
+
+def plan_sweep(jobs_path: str | Path, cluster: Cluster, devices: int | None = None, steps: int | None = None,
+               progress=print, best_plans: dict | None = None) -> SweepPlan:
+    """Everything ``autoddl schedule`` prints (module docstring); ``steps`` overrides every job's.
+    ``best_plans``: a dict kept between calls, (model, arguments, cluster) -> the best plan's step and
+    mesh, so that sweeps of the same models on the same cluster search each model once."""
+    best_plans = {} if best_plans is None else best_plans
+    specs = load_jobs(jobs_path)
+    if steps is not None:
+        specs = [JobSpec(s.name, s.model, steps, s.args, s.lr, s.seed, s.shards) for s in specs]
+    cluster = resolve_cluster(cluster, devices)
+    n = cluster.num_devices
+    jobs, solo, best, meshes = [], [], [], []
+    for spec in specs:
+        graph = load_job_model(spec).trace()
+        job, one = shard_job(spec.name, graph, cluster, spec.steps, spec.shards)
+        key = (spec.model, repr(sorted(spec.args.items())), cluster.name)
+        if key not in best_plans:
+            outcome = search(graph, cluster, model_name=graph.model_name, optimizer="sgd")
+            best_plans[key] = (outcome.found_breakdown.step_time_s, str(outcome.found.mesh))
+        jobs.append(job), solo.append(one)
+        best.append(best_plans[key][0]), meshes.append(best_plans[key][1])
+        progress(f"{spec.name}: {job.shards} shards, {job.step_s * 1e3:.2f} ms a step on one device, "
+                 f"{best[-1] * 1e3:.2f} ms with its best plan on {n} ({meshes[-1]})")
+    move = transfer_fn(cluster)
+    with_prefetch = lrtf_schedule(jobs, n, move, prefetch=True)
+    without = lrtf_schedule(jobs, n, move, prefetch=False)
+    kept, other = (with_prefetch, without) if with_prefetch.makespan_s <= without.makespan_s else \
+        (without, with_prefetch)
+    return SweepPlan(specs, jobs, solo, best, meshes, kept, kept is with_prefetch, other.makespan_s,
+                     sequential([b * s.steps for b, s in zip(best, specs)]),
+                     one_per_device([o.step_s * s.steps for o, s in zip(solo, specs)], [o.fits for o in solo], n,
+                                    [s.name for s in specs]), cluster)
+
+
+def job_rows(sweep: SweepPlan) -> list[dict[str, Any]]:
+    """One row per job: steps, shards, solo times and its finish time under each schedule (seconds)."""
+    lrtf = sweep.schedule.finish_s()
+    rows = []
+    for j, spec in enumerate(sweep.specs):
+        rows.append({"job": spec.name, "steps": spec.steps, "shards": sweep.jobs[j].shards,
+                     "solo_one_device_s": sweep.solo_one[j].step_s * spec.steps,
+                     "solo_best_plan_s": sweep.best_step_s[j] * spec.steps,
+                     "finish_lrtf_s": lrtf[j],
+                     "finish_sequential_s": sweep.sequential.finish_s[j],
+                     "finish_one_per_device_s": (sweep.one_per_device.finish_s[j]
+                                                 if sweep.one_per_device.finish_s is not None else None)})
+    return rows
+
+
+def task_rows(schedule: Schedule, names: list[str]) -> list[dict[str, Any]]:
+    """The schedule as CSV rows (``CSV_COLUMNS``), in placement order."""
+    return [{"job": names[t.job], "device": t.device, "kind": t.key.kind, "shard": t.key.shard, "step": t.key.step,
+             "start_s": f"{t.start_s:.9f}", "end_s": f"{t.end_s:.9f}", "transfer_s": f"{t.transfer_s:.9f}"}
+            for t in schedule.tasks]

@@ -1,0 +1,176 @@
+"""Schedule many jobs' shard tasks on the devices of one cluster: sharded-LRTF, and two baselines.
+
+**Sharded-LRTF** (Nagrecha & Kumar, "Hydra: A System for Large Multi-Model Deep Learning",
+arXiv:2110.08633, 2021: longest-remaining-time-first over model shards): whenever a device
+is free it takes the next task of the job with the longest remaining time (the compute of its
+tasks not yet placed) among the jobs whose next task is ready (its previous task has ended) and
+may run there (a backward runs where its forward did, autoddl/shard_program.py); ties go to the
+job listed first. A task starts once the device is free and its inputs have arrived: the bytes of
+``JobPlacement.task_inputs``, each message priced by ``transfer_s(src, dst, nbytes)`` and received
+one after another, from the moment the task is placed.
+
+With ``prefetch`` (Hydra's double-buffering) a device places its *next* task when its current
+one starts, so that task's transfers overlap the current compute; a device that finds no ready
+job then tries again when the next running task ends. At one instant, devices that are free choose
+before devices that look ahead (a busy device never takes a job an idle one could start now).
+Without prefetch a device places a task only when it is free. Links are not contended (each message takes its alpha-beta time).
+
+Baselines (finish time per job and the makespan), from each job's solo times:
+
+- ``sequential``: one job at a time on all devices with its own best plan, in the listed order:
+  job j finishes at the sum of ``steps x step_s`` of jobs 0..j;
+- ``one_per_device``: each job alone on one device (when it fits), assigned longest first to the
+  least loaded device (LPT; ties: lower device); the makespan is the most loaded device.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from autoddl.shard_program import JobPlacement, ScheduledTask, ShardedJob, device_order
+
+TransferFn = Callable[[int, int, int], float]
+
+
+@dataclass
+class Schedule:
+    """Tasks in the order they were placed; per device they are in start order."""
+
+    jobs: list[ShardedJob]
+    devices: int
+    tasks: list[ScheduledTask] = field(default_factory=list)
+
+    @property
+    def makespan_s(self) -> float:
+        return max((t.end_s for t in self.tasks), default=0.0)
+
+    def finish_s(self) -> list[float]:
+        """Per job, when its last task ends."""
+        out = [0.0] * len(self.jobs)
+        for t in self.tasks:
+            out[t.job] = max(out[t.job], t.end_s)
+        return out
+
+    def on_device(self, device: int) -> list[ScheduledTask]:
+        return device_order(self.tasks, device)
+
+    def busy_fraction(self) -> float:
+        """Compute time over devices x makespan."""
+        busy = sum(t.end_s - t.start_s for t in self.tasks)
+        return busy / (self.devices * self.makespan_s) if self.makespan_s else 0.0
+
+
+class _JobState:
+    def __init__(self, job: ShardedJob):
+        self.keys = list(job.tasks())
+        self.durations = [job.duration_s(k) for k in self.keys]
+        self.left = [sum(self.durations[i:]) for i in range(len(self.keys))] + [0.0]
+        self.next = 0
+        self.ready_s = 0.0
+        self.placement = JobPlacement(job)
+
+    @property
+    def done(self) -> bool:
+        return self.next == len(self.keys)
+
+
+def lrtf_schedule(jobs: Sequence[ShardedJob], devices: int, transfer_s: TransferFn, *,
+                  prefetch: bool = True) -> Schedule:
+    """The sharded-LRTF schedule of every task of ``jobs`` on ``devices`` (module docstring)."""
+    if devices < 1:
+        raise ValueError(f"need at least one device to schedule on, got {devices}")
+    states = [_JobState(j) for j in jobs]
+    out = Schedule(list(jobs), devices)
+    free = [0.0] * devices
+
+    def event(time: float, d: int) -> tuple[float, int, int]:
+        return time, int(free[d] > time), d          # at one instant, free devices choose before busy ones
+
+    events = [event(0.0, d) for d in range(devices)]     # the device places a task then
+    sleeping: set[int] = set()
+    while events:
+        now, _, d = heapq.heappop(events)
+        j = _pick(states, d, now)
+        if j is None:
+            later = [s.ready_s for s in states if not s.done and s.ready_s > now]
+            if later:
+                heapq.heappush(events, event(min(later), d))
+            else:
+                sleeping.add(d)
+            continue
+        task = _place(states[j], j, d, now, free[d], transfer_s)
+        out.tasks.append(task)
+        free[d] = task.end_s
+        for e in sleeping:
+            heapq.heappush(events, event(task.end_s, e))
+        sleeping.clear()
+        heapq.heappush(events, event(task.start_s if prefetch else task.end_s, d))
+    left = [jobs[i].name for i, s in enumerate(states) if not s.done]
+    if left:
+        raise RuntimeError(f"sharded-LRTF left tasks of {left} unplaced (a scheduler bug)")
+    return out
+
+
+def _pick(states: list[_JobState], device: int, now: float) -> int | None:
+    """The ready job with the longest remaining time whose next task may run on ``device``."""
+    best = None
+    for j, s in enumerate(states):
+        if s.done or s.ready_s > now or not s.placement.allowed(s.keys[s.next], device):
+            continue
+        if best is None or s.left[s.next] > states[best].left[states[best].next]:
+            best = j
+    return best
+
+
+def _place(state: _JobState, j: int, device: int, now: float, free_s: float, transfer_s: TransferFn
+           ) -> ScheduledTask:
+    key = state.keys[state.next]
+    inbox = state.placement.task_inputs(key, device)
+    moved = sum(transfer_s(m.src, device, m.nbytes) for m in inbox)
+    start = max(free_s, now + moved)
+    end = start + state.durations[state.next]
+    state.placement.place(key, device)
+    state.next += 1
+    state.ready_s = end
+    return ScheduledTask(j, key, device, start, end, moved, inbox)
+
+
+# -- baselines ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BaselineResult:
+    name: str
+    finish_s: tuple[float, ...] | None        # per job; None: not applicable
+    reason: str = ""
+    device_of: tuple[int, ...] = ()           # one_per_device: the device each job ran on
+
+    @property
+    def makespan_s(self) -> float | None:
+        return max(self.finish_s, default=0.0) if self.finish_s is not None else None
+
+
+def sequential(solo_total_s: Sequence[float]) -> BaselineResult:
+    """One job after another, each on all devices (``solo_total_s``: steps x its best plan's step)."""
+    finish, at = [], 0.0
+    for t in solo_total_s:
+        at += t
+        finish.append(at)
+    return BaselineResult("sequential", tuple(finish))
+
+
+def one_per_device(one_device_total_s: Sequence[float], fits: Sequence[bool], devices: int,
+                   names: Sequence[str]) -> BaselineResult:
+    """Each job alone on one device, longest first onto the least loaded device (module docstring)."""
+    too_big = [n for n, ok in zip(names, fits) if not ok]
+    if too_big:
+        return BaselineResult("one_per_device", None, f"{', '.join(too_big)} do not fit one device's memory")
+    load = [0.0] * devices
+    finish = [0.0] * len(one_device_total_s)
+    device_of = [0] * len(one_device_total_s)
+    for j in sorted(range(len(one_device_total_s)), key=lambda i: (-one_device_total_s[i], i)):
+        d = min(range(devices), key=lambda k: (load[k], k))
+        load[d] += one_device_total_s[j]
+        finish[j], device_of[j] = load[d], d
+    return BaselineResult("one_per_device", tuple(finish), device_of=tuple(device_of))

@@ -1,0 +1,156 @@
+"""Sharded-LRTF against hand-worked schedules, the baselines against their formulas, the flows of a
+cut graph, and a cut model priced shard by shard against its one-device timeline."""
+
+from __future__ import annotations
+
+import pytest
+
+from autoddl.shard_program import BACKWARD, FORWARD, Flow, JobPlacement, ShardedJob, TaskKey
+from search.shard_schedule import lrtf_schedule, one_per_device, sequential
+
+
+def _jobs() -> list[ShardedJob]:
+    return [
+        ShardedJob("A", 1, forward_s=(2.0, 2.0), backward_s=(2.0, 2.0), param_bytes=(8, 8),
+                   flows=(Flow(0, 1, 4, 4, "x"),)),
+        ShardedJob("B", 2, forward_s=(1.0,), backward_s=(1.0,), param_bytes=(8,)),
+        ShardedJob("C", 1, forward_s=(3.0,), backward_s=(3.0,), param_bytes=(8,)),
+    ]
+
+
+def _one_second(src: int, dst: int, nbytes: int) -> float:
+    return 1.0
+
+
+def _rows(schedule) -> list[tuple]:
+    names = [j.name for j in schedule.jobs]
+    return [(t.label(names), t.device, t.start_s, t.end_s, t.transfer_s) for t in schedule.tasks]
+
+
+def test_lrtf_without_prefetch_matches_the_hand_worked_schedule():
+    # remaining work A 8 s, C 6 s, B 4 s; a free device takes the ready job with the most left, a
+    # backward stays on its forward's device, ties go to the job listed first; B's second forward
+    # lands on device 0 while its weights are on device 1: one 1 s message first.
+    s = lrtf_schedule(_jobs(), 2, _one_second, prefetch=False)
+    assert _rows(s) == [
+        ("A:F0@0", 0, 0.0, 2.0, 0.0), ("C:F0@0", 1, 0.0, 3.0, 0.0), ("A:F1@0", 0, 2.0, 4.0, 0.0),
+        ("B:F0@0", 1, 3.0, 4.0, 0.0), ("A:B1@0", 0, 4.0, 6.0, 0.0), ("B:B0@0", 1, 4.0, 5.0, 0.0),
+        ("C:B0@0", 1, 5.0, 8.0, 0.0), ("A:B0@0", 0, 6.0, 8.0, 0.0), ("B:F0@1", 0, 9.0, 10.0, 1.0),
+        ("B:B0@1", 0, 10.0, 11.0, 0.0)]
+    assert s.makespan_s == 11.0
+    assert s.finish_s() == [8.0, 11.0, 8.0]
+    assert [m.what for m in s.tasks[8].inbox] == ["params"] and s.tasks[8].inbox[0].src == 1
+
+
+def test_lrtf_with_prefetch_places_the_next_task_when_the_current_one_starts():
+    # at t=0 both free devices choose first (A on 0, C on 1); then device 0 looks ahead and takes B,
+    # queued after A.F0; B's second forward lands on device 1 and waits 1 s for its weights. A's
+    # tasks follow one another on device 0 with no gap: 10 s against 11 s without prefetch.
+    s = lrtf_schedule(_jobs(), 2, _one_second, prefetch=True)
+    assert _rows(s) == [
+        ("A:F0@0", 0, 0.0, 2.0, 0.0), ("C:F0@0", 1, 0.0, 3.0, 0.0), ("B:F0@0", 0, 2.0, 3.0, 0.0),
+        ("A:F1@0", 0, 3.0, 5.0, 0.0), ("C:B0@0", 1, 3.0, 6.0, 0.0), ("B:B0@0", 0, 5.0, 6.0, 0.0),
+        ("A:B1@0", 0, 6.0, 8.0, 0.0), ("B:F0@1", 1, 7.0, 8.0, 1.0), ("A:B0@0", 0, 8.0, 10.0, 0.0),
+        ("B:B0@1", 1, 8.0, 9.0, 0.0)]
+    assert s.makespan_s == 10.0
+
+
+def test_a_busy_device_never_takes_a_job_an_idle_device_could_start():
+    # two jobs, four devices: each job gets its own device at t=0 and keeps it (no lookahead steals it)
+    jobs = [ShardedJob("A", 2, (1.0,), (1.0,), (8,)), ShardedJob("B", 2, (2.0,), (2.0,), (8,))]
+    for prefetch in (True, False):
+        s = lrtf_schedule(jobs, 4, _one_second, prefetch=prefetch)
+        assert s.makespan_s == 8.0 and {t.device for t in s.tasks if t.job == 1} == {0}
+        assert all(t.transfer_s == 0 for t in s.tasks)
+
+
+def test_activation_and_gradient_messages_follow_the_devices_of_the_flow():
+    # one job, two shards, one device each way: shard 1's forward on device 1 receives x from
+    # device 0; shard 0's backward (on device 0) receives x's gradient from device 1
+    job = ShardedJob("A", 1, forward_s=(1.0, 1.0), backward_s=(1.0, 1.0), param_bytes=(8, 8),
+                     flows=(Flow(0, 1, 4, 4, "x"),))
+    p = JobPlacement(job)
+    assert p.task_inputs(TaskKey(0, 0, FORWARD), 0) == ()
+    p.place(TaskKey(0, 0, FORWARD), 0)
+    (act,) = p.task_inputs(TaskKey(0, 1, FORWARD), 1)
+    assert (act.src, act.nbytes, act.what) == (0, 4, "act:0")
+    p.place(TaskKey(0, 1, FORWARD), 1)
+    assert not p.allowed(TaskKey(0, 1, BACKWARD), 0)
+    with pytest.raises(ValueError, match="backward of shard 1 must run on device 1"):
+        p.place(TaskKey(0, 1, BACKWARD), 0)
+    (grad,) = p.task_inputs(TaskKey(0, 0, BACKWARD), 0)
+    assert (grad.src, grad.nbytes, grad.what) == (1, 4, "grad:0")
+    # the next step's forward of shard 0 on device 1 pulls the weights from device 0
+    (w,) = p.task_inputs(TaskKey(1, 0, FORWARD), 1)
+    assert (w.src, w.nbytes, w.what) == (0, 8, "params")
+
+
+def test_one_device_runs_every_task_back_to_back():
+    jobs = _jobs()
+    s = lrtf_schedule(jobs, 1, _one_second)
+    assert s.makespan_s == sum(j.total_s for j in jobs) == 18.0
+    assert all(t.transfer_s == 0 for t in s.tasks)
+
+
+def test_sequential_baseline_adds_the_solo_times_in_order():
+    r = sequential([3.0, 5.0, 2.0])
+    assert r.finish_s == (3.0, 8.0, 10.0) and r.makespan_s == 10.0
+
+
+def test_one_per_device_assigns_longest_first_to_the_least_loaded_device():
+    r = one_per_device([3.0, 5.0, 2.0, 4.0], [True] * 4, 2, ["a", "b", "c", "d"])
+    # 5 -> d0 (5); 4 -> d1 (4); 3 -> d1 (7); 2 -> d0 (7)
+    assert r.device_of == (1, 0, 0, 1)
+    assert r.finish_s == (7.0, 5.0, 7.0, 4.0) and r.makespan_s == 7.0
+
+
+def test_one_per_device_is_not_applicable_when_a_job_does_not_fit():
+    r = one_per_device([3.0, 5.0], [True, False], 2, ["a", "b"])
+    assert r.finish_s is None and r.makespan_s is None and "b do not fit" in r.reason
+
+
+def test_a_job_rejects_flows_backwards_and_missing_shard_costs():
+    with pytest.raises(ValueError, match="one entry per shard"):
+        ShardedJob("A", 1, forward_s=(1.0, 1.0), backward_s=(1.0,), param_bytes=(0, 0))
+    with pytest.raises(ValueError, match="must go from a shard to a later one"):
+        ShardedJob("A", 1, forward_s=(1.0, 1.0), backward_s=(1.0, 1.0), param_bytes=(0, 0),
+                   flows=(Flow(1, 0, 4, 4),))
+
+
+def test_a_tiny_gpt_cut_in_two_prices_its_shards_from_the_one_device_timeline():
+    from autoddl.cluster import Cluster
+    from autoddl.loader import load_model_file
+    from search.planner import inner_tp_plan
+    from search.shards import shard_job, transfer_fn
+    from autoddl.training import Training
+    from search.stages import block_costs
+
+    cluster = Cluster.from_yaml("configs/local-cpu.yaml").resized(2)
+    graph = load_model_file("examples/gpt.py", preset="tiny").trace()
+    job, solo = shard_job("gpt", graph, cluster, steps=3, shards=2)
+    costs = block_costs(graph, inner_tp_plan(graph, cluster.resized(1), 1, Training(), "sgd"),
+                        cluster.resized(1))
+    assert job.cuts == ("transformer.h.1",)
+    assert job.forward_s == pytest.approx(tuple(costs.forward_s))            # one block per shard
+    assert sum(job.backward_s) == pytest.approx(sum(costs.backward_s) + costs.optimizer_s)
+    assert solo.fits and solo.step_s == pytest.approx(job.step_s, rel=1e-9)
+    # flows: the residual stream (B, T, C) = 4 x 32 x 64 float32, and the tied wte / lm_head weight
+    # (vocab 512 x 64) kept by shard 0 and read by the head in shard 1; both send their gradient back
+    assert sorted((f.src, f.dst, f.nbytes, f.grad_nbytes) for f in job.flows) == [
+        (0, 1, 4 * 32 * 64 * 4, 4 * 32 * 64 * 4), (0, 1, 512 * 64 * 4, 512 * 64 * 4)]
+    # every parameter is kept by one shard: shard 0 has wte, wpe and block 0
+    block = 4 * (2 * 64 + 64 * 192 + 192 + 64 * 64 + 64 + 2 * 64 + 64 * 256 + 256 + 256 * 64 + 64)
+    assert job.param_bytes == (4 * (512 * 64 + 64 * 64) + block, block + 4 * 2 * 64)
+    # a message between two devices of one node: send_recv on the intra-node link, plus the fixed cost
+    link = cluster.intra_node
+    assert transfer_fn(cluster)(0, 1, 10**6) == pytest.approx(
+        10**6 / (link.bandwidth_gbps * 1e9) + link.latency_us * 1e-6 + cluster.executor.collective_us * 1e-6)
+    assert transfer_fn(cluster)(1, 1, 10**6) == 0.0
+    # four ranks on this 2-core machine's node (cores_per_node 2) share the cores: every time doubles
+    four = Cluster.from_yaml("configs/local-cpu.yaml").resized(4)
+    assert four.time_sharing((4,)) == 2.0
+    job4, solo4 = shard_job("gpt", graph, four, steps=3, shards=2)
+    assert job4.forward_s == pytest.approx(tuple(2 * x for x in job.forward_s))
+    assert job4.backward_s == pytest.approx(tuple(2 * x for x in job.backward_s))
+    assert solo4.step_s == pytest.approx(2 * solo.step_s)
+    assert transfer_fn(four)(0, 1, 10**6) == pytest.approx(2 * transfer_fn(cluster)(0, 1, 10**6))
