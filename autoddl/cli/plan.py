@@ -12,15 +12,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import textwrap
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import pandas as pd
 
+from autoddl import trace_cache
 from autoddl.api import schemes_frame
 from autoddl.cli import EXPECTED_ERRORS, add_model_options, common_options, model_overrides, register, table
 from autoddl.cluster import DEFAULT_CLUSTER_PATH, Cluster
@@ -122,7 +125,7 @@ def step_batch(micro_batch: int | None, global_batch: int | None, dp_degree: int
 class Planned:
     """What `plan` / `compare` computed: the search's outcome and the --degrees configuration."""
 
-    mf: ModelFile
+    tracer: "_Tracer"                                  # the model file's traces (and the file, built lazily)
     cluster: Cluster                                   # as the file says
     planned: Cluster                                   # resized to --devices
     outcome: SearchOutcome | None
@@ -134,16 +137,38 @@ class Planned:
     extra: list = field(default_factory=list)          # more priced schemes (--emit's best configuration)
 
     @property
+    def mf(self) -> ModelFile:
+        """The model file, built on first use (a cached trace does not build it)."""
+        return self.tracer.mf
+
+    @property
     def schemes(self) -> list[Scheme]:
         return (list(self.outcome.schemes) if self.outcome else []) + ([self.given] if self.given else []) + \
             list(self.extra)
 
 
 class _Tracer:
-    """Traces the model file once per (micro-step batch, precision)."""
+    """Traces the model file once per (micro-step batch, precision), through the on-disk trace cache
+    (autoddl/trace_cache.py): a graph traced by an earlier run with the same key is read back, and
+    the model file is then not even built (``mf`` loads it on first use)."""
 
-    def __init__(self, args: argparse.Namespace, mf: ModelFile):
-        self.args, self.mf, self.graphs, self.seconds = args, mf, {}, 0.0
+    def __init__(self, args: argparse.Namespace, mf: ModelFile | None = None):
+        self.args, self._mf, self.graphs, self.seconds = args, mf, {}, 0.0
+
+    @property
+    def path(self) -> str:
+        """The model file's absolute path (as ``ModelFile.path``), without building it."""
+        return self._mf.path if self._mf is not None else str(Path(self.args.model_py).expanduser().resolve())
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).stem
+
+    @property
+    def mf(self) -> ModelFile:
+        if self._mf is None:
+            self._mf = load_model_file(self.args.model_py, **model_overrides(self.args))
+        return self._mf
 
     def __call__(self, dp_degree: int, training: Training) -> tuple[OpGraph, int | None, Training]:
         batch, k = step_batch(self.args.micro_batch_size, self.args.global_batch_size, dp_degree)
@@ -154,15 +179,29 @@ class _Tracer:
         key = (batch, param_dtype)
         if key not in self.graphs:
             t0 = time.perf_counter()
-            self.graphs[key] = (self.mf.with_batch_size(batch) if batch else self.mf).trace(param_dtype)
+            self.graphs[key] = self._cached(batch, param_dtype)
             self.seconds += time.perf_counter() - t0
         return self.graphs[key]
 
+    def _cached(self, batch: int | None, param_dtype: str) -> OpGraph:
+        path = self.path
+        if not os.path.isfile(path):                   # load_model_file says what is wrong with it
+            return (self.mf.with_batch_size(batch) if batch else self.mf).trace(param_dtype)
+        key = trace_cache.TraceKey.of(path, model_overrides(self.args), batch, param_dtype)
+        graph = trace_cache.load(key)
+        if graph is not None:
+            print(f"trace cache: {graph.model_name} at batch {batch or 'of the file'} in {param_dtype} read from "
+                  f"{key.path()}", file=sys.stderr)
+            return graph
+        graph = (self.mf.with_batch_size(batch) if batch else self.mf).trace(param_dtype)
+        trace_cache.store(key, graph)
+        return graph
+
 
 def _provenance(scheme: Scheme | None, args: argparse.Namespace, overrides: dict, batch: int | None,
-                mf: ModelFile) -> None:
+                tracer: "_Tracer") -> None:
     if scheme is not None and scheme.plan is not None:
-        scheme.plan.set_provenance(model_file=mf.path, model_args=overrides, cluster_file=args.cluster)
+        scheme.plan.set_provenance(model_file=tracer.path, model_args=overrides, cluster_file=args.cluster)
         scheme.plan.batch_size = batch
 
 
@@ -188,8 +227,7 @@ def _search(args: argparse.Namespace, progress, training: Training | None = None
     if args.pipeline and (given is not None or not args.global_batch_size):
         raise ValueError("--pipeline searches pipeline stages for a --global-batch-size (give one) and replaces "
                          "--degrees / --from-* (drop them)")
-    tracer = tracer or _Tracer(args, load_model_file(args.model_py, **overrides))
-    mf = tracer.mf
+    tracer = tracer or _Tracer(args)
     outcome, given_scheme, graph, error = None, None, None, ""
     if not args.no_search:
         graph, batch, tr = tracer(planned.num_devices, training)
@@ -201,16 +239,16 @@ def _search(args: argparse.Namespace, progress, training: Training | None = None
                 raise
             error = str(exc)
         for scheme in outcome.schemes if outcome else ():
-            _provenance(scheme, args, overrides, batch, mf)
+            _provenance(scheme, args, overrides, batch, tracer)
     if given is not None:
         given_scheme, g2, batch2 = given(tracer, training)
-        _provenance(given_scheme, args, overrides, batch2, mf)
+        _provenance(given_scheme, args, overrides, batch2, tracer)
         graph = graph or g2
     if args.pipeline:
         given_scheme, g3, batch3 = _search_pipeline(args, tracer, planned, training, progress)
-        _provenance(given_scheme, args, overrides, batch3, mf)
+        _provenance(given_scheme, args, overrides, batch3, tracer)
         graph = graph or g3
-    return Planned(mf, cluster, planned, outcome, given_scheme, graph, tracer.seconds, error, tracer.graphs)
+    return Planned(tracer, cluster, planned, outcome, given_scheme, graph, tracer.seconds, error, tracer.graphs)
 
 
 def _degrees_pricer(args: argparse.Namespace, planned: Cluster, degrees: list[tuple[str, int]]) -> GivenPricer:
@@ -405,8 +443,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     result, tracer, user = plan_trainers.search_with_trainer(args, progress=lambda m: print("  " + m, file=sys.stderr))
     emitted = plan_trainers.choose_emitted(args, result, tracer, user) if args.emit else None
-    mf, graph, cluster, outcome, given = result.mf, result.graph, result.cluster, result.outcome, result.given
-    print(f"model:    {mf.name} ({mf.path}) {graph.parameter_count / 1e6:,.1f}M parameters, "
+    graph, cluster, outcome, given = result.graph, result.cluster, result.outcome, result.given
+    print(f"model:    {result.tracer.name} ({result.tracer.path}) {graph.parameter_count / 1e6:,.1f}M parameters, "
           f"{len(graph.ops())} ops, traced in {result.trace_s:.2f} s")
     planned = result.planned
     print(f"cluster:  {cluster.summary()}")
@@ -507,12 +545,12 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.variants:
         return _run_variants(args)
     result = _search(args, progress=None)
-    print(f"{result.mf.name} on {result.cluster.name}:")
+    print(f"{result.tracer.name} on {result.cluster.name}:")
     _print_schemes(result.schemes, _graphs_by_scheme(result), args.memory_breakdown)
     if result.search_error:
         print(f"search: {result.search_error}")
     df = _frame(result.schemes)
-    _write_outputs(args, df, f"{result.mf.name} on {result.cluster.name}")
+    _write_outputs(args, df, f"{result.tracer.name} on {result.cluster.name}")
     return 0
 
 
@@ -530,8 +568,7 @@ def _write_outputs(args: argparse.Namespace, df: pd.DataFrame, title: str) -> No
 def _run_variants(args: argparse.Namespace) -> int:
     """Each precision x recompute variant: the search (found plan and baselines) under it. A variant
     in which nothing fits is searched without the limit, to show what it would need."""
-    overrides = model_overrides(args)
-    tracer = _Tracer(args, load_model_file(args.model_py, **overrides))
+    tracer = _Tracer(args)
     frames, rows = [], []
     title = ""
     for precision in VARIANT_PRECISIONS:
@@ -549,7 +586,7 @@ def _run_variants(args: argparse.Namespace) -> int:
                     if s.breakdown is not None:
                         s.breakdown.memory_limit_bytes = int(limit)
                 note = "nothing fits: searched without the memory limit"
-            title = f"{result.mf.name} on {result.cluster.name}"
+            title = f"{result.tracer.name} on {result.cluster.name}"
             for s in result.schemes:
                 if s.plan is None:
                     continue
