@@ -113,6 +113,27 @@ def test_cli_prices_a_pipelined_configuration_with_the_bubble_column(tmp_path, c
     assert code != 0 and "= 32 devices; run with --nproc 32" in capsys.readouterr().err
 
 
+def test_compare_chart_shows_the_bubble_as_its_own_segment(tmp_path):
+    import pandas as pd
+
+    from autoddl.charts import breakdown_chart
+
+    args = ["compare", str(GPT), "--preset", "tiny", "--set", "n_layer=8", "--cluster", str(H100),
+            "--micro-batch-size", "4", "--global-batch-size", "64", "--degrees", "pp=2,dp=2,tp=8", "--schedule",
+            "interleaved", "--virtual-stages", "2"]
+    assert main(args + ["--no-search", "--csv", str(tmp_path / "pp.csv")]) == 0
+    assert main(["plan", *args[1:], "--no-search", "--out", str(tmp_path / "pp.json")]) == 0
+    df = pd.read_csv(tmp_path / "pp.csv")
+    (given,) = df.itertuples()
+    assert given.bubble_ms == pytest.approx(Plan.load(tmp_path / "pp.json").cost.bubble_s * 1e3, rel=1e-9)
+    assert given.bubble_ms > 0
+    drawn = breakdown_chart(df, "pp", str(tmp_path / "pp.png"))
+    assert drawn["pipeline bubble"] == pytest.approx([given.bubble_ms])
+    assert drawn["compute"] == pytest.approx([given.compute_ms]) and (tmp_path / "pp.png").stat().st_size > 0
+    flat = df.assign(bubble_ms=0.0)                        # no stages: no bubble segment in the legend
+    assert "pipeline bubble" not in breakdown_chart(flat, "flat", str(tmp_path / "flat.png"))
+
+
 # -- the 3-D search ------------------------------------------------------------------------------------
 
 def test_factorisations_keep_tp_in_a_node_and_pp_outermost(h100_32):
