@@ -60,10 +60,11 @@ class Estimate:
                 + f" mbs={self.micro_batch_size} recompute={self.recompute}")
 
 
-def factorisations(cluster: Cluster, blocks: int) -> list[tuple[int, int, int]]:
-    """(pp, dp, tp) with pp >= 2 and at most ``blocks``, pp x dp x tp = devices, tp inside a node
-    (without tp, dp inside a node): search.meshes.role_splits."""
-    return [s for s in role_splits(cluster.num_devices, cluster.devices_per_node, max_pp=blocks) if s[0] >= 2]
+def factorisations(cluster: Cluster, blocks: int, min_pp: int = 2) -> list[tuple[int, int, int]]:
+    """(pp, dp, tp) with ``min_pp`` <= pp <= ``blocks``, pp x dp x tp = devices, tp inside a node
+    (without tp, dp inside a node): search.meshes.role_splits. ``min_pp=1`` adds the plans without
+    stages."""
+    return [s for s in role_splits(cluster.num_devices, cluster.devices_per_node, max_pp=blocks) if s[0] >= min_pp]
 
 
 def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int, dp: int, tp: int, role: str,
@@ -105,11 +106,14 @@ def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int
 
 def search_3d(trace_for: Callable[[int], OpGraph], inner_plan_for: Callable[[OpGraph, int, Training], object],
               cluster: Cluster, training: Training, global_batch: int, limit_bytes: float,
-              micro_batch_sizes: tuple[int, ...] = (1, 2), say: Callable[[str], None] = lambda _m: None
-              ) -> list[Estimate]:
+              micro_batch_sizes: tuple[int, ...] = (1, 2), say: Callable[[str], None] = lambda _m: None,
+              min_pp: int = 2, costs: dict | None = None) -> list[Estimate]:
     """Every candidate's fast :class:`Estimate`, fastest first (fitting ones before the rest).
     ``trace_for(batch)``: the graph of one micro-batch of ``batch`` samples; ``inner_plan_for(graph,
-    tp, training)``: the tp baseline's plan on a (tp,) mesh."""
+    tp, training)``: the tp baseline's plan on a (tp,) mesh. ``min_pp=1`` estimates the plans without
+    stages too (one stage: the same estimate). ``costs``: a dict kept across calls for the same model
+    and intra-node link, holding each (micro-batch size, recompute, tp)'s inner plan and block costs
+    (they do not depend on the device count or the inter-node link)."""
     out: list[Estimate] = []
     tries = RECOMPUTE_TRIES if training.recompute == "auto" else (training.recompute,)
     for mbs in micro_batch_sizes:
@@ -117,8 +121,9 @@ def search_3d(trace_for: Callable[[int], OpGraph], inner_plan_for: Callable[[OpG
         blocks = len(repeated_blocks(graph))
         for recompute in tries:
             tr = dataclasses.replace(training, recompute=recompute, micro_batches=1)
-            by_tp: dict[int, tuple[object, BlockCosts]] = {}
-            for pp, dp, tp in factorisations(cluster, blocks):
+            by_tp: dict[int, tuple[object, BlockCosts]] = {} if costs is None else \
+                costs.setdefault((mbs, recompute), {})
+            for pp, dp, tp in factorisations(cluster, blocks, min_pp):
                 if global_batch % (mbs * dp):
                     continue
                 m = global_batch // (mbs * dp)
@@ -128,7 +133,7 @@ def search_3d(trace_for: Callable[[int], OpGraph], inner_plan_for: Callable[[OpG
                 inner, costs = by_tp[tp]
                 for role in ("dp", "fsdp"):
                     for schedule, v in (("1f1b", 1), ("interleaved", 2)):
-                        if v > 1 and (m % pp or blocks < pp * v):
+                        if v > 1 and (pp == 1 or m % pp or blocks < pp * v):
                             continue
                         step, mem = estimate(costs, graph, inner, cluster, pp, dp, tp, role, schedule, v, m)
                         out.append(Estimate([("pp", pp), (role, dp), ("tp", tp)], schedule, v, mbs, recompute,

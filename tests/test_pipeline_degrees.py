@@ -145,6 +145,28 @@ def test_factorisations_keep_tp_in_a_node_and_pp_outermost(h100_32):
         (2, 4, 4), (4, 2, 4), (8, 1, 4),
         (2, 2, 8), (4, 1, 8)])                         # pp=8 x tp=8 would need 64 devices
     assert max(pp for pp, _, _ in factorisations(h100_32, 3)) == 2     # at most one stage per block (and divides)
+    unstaged = [f for f in factorisations(h100_32, 8, min_pp=1) if f[0] == 1]   # plans without stages
+    assert sorted(unstaged) == [(1, 4, 8), (1, 8, 4), (1, 16, 2), (1, 32, 1)]
+
+
+def test_one_stage_estimate_is_every_micro_batch_in_a_row(gpt8, h100_32):
+    from autoddl.collective_kinds import CollectiveKind
+    from costmodel.collectives import cluster_collective_time_s
+    from search.pipeline_search import estimate
+    from search.planner import inner_tp_plan
+    from search.stages import block_costs
+
+    mf, _ = gpt8
+    one = mf.with_batch_size(4).trace("float32")             # one dp rank's micro-batch
+    inner = inner_tp_plan(one, h100_32, 8, Training())
+    costs = block_costs(one, inner, h100_32.resized(8))
+    step, _ = estimate(costs, one, inner, h100_32, 1, 4, 8, "dp", "1f1b", 1, 3)
+    grads = sum(n.outputs[0].numel for n in one.parameters().values()) / 8 * 4    # fp32, split over tp=8
+    sync = cluster_collective_time_s(CollectiveKind.ALL_REDUCE, grads, (1, 4, 8), 1, h100_32)
+    # one stage: the 3 micro-batches' blocks back to back, then the gradient all-reduce and the optimizer
+    # (the hand count of the gradient bytes splits every parameter over tp: the norms' are not, ~1% here)
+    assert step - 3 * sum(costs.seconds) - costs.optimizer_s == pytest.approx(sync, rel=0.05)
+    assert step - sync - costs.optimizer_s == pytest.approx(3 * sum(costs.seconds), rel=1e-3)
 
 
 def test_fast_estimate_is_near_the_full_price(gpt8, h100_32):
