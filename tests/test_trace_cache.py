@@ -118,3 +118,20 @@ def test_plan_twice_traces_once_and_writes_the_same_plan(cache, tmp_path, capsys
     assert "trace cache: gpt at batch 16 in bfloat16 read from" in capsys.readouterr().err
     a, b = (json.loads((tmp_path / n).read_text()) for n in ("a.json", "b.json"))
     assert a == b and a["graph_hash"]
+
+
+def test_the_tracer_reads_a_third_batch_off_two_traces(cache, monkeypatch, capsys):
+    args = argparse.Namespace(model_py=str(GPT), preset="tiny", set=None, micro_batch_size=None,
+                              global_batch_size=None)
+    tracer = plan_cli._Tracer(args)
+    tracer.at(1, "bfloat16"), tracer.at(2, "bfloat16")
+    traced = []
+    real_trace = ModelFile.trace
+    monkeypatch.setattr(ModelFile, "trace", lambda self, dt="float32": traced.append(dt) or real_trace(self, dt))
+    capsys.readouterr()
+    derived = tracer.at(12, "bfloat16")
+    assert traced == [] and "read off its traces at batches 1 and 2" in capsys.readouterr().err
+    fresh = real_trace(load_model_file(GPT, preset="tiny").with_batch_size(12), "bfloat16")
+    assert list(derived.topo()) == list(fresh.topo())
+    tracer.at(3, "float32")                                  # another precision: traced
+    assert traced == ["float32"]

@@ -31,7 +31,9 @@ from autoddl.graph import NodeKind, OpGraph
 from autoddl.loader import ModelFile, ModelFileError, load_for_plan, load_model_file
 from autoddl.ops import coverage_report
 from autoddl.plan import Mesh, Plan
-from autoddl.training import OFFLOAD_CHOICES, DEFAULT_BUCKET_MB, DTYPES, RECOMPUTE_CHOICES, RECOMPUTE_POLICIES, SCHEDULES, Training
+from autoddl.rebatch import at_batch
+from autoddl.training import (DEFAULT_BUCKET_MB, DTYPES, OFFLOAD_CHOICES, RECOMPUTE_CHOICES, RECOMPUTE_POLICIES,
+                              SCHEDULES, Training)
 from search.pipeline_search import best_fitting, search_3d
 from search.planner import (SCHEMES, Scheme, SearchOutcome, data_parallel_degree, degrees_spec, inner_tp_plan,
                             parse_degrees, price_degrees, recompute_blocks, resolve_cluster, search)
@@ -150,7 +152,8 @@ class Planned:
 class _Tracer:
     """Traces the model file once per (micro-step batch, precision), through the on-disk trace cache
     (autoddl/trace_cache.py): a graph traced by an earlier run with the same key is read back, and
-    the model file is then not even built (``mf`` loads it on first use)."""
+    the model file is then not even built (``mf`` loads it on first use). Once two batches are
+    traced in one precision, the graph at any other batch is read off them (autoddl/rebatch.py)."""
 
     def __init__(self, args: argparse.Namespace, mf: ModelFile | None = None):
         self.args, self._mf, self.graphs, self.seconds = args, mf, {}, 0.0
@@ -184,6 +187,9 @@ class _Tracer:
         return self.graphs[key]
 
     def _cached(self, batch: int | None, param_dtype: str) -> OpGraph:
+        derived = self._rebatched(batch, param_dtype)
+        if derived is not None:
+            return derived
         path = self.path
         if not os.path.isfile(path):                   # load_model_file says what is wrong with it
             return (self.mf.with_batch_size(batch) if batch else self.mf).trace(param_dtype)
@@ -195,6 +201,18 @@ class _Tracer:
             return graph
         graph = (self.mf.with_batch_size(batch) if batch else self.mf).trace(param_dtype)
         trace_cache.store(key, graph)
+        return graph
+
+    def _rebatched(self, batch: int | None, param_dtype: str) -> OpGraph | None:
+        """The graph at ``batch`` read off two graphs traced here at other batches (autoddl/rebatch.py)."""
+        have = sorted(b for b, dt in self.graphs if dt == param_dtype and b is not None and b != batch)
+        if batch is None or len(have) < 2:
+            return None
+        b1, b2 = have[:2]
+        graph = at_batch(self.graphs[(b1, param_dtype)], b1, self.graphs[(b2, param_dtype)], b2, batch)
+        if graph is not None:
+            print(f"trace: {graph.model_name} at batch {batch} in {param_dtype} read off its traces at batches {b1} "
+                  f"and {b2}", file=sys.stderr)
         return graph
 
 
