@@ -993,7 +993,7 @@ def nb03():
                     cluster = dataclasses.replace(base, inter_node=dataclasses.replace(base.inter_node, bandwidth_gbps=gbps))
                     est = search_3d(lambda batch, g=graph: g, lambda g, tp, tr, c=cluster: inner_tp_plan(g, c, tp, tr),
                                     cluster, training, PP_BATCH, cluster.device.memory_gb * 1e9, (1,), min_pp=1,
-                                    costs=costs)
+                                    block_cache=costs)
                     fit = [e for e in est if e.memory_bytes <= cluster.device.memory_gb * 1e9]
                     staged = min((e for e in fit if e.degrees[0][1] > 1), key=lambda e: e.step_time_s, default=None)
                     flat = min((e for e in fit if e.degrees[0][1] == 1), key=lambda e: e.step_time_s, default=None)

@@ -107,7 +107,7 @@ def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int
 def search_3d(trace_for: Callable[[int], OpGraph], inner_plan_for: Callable[[OpGraph, int, Training], object],
               cluster: Cluster, training: Training, global_batch: int, limit_bytes: float,
               micro_batch_sizes: tuple[int, ...] = (1, 2), say: Callable[[str], None] = lambda _m: None,
-              min_pp: int = 2, costs: dict | None = None) -> list[Estimate]:
+              min_pp: int = 2, block_cache: dict | None = None) -> list[Estimate]:
     """Every candidate's fast :class:`Estimate`, fastest first (fitting ones before the rest).
     ``trace_for(batch)``: the graph of one micro-batch of ``batch`` samples; ``inner_plan_for(graph,
     tp, training)``: the tp baseline's plan on a (tp,) mesh. ``min_pp=1`` estimates the plans without
@@ -121,8 +121,8 @@ def search_3d(trace_for: Callable[[int], OpGraph], inner_plan_for: Callable[[OpG
         blocks = len(repeated_blocks(graph))
         for recompute in tries:
             tr = dataclasses.replace(training, recompute=recompute, micro_batches=1)
-            by_tp: dict[int, tuple[object, BlockCosts]] = {} if costs is None else \
-                costs.setdefault((mbs, recompute), {})
+            by_tp: dict[int, tuple[object, BlockCosts]] = {} if block_cache is None else \
+                block_cache.setdefault((mbs, recompute), {})
             for pp, dp, tp in factorisations(cluster, blocks, min_pp):
                 if global_batch % (mbs * dp):
                     continue

@@ -197,6 +197,12 @@ def test_cli_pipeline_search_writes_the_best_3d_plan(tmp_path, capsys):
     assert plan.mesh.axis_names[0] == "pp" and plan.cost.fits_memory
     dp = math.prod(d for n, d in zip(plan.mesh.axis_names, plan.mesh.shape) if n in ("dp", "fsdp"))
     assert plan.training.micro_batches == 64 // (2 * dp)
+    # without --micro-batch-size: sizes 1 and 2, each traced (the second trace a third batch is read off)
+    code = main(["plan", str(GPT), "--preset", "tiny", "--set", "n_layer=4", "--cluster", str(H100), "--pipeline",
+                 "--global-batch-size", "64", "--no-search", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 0 and "micro-batch size 1:" in err and "micro-batch size 2:" in err
+    assert "read off its traces at batches 1 and 2" in err
     code = main(["plan", str(GPT), "--preset", "tiny", "--cluster", str(H100), "--pipeline", "--no-search",
                  "--out", str(out)])
     assert code != 0 and "--pipeline searches pipeline stages for a --global-batch-size" in capsys.readouterr().err
