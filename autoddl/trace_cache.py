@@ -22,7 +22,7 @@ import os
 import pickle
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -96,3 +96,17 @@ def store(key: TraceKey, graph: OpGraph) -> Path:
                          "nodes": list(graph.topo())}, protocol=pickle.HIGHEST_PROTOCOL)
     write_bytes_atomic(path, data)
     return path
+
+
+def traced(model_path: str | os.PathLike, model_args: dict[str, Any], batch: int | None, param_dtype: str,
+           trace: Callable[[], OpGraph], say: Callable[[str], None] = lambda _m: None) -> OpGraph:
+    """The graph kept under this key, else ``trace()``, kept under it; ``say`` gets one line on a hit."""
+    key = TraceKey.of(model_path, model_args, batch, param_dtype)
+    graph = load(key)
+    if graph is not None:
+        say(f"trace cache: {graph.model_name} at batch {batch or 'of the file'} in {param_dtype} read from "
+            f"{key.path()}")
+        return graph
+    graph = trace()
+    store(key, graph)
+    return graph

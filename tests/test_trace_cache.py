@@ -118,6 +118,8 @@ def test_plan_twice_traces_once_and_writes_the_same_plan(cache, tmp_path, capsys
     assert "trace cache: gpt at batch 16 in bfloat16 read from" in capsys.readouterr().err
     a, b = (json.loads((tmp_path / n).read_text()) for n in ("a.json", "b.json"))
     assert a == b and a["graph_hash"]
+    assert main(["explain", str(tmp_path / "a.json"), "--op", "linear"]) == 0    # explain reads it too
+    assert "trace cache: gpt at batch 16 in bfloat16 read from" in capsys.readouterr().err
 
 
 def test_the_tracer_reads_a_third_batch_off_two_traces(cache, monkeypatch, capsys):

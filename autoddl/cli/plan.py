@@ -190,18 +190,11 @@ class _Tracer:
         derived = self._rebatched(batch, param_dtype)
         if derived is not None:
             return derived
-        path = self.path
-        if not os.path.isfile(path):                   # load_model_file says what is wrong with it
+        def trace() -> OpGraph:
             return (self.mf.with_batch_size(batch) if batch else self.mf).trace(param_dtype)
-        key = trace_cache.TraceKey.of(path, model_overrides(self.args), batch, param_dtype)
-        graph = trace_cache.load(key)
-        if graph is not None:
-            print(f"trace cache: {graph.model_name} at batch {batch or 'of the file'} in {param_dtype} read from "
-                  f"{key.path()}", file=sys.stderr)
-            return graph
-        graph = (self.mf.with_batch_size(batch) if batch else self.mf).trace(param_dtype)
-        trace_cache.store(key, graph)
-        return graph
+        if not os.path.isfile(self.path):              # load_model_file says what is wrong with it
+            return trace()
+        return trace_cache.traced(self.path, model_overrides(self.args), batch, param_dtype, trace, _say)
 
     def _rebatched(self, batch: int | None, param_dtype: str) -> OpGraph | None:
         """The graph at ``batch`` read off two graphs traced here at other batches (autoddl/rebatch.py)."""
@@ -214,6 +207,10 @@ class _Tracer:
             print(f"trace: {graph.model_name} at batch {batch} in {param_dtype} read off its traces at batches {b1} "
                   f"and {b2}", file=sys.stderr)
         return graph
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 def _provenance(scheme: Scheme | None, args: argparse.Namespace, overrides: dict, batch: int | None,
@@ -667,12 +664,12 @@ def run_explain(args: argparse.Namespace) -> int:
     from search.formulate import formulate
 
     plan = Plan.load(args.plan_json)
-    mf, graph = _traced_for(plan, args.plan_json)
+    name, graph = _traced_for(plan, args.plan_json)
     cluster = Cluster.from_yaml(plan.cluster_file or DEFAULT_CLUSTER_PATH).resized(plan.mesh.size)
     form = formulate(graph, cluster, plan.mesh.shape, optimizer=plan.optimizer, training=plan.training)
     picked = [i for i, n in enumerate(form.nodes) if n.kind is NodeKind.OP and (not args.op or _matches(n, args.op))]
     if args.op and not picked:
-        raise ValueError(f"--op {args.op}: no op, module path or parameter of {mf.name} is called that; see "
+        raise ValueError(f"--op {args.op}: no op, module path or parameter of {name} is called that; see "
                          f"`autoddl trace {plan.model}` for the op names and module paths")
     program = lower(graph, plan)
     rows = _explain_rows(form, _assignment_of(plan, form), picked, plan, graph, program, wide=args.wide)
@@ -698,12 +695,16 @@ def _traced_for(plan: Plan, path: str):
     """The model file the plan was made for, traced; refuses a graph the plan was not made for."""
     if not plan.model:
         raise ValueError(f"{path}: the plan names no model file; re-run `autoddl plan MODEL_PY`")
-    mf = load_for_plan(plan)
-    graph = mf.trace(plan.training.param_dtype)
+    dtype = plan.training.param_dtype
+    if os.path.isfile(plan.model):
+        graph = trace_cache.traced(plan.model, plan.model_args, plan.batch_size, dtype,
+                                   lambda: load_for_plan(plan).trace(dtype), _say)
+    else:                                              # load_for_plan says what is wrong with it
+        graph = load_for_plan(plan).trace(dtype)
     if graph.fingerprint() != plan.graph_hash:
         raise ValueError(f"{path} was made for another graph of {plan.model} (hash {plan.graph_hash}, "
                          f"now {graph.fingerprint()}); re-run `autoddl plan`")
-    return mf, graph
+    return Path(plan.model).stem, graph
 
 
 def _matches(node, name: str) -> bool:
