@@ -68,8 +68,9 @@ def factorisations(cluster: Cluster, blocks: int, min_pp: int = 2) -> list[tuple
 
 
 def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int, dp: int, tp: int, role: str,
-             schedule: str, v: int, m: int) -> tuple[float, float]:
-    """(step seconds, bytes per device) of one candidate (module docstring)."""
+             schedule: str, v: int, m: int, sent_memo: dict | None = None) -> tuple[float, float]:
+    """(step seconds, bytes per device) of one candidate (module docstring). ``sent_memo``: a dict
+    kept for one ``inner`` plan, the largest boundary tensor per stage count (graph walks)."""
     n = pp * v
     cuts = cuts_of(costs, n)
     index = {b: i for i, b in enumerate(costs.blocks)}
@@ -80,8 +81,11 @@ def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int
     saved = [sum(costs.activation_bytes[i] for i in r) for r in runs]
     state = [sum(costs.nbytes[i] for i in r) - a for r, a in zip(runs, saved)]     # parameter state per stage
     mesh = (pp, dp, tp)
-    sent = max((b.nbytes for b in boundary_tensors(graph, inner, stages_from_cuts(graph, cuts),
-                                                   requires_grad(graph))), default=0)
+    memo = {} if sent_memo is None else sent_memo
+    if n not in memo:
+        memo[n] = max((b.nbytes for b in boundary_tensors(graph, inner, stages_from_cuts(graph, cuts),
+                                                          requires_grad(graph))), default=0)
+    sent = memo[n]
     p2p = cluster_collective_time_s(CollectiveKind.SEND_RECV, sent, mesh, 0, cluster)
     actions = schedule_actions(schedule, pp, m, v)
     per_element = param_state_bytes(1, inner.training, inner.optimizer)
@@ -121,7 +125,7 @@ def search_3d(trace_for: Callable[[int], OpGraph], inner_plan_for: Callable[[OpG
         blocks = len(repeated_blocks(graph))
         for recompute in tries:
             tr = dataclasses.replace(training, recompute=recompute, micro_batches=1)
-            by_tp: dict[int, tuple[object, BlockCosts]] = {} if block_cache is None else \
+            by_tp: dict[int, tuple[object, BlockCosts, dict]] = {} if block_cache is None else \
                 block_cache.setdefault((mbs, recompute), {})
             for pp, dp, tp in factorisations(cluster, blocks, min_pp):
                 if global_batch % (mbs * dp):
@@ -129,13 +133,14 @@ def search_3d(trace_for: Callable[[int], OpGraph], inner_plan_for: Callable[[OpG
                 m = global_batch // (mbs * dp)
                 if tp not in by_tp:
                     inner = inner_plan_for(graph, tp, tr)
-                    by_tp[tp] = (inner, block_costs(graph, inner, cluster.resized(tp)))
-                inner, costs = by_tp[tp]
+                    by_tp[tp] = (inner, block_costs(graph, inner, cluster.resized(tp)), {})
+                inner, costs, sent_memo = by_tp[tp]
                 for role in ("dp", "fsdp"):
                     for schedule, v in (("1f1b", 1), ("interleaved", 2)):
                         if v > 1 and (pp == 1 or m % pp or blocks < pp * v):
                             continue
-                        step, mem = estimate(costs, graph, inner, cluster, pp, dp, tp, role, schedule, v, m)
+                        step, mem = estimate(costs, graph, inner, cluster, pp, dp, tp, role, schedule, v, m,
+                                             sent_memo)
                         out.append(Estimate([("pp", pp), (role, dp), ("tp", tp)], schedule, v, mbs, recompute,
                                             step, mem))
             if any(e.memory_bytes <= limit_bytes for e in out):
