@@ -18,8 +18,8 @@ from search.tied import tie_blocks, tied_descent
 ROOT = Path(__file__).resolve().parents[1]
 DGX = ROOT / "configs" / "dgx-a100-8.yaml"
 # The tied search's found step time against the untied one's: at most this much slower. Measured
-# 2026-11-23 on these three models (tests below): gpt tiny x4 and llama tiny x4 on dgx-a100-8 8 and
-# 2x4, gpt2-small on h100-4x8 8x4; see the commit that added this file.
+# 2026-11-23: equal (ratio 1.00000) on gpt tiny x4 (dgx-a100-8 8 and 2x4) and llama tiny x4 (2x4);
+# the gpt2-small case on h100-4x8 8x4 (slow) passes within it.
 TOLERANCE = 0.02
 
 
@@ -74,7 +74,8 @@ def test_tied_descent_gives_every_block_the_first_blocks_choices(gpt4, dgx):
     ("gpt", dict(preset="tiny", n_layer=4), "dgx-a100-8", None, (8,)),
     ("gpt", dict(preset="tiny", n_layer=4), "dgx-a100-8", None, (2, 4)),
     ("llama", dict(preset="tiny", n_layers=4), "dgx-a100-8", None, (2, 4)),
-    ("gpt", dict(preset="gpt2-small", batch_size=8), "h100-4x8", None, (8, 4)),
+    pytest.param("gpt", dict(preset="gpt2-small", batch_size=8), "h100-4x8", None, (8, 4),
+                 marks=pytest.mark.slow),       # the mid-size preset: ~4 minutes of two searches at load 7
 ])
 def test_tied_search_matches_the_full_search(model, sizes, cluster, devices, mesh):
     graph = graph_of(model, **sizes)
