@@ -34,7 +34,7 @@ from autoddl.plan import Mesh, Plan
 from autoddl.rebatch import at_batch
 from autoddl.training import (DEFAULT_BUCKET_MB, DTYPES, OFFLOAD_CHOICES, RECOMPUTE_CHOICES, RECOMPUTE_POLICIES,
                               SCHEDULES, Training)
-from search.pipeline_search import best_fitting, search_3d
+from search.pipeline_search import FULL_PRICES, best_fitting, search_3d
 from search.planner import (SCHEMES, Scheme, SearchOutcome, data_parallel_degree, degrees_spec, inner_tp_plan,
                             parse_degrees, price_degrees, recompute_blocks, resolve_cluster, search)
 from search.problem import NoFeasiblePlanError
@@ -44,6 +44,7 @@ EXPECTED_ERRORS.append(NoFeasiblePlanError)
 PRECISIONS = tuple(DTYPES)                     # fp32, bf16, fp16
 VARIANT_PRECISIONS = ("fp32", "bf16")          # compare --variants: precision x recompute
 VARIANT_RECOMPUTE = RECOMPUTE_POLICIES         # none, selective, full
+FIT_RETRIES = 3                                # --pipeline: estimates priced in full after the best, while none fits
 NO_LIMIT_GB = 1e9                              # a variant nothing fits in is shown searched without a limit
 
 
@@ -284,12 +285,14 @@ def _search_pipeline(args: argparse.Namespace, tracer: "_Tracer", planned: Clust
     estimates = search_3d(lambda batch: tracer.at(batch, training.param_dtype),
                           lambda g, tp, tr: inner_tp_plan(g, planned, tp, tr, args.optimizer),
                           planned, training, args.global_batch_size, limit, sizes, progress)
-    best = best_fitting(estimates, limit)
+    best = best_fitting(estimates, limit, k=FULL_PRICES + FIT_RETRIES)
     if not best:
         least = min((e.memory_bytes for e in estimates), default=math.inf)
         raise NoFeasiblePlanError(least, limit)
     priced = []
-    for e in best:
+    for e in best:          # the fastest FULL_PRICES; further ones only while the full price does not fit
+        if len(priced) >= FULL_PRICES and any(p[0].breakdown.fits_memory for p in priced):
+            break
         dp = e.degrees[1][1]
         graph = tracer.at(e.micro_batch_size * dp, training.param_dtype)
         tr = dataclasses.replace(training, recompute=e.recompute,
@@ -297,7 +300,10 @@ def _search_pipeline(args: argparse.Namespace, tracer: "_Tracer", planned: Clust
         scheme = price_degrees(graph, planned, e.degrees, model_name=graph.model_name, memory_gb=args.memory_gb,
                                optimizer=args.optimizer, training=tr, schedule=e.schedule,
                                virtual_stages=e.virtual_stages)
-        progress(f"3-D search: {e.text}: estimated {e.step_time_s:.3f} s, priced {scheme.step_time_s:.3f} s")
+        bd = scheme.breakdown
+        progress(f"3-D search: {e.text}: estimated {e.step_time_s:.3f} s, {e.memory_bytes / 1e9:.1f} GB; priced "
+                 f"{scheme.step_time_s:.3f} s, {bd.memory_bytes_per_device / 1e9:.1f} GB"
+                 + ("" if bd.fits_memory else " (does not fit: pricing the next estimate)"))
         priced.append((scheme, graph, e.micro_batch_size * dp))
     fits = [p for p in priced if p[0].breakdown.fits_memory] or priced
     return min(fits, key=lambda p: p[0].step_time_s)
