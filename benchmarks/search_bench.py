@@ -171,7 +171,9 @@ def run_pipeline(model: str, preset: str, cluster: str, devices: int, extra: lis
 
 
 def main_pipeline(out: Path, only: set | None = None) -> int:
-    rows = []
+    """The PIPELINE_RUNS rows (``only``: those (model, preset); the file's other rows are kept)."""
+    rows = [r for r in csv.DictReader(out.open()) if (r["model"], r["preset"]) not in only] \
+        if only and out.exists() else []
     for run in PIPELINE_RUNS:
         if only and (run[0], run[1]) not in only:
             continue
