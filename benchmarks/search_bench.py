@@ -69,7 +69,7 @@ PIPELINE_RUNS = [        # (model, preset, cluster, devices, extra `autoddl plan
 REPLAN_TARGET_S = {"llama3-8b": 2}      # issue 12: re-planning Llama-3-8B on 64 under 2 s
 PIPELINE_COLUMNS = ["model", "preset", "cluster", "devices", "arguments", "run", "load_1min", "import_s", "trace_s",
                     "search_s", "plan_s", "target_s", "met", "fits", "step_s", "bubble_s", "degrees", "schedule",
-                    "virtual_stages", "micro_batches", "model_tflops_per_device", "memory_gb"]
+                    "virtual_stages", "micro_batches", "model_tflops_per_device", "memory_gb", "priced"]
 COLUMNS = ["model", "preset", "cluster", "devices", "mesh_searched", "ops", "params", "trace_s", "search_s",
            "plan_s", "found_mesh", "found_step_ms", "found_memory_gb", "best_baseline", "best_baseline_step_ms",
            "speedup_vs_best_baseline", "found_le_baseline", "exact_step_objective_ms", "cd_objective_ms",
@@ -130,9 +130,9 @@ def plan_once(model: str, preset: str, cluster: str, devices: int, extra: list[s
     import_s = time.perf_counter() - T_START
     args = ["plan", str(ROOT / "examples" / f"{model}.py"), "--preset", preset, "--cluster",
             str(ROOT / "configs" / f"{cluster}.yaml"), "--devices", str(devices), "--out", out] + extra
-    printed = io.StringIO()
+    printed, said = io.StringIO(), io.StringIO()
     t1 = time.perf_counter()
-    with contextlib.redirect_stdout(printed):
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
         code = cli(args)
     seconds = time.perf_counter() - t1
     if code != 0:
@@ -147,7 +147,8 @@ def plan_once(model: str, preset: str, cluster: str, devices: int, extra: list[s
             "schedule": tr.schedule if plan.mesh.axis_names[0] == "pp" else "",
             "virtual_stages": tr.virtual_stages, "micro_batches": tr.micro_batches,
             "model_tflops_per_device": round(c.model_tflops_per_device, 1),
-            "memory_gb": round(c.memory_bytes_per_device / 1e9, 2)}
+            "memory_gb": round(c.memory_bytes_per_device / 1e9, 2),
+            "priced": " | ".join(line.strip() for line in said.getvalue().splitlines() if "priced" in line)}
 
 
 def run_pipeline(model: str, preset: str, cluster: str, devices: int, extra: list[str], target_s: float) -> list[dict]:
