@@ -91,7 +91,7 @@ def schemes_frame(outcome) -> pd.DataFrame:
                 "boxing_fwd_ms": bd.boxing_forward_s * 1e3, "boxing_bwd_ms": bd.boxing_backward_s * 1e3,
                 "grad_sync_ms": bd.grad_sync_s * 1e3, "optimizer_ms": bd.optimizer_s * 1e3,
                 "exposed_comm_ms": bd.exposed_comm_s * 1e3,
-                "step_overhead_ms": bd.step_overhead_s * 1e3,
+                "step_overhead_ms": bd.step_overhead_s * 1e3, "bubble_ms": bd.bubble_s * 1e3,
                 "memory_gb": bd.memory_bytes_per_device / 1e9, "fits_memory": bd.fits_memory,
             })
         rows.append(row)

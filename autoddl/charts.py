@@ -6,11 +6,13 @@ import pandas as pd
 
 SEGMENTS = (("compute_ms", "compute"), ("boxing_fwd_ms", "boxing forward"), ("boxing_bwd_ms", "boxing backward"),
             ("grad_sync_ms", "gradient sync"), ("optimizer_ms", "optimizer"),
-            ("step_overhead_ms", "per-step overhead"))
+            ("step_overhead_ms", "per-step overhead"), ("bubble_ms", "pipeline bubble"))
 
 
-def breakdown_chart(df: pd.DataFrame, title: str, path: str) -> None:
-    """Stacked bars of each applicable scheme's step time, with memory per device on a second axis."""
+def breakdown_chart(df: pd.DataFrame, title: str, path: str) -> dict[str, list[float]]:
+    """Stacked bars of each applicable scheme's step time, with memory per device on a second axis.
+    A segment no scheme has (all zero: the pipeline bubble without stages) is left out. Returns the
+    segments drawn: label -> bar heights (ms), in row order."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -19,9 +21,14 @@ def breakdown_chart(df: pd.DataFrame, title: str, path: str) -> None:
     rows = df[df["applicable"]].reset_index(drop=True)
     fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 3, 4.5))
     bottom = pd.Series(0.0, index=rows.index)
+    drawn: dict[str, list[float]] = {}
     for column, label in SEGMENTS:
-        ax.bar(rows["scheme"] + "\n" + rows["mesh"], rows[column], bottom=bottom, label=label)
-        bottom = bottom + rows[column]
+        heights = rows[column].fillna(0.0) if column in rows else None
+        if heights is None or not (heights > 0).any():
+            continue
+        ax.bar(rows["scheme"] + "\n" + rows["mesh"], heights, bottom=bottom, label=label)
+        bottom = bottom + heights
+        drawn[label] = heights.tolist()
     ax.set_ylabel("predicted step time (ms)")
     ax.set_title(title)
     mem = ax.twinx()
@@ -34,6 +41,7 @@ def breakdown_chart(df: pd.DataFrame, title: str, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return drawn
 
 
 def gantt_chart(tasks, names, devices: int, title: str, path: str) -> None:

@@ -29,7 +29,9 @@ issue order) is autoddl/lowering.py's.
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence, Union
 
@@ -116,8 +118,18 @@ def used_parameters(graph: OpGraph) -> dict[str, OpNode]:
     return {fqn: n for fqn, n in graph.parameters().items() if graph.nx.out_degree(n.name) > 0}
 
 
-def requires_grad(graph: OpGraph) -> set[str]:
-    """Names of nodes whose outputs need a gradient: floating parameters and ops downstream of one."""
+def requires_grad(graph: OpGraph) -> frozenset[str]:
+    """Names of nodes whose outputs need a gradient: floating parameters and ops downstream of one
+    (worked out once per graph: the 3-D search asks for a 70B model's hundreds of times)."""
+    if graph not in _REQUIRES_GRAD:
+        _REQUIRES_GRAD[graph] = frozenset(_requires_grad(graph))
+    return _REQUIRES_GRAD[graph]
+
+
+_REQUIRES_GRAD: "weakref.WeakKeyDictionary[OpGraph, frozenset[str]]" = weakref.WeakKeyDictionary()
+
+
+def _requires_grad(graph: OpGraph) -> set[str]:
     out: set[str] = set()
     for n in graph.topo():
         if n.kind is NodeKind.PARAMETER and n.outputs and n.outputs[0].is_floating:
@@ -127,6 +139,7 @@ def requires_grad(graph: OpGraph) -> set[str]:
     return out
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def layer_group(fqn: str) -> str:
     """The repeated block a parameter belongs to: its fqn up to the first numeric part
     (``transformer.h.3.attn.c_attn.weight`` -> ``transformer.h.3``), else ``root`` (as FSDP2's

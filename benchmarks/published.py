@@ -15,12 +15,32 @@ same job beside it. The cluster files' efficiencies come from component measurem
   Megatron-LM's weak-scaling table (Narayanan et al., SC'21, Table 1: 137 TFLOP/s per GPU,
   44% of peak). Megatron counts the recompute's forward in its FLOPs (4 x forward per
   step), so the prediction is put in those units too (``hardware_tflops_per_gpu``).
+- Llama 3.1 70B and 405B at scale, as TorchTitan measured them at the end of 2024 on H100s with
+  96 GB HBM2e at 500 W (torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``, torchtitan
+  commit 820504e2, 2025-06-13; runs at torchtitan 9dec370 with torch 1963fc8): sequence 8192
+  (the 70B / 405B train configs at 9dec370), bf16 parameters with float32 reduction (TorchTitan's
+  defaults), full activation checkpointing, TP with sequence parallel (``sp``).
+  Table 4: 70B on 256 GPUs, FSDP 32 x TP 8, local batch 16 (global 512): 829 tokens/s/GPU.
+  Table 5: 405B on 512 GPUs, FSDP 8 x TP 8 x PP 8, local batch 32 (global 256): 1F1B 100,
+  interleaved 1F1B 128 tokens/s/GPU; micro-batches: TorchTitan's default at 9dec370, the pp
+  degree (8, of 4 sequences; pipelining_utils.py), and 2 stages per rank for interleaved.
+  Both ran with torch.compile and Float8 linears (Table 5 also AsyncTP), which autoddl does not
+  model (it prices the matmuls in bf16): the rows say so beside the ratio.
+- The same two models in bf16 (no Float8) from TorchTitan's docs/performance.md (commit 9dec370):
+  405B on 128 H100 (96 GB), FSDP 16 x TP 8, local batch 2, full AC: 109 tokens/s/GPU; 70B on 64
+  A100 80 GB, FSDP 64, local batch 1, full AC: 331 tokens/s/GPU.
+
+Jobs without ``search`` price the given configuration only (the found plan of a 256- to
+512-device job is issue 12's 3-D search, benchmarks/search_bench.py).
 
     python benchmarks/published.py
+    python benchmarks/published.py --only "llama3.1-70b fsdp x tp"
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
 import sys
 import time
 from pathlib import Path
@@ -40,6 +60,10 @@ COLUMNS = ["job", "cluster", "devices", "precision", "recompute", "micro_batches
            "memory_gb", "step_s", "tokens_per_s_per_gpu", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
            "published", "published_value", "predicted_over_published", "source", "plan_s"]
 
+TITAN_2024 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit 820504e2), H100 96 GB "
+              "HBM2e at 500 W, seq 8192:")
+TITAN_DOCS = "pytorch/torchtitan docs/performance.md (commit 9dec370), seq 8192:"
+
 JOBS = [
     {"job": "llama3-8b seq 8192", "model": "examples/llama.py", "args": {"preset": "llama3-8b"},
      "cluster": "h100-4x8", "devices": 8, "batch": 8, "micro_batches": 1,
@@ -56,6 +80,37 @@ JOBS = [
      "metric": "hardware_tflops_per_gpu",
      "published": [("Megatron-LM paper", 137, "Narayanan et al., SC'21, Table 1: 1.7B, 32 A100, batch 512, "
                                               "137 TFLOP/s per GPU (44% of peak), full recompute")]},
+    {"job": "llama3.1-70b fsdp x tp", "model": "examples/llama.py", "args": {"preset": "llama3-70b"},
+     "cluster": "h100-4x8", "devices": 256, "batch": 512, "micro_batches": 1, "memory_gb": 96,
+     "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"), "degrees": "fsdp=32,sp=8",
+     "metric": "tokens_per_s_per_gpu", "search": False,
+     "published": [("TorchTitan repository, Table 4 (2D)", 829, TITAN_2024 + " Table 4: Llama 3.1 70B, 256 H100, "
+                    "FSDP 32 x TP 8, local batch 16, full AC; torch.compile + Float8 (not modelled)")]},
+    {"job": "llama3.1-405b fsdp x tp x pp, 1f1b", "model": "examples/llama.py", "args": {"preset": "llama3.1-405b"},
+     "cluster": "h100-4x8", "devices": 512, "batch": 32, "micro_batches": 8, "memory_gb": 96,
+     "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"), "degrees": "pp=8,fsdp=8,sp=8",
+     "schedule": "1f1b", "metric": "tokens_per_s_per_gpu", "search": False,
+     "published": [("TorchTitan repository, Table 5 (1F1B)", 100, TITAN_2024 + " Table 5: Llama 3.1 405B, 512 H100, "
+                    "FSDP 8 x TP 8 x PP 8, local batch 32, full AC; torch.compile + Float8 + AsyncTP (not modelled)")]},
+    {"job": "llama3.1-405b fsdp x tp x pp, interleaved", "model": "examples/llama.py",
+     "args": {"preset": "llama3.1-405b"}, "cluster": "h100-4x8", "devices": 512, "batch": 32, "micro_batches": 8,
+     "memory_gb": 96, "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"),
+     "degrees": "pp=8,fsdp=8,sp=8", "schedule": "interleaved", "virtual_stages": 2,
+     "metric": "tokens_per_s_per_gpu", "search": False,
+     "published": [("TorchTitan repository, Table 5 (interleaved 1F1B)", 128, TITAN_2024 + " Table 5: as 1F1B, "
+                    "interleaved 1F1B (2 stages per rank); torch.compile + Float8 + AsyncTP (not modelled)")]},
+    {"job": "llama3.1-405b fsdp x tp, bf16", "model": "examples/llama.py", "args": {"preset": "llama3.1-405b"},
+     "cluster": "h100-4x8", "devices": 128, "batch": 32, "micro_batches": 1, "memory_gb": 96,
+     "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"), "degrees": "fsdp=16,sp=8",
+     "metric": "tokens_per_s_per_gpu", "search": False,
+     "published": [("TorchTitan docs/performance.md", 109, TITAN_DOCS + " Llama 3.1 405B, 128 H100, FSDP 16 x TP 8, "
+                    "local batch 2, full AC, no Float8 (bf16)")]},
+    {"job": "llama3-70b fsdp, bf16, A100", "model": "examples/llama.py", "args": {"preset": "llama3-70b"},
+     "cluster": "dgx-a100-8", "devices": 64, "batch": 64, "micro_batches": 1,
+     "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"), "degrees": "fsdp=64",
+     "metric": "tokens_per_s_per_gpu", "search": False,
+     "published": [("TorchTitan docs/performance.md", 331, TITAN_DOCS + " Llama 3 70B, 64 A100 80GB, FSDP 64, "
+                    "local batch 1, full AC, bf16")]},
 ]
 
 
@@ -74,26 +129,46 @@ def row(job: dict, scheme: str, plan, bd, graph, seconds: float) -> dict:
             "plan_s": round(seconds, 1)}
 
 
-def main() -> int:
-    rows = []
-    for job in JOBS:
-        t0 = time.perf_counter()
-        training = Training(micro_batches=job["micro_batches"], **job["training"])
-        mf = load_model_file(ROOT / job["model"], **job["args"]).with_batch_size(job["batch"])
-        graph = mf.trace(training.param_dtype)
-        cluster = Cluster.from_yaml(ROOT / "configs" / f"{job['cluster']}.yaml").resized(job["devices"])
-        given = price_degrees(graph, cluster, parse_degrees(job["degrees"]), model_name=graph.model_name,
-                              training=training)
-        given_row = row(job, job["degrees"], given.plan, given.breakdown, graph, time.perf_counter() - t0)
+def price_job(job: dict) -> list[dict]:
+    """The job's rows: its --degrees configuration beside each published figure, then the found plan."""
+    t0 = time.perf_counter()
+    training = Training(micro_batches=job["micro_batches"], **job["training"])
+    mf = load_model_file(ROOT / job["model"], **job["args"]).with_batch_size(job["batch"])
+    graph = mf.trace(training.param_dtype)
+    cluster = Cluster.from_yaml(ROOT / "configs" / f"{job['cluster']}.yaml").resized(job["devices"])
+    given = price_degrees(graph, cluster, parse_degrees(job["degrees"]), model_name=graph.model_name,
+                          training=training, memory_gb=job.get("memory_gb"),
+                          schedule=job.get("schedule", "1f1b"), virtual_stages=job.get("virtual_stages", 1))
+    label = job["degrees"] + (f" {job['schedule']}" if "schedule" in job else "")
+    given_row = row(job, label, given.plan, given.breakdown, graph, time.perf_counter() - t0)
+    rows = [{**given_row, "published": name, "published_value": value,
+             "predicted_over_published": round(given_row[job["metric"]] / value, 3), "source": source}
+            for name, value, source in job["published"]]
+    found_text = ""
+    if job.get("search", True):
         t1 = time.perf_counter()
         found = search(graph, cluster, model_name=graph.model_name, training=training)
-        found_row = row(job, "found", found.found, found.found_breakdown, graph, time.perf_counter() - t1)
-        for name, value, source in job["published"]:
-            rows.append({**given_row, "published": name, "published_value": value,
-                         "predicted_over_published": round(given_row[job["metric"]] / value, 3), "source": source})
-        rows.append(found_row)
-        print(f"{job['job']}: {job['degrees']} {given_row[job['metric']]} ({job['metric']}), found "
-              f"{found_row[job['metric']]}; published {[v for _, v, _ in job['published']]}", flush=True)
+        rows.append(row(job, "found", found.found, found.found_breakdown, graph, time.perf_counter() - t1))
+        found_text = f", found {rows[-1][job['metric']]}"
+    print(f"{job['job']}: {label} {given_row[job['metric']]} ({job['metric']}, {given_row['memory_gb']} GB, "
+          f"fits {given_row['fits']}){found_text}; published {[v for _, v, _ in job['published']]}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="*", help="job names (the 'job' column) to run; the others' rows are kept")
+    args = ap.parse_args(argv)
+    kept = [] if not args.only or not OUT.exists() else \
+        [r for r in csv.DictReader(OUT.open()) if r["job"] not in args.only]
+    rows = list(kept)
+    for job in JOBS:
+        if args.only and job["job"] not in args.only:
+            continue
+        rows += price_job(job)
+        write_csv_atomic(OUT, rows, COLUMNS)
+    order = [j["job"] for j in JOBS]
+    rows.sort(key=lambda r: order.index(r["job"]) if r["job"] in order else len(order))
     write_csv_atomic(OUT, rows, COLUMNS)
     print(f"wrote {OUT}")
     return 0

@@ -12,6 +12,9 @@ Presets (PRESETS below; default "tiny", because the real ones are large):
               batch 8 x seq 8192 (Llama 3's training context)     (8.03B params)
   llama3-70b  80 layers, dim 8192, 64/8 heads, ffn 28672, vocab 128256,
               batch 8 x seq 8192                                  (70.6B params)
+              (Llama 3.1 70B has the same shapes: 3.1 changed only the rotary scaling)
+  llama3.1-405b  126 layers, dim 16384, 128/8 heads, ffn 53248, vocab 128256,
+              batch 8 x seq 8192                                  (405.9B params)
 
 Sizes are set by keyword, then preset (the file reads no environment):
   build_model("tiny", n_layers=1)          keyword wins
@@ -70,6 +73,9 @@ PRESETS: dict[str, LlamaConfig] = {
     # Llama 3 8B / 70B (Meta's params.json: ffn_dim_multiplier 1.3 / 1.3, multiple_of 1024 / 4096)
     "llama3-8b": LlamaConfig(n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336),
     "llama3-70b": LlamaConfig(n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672),
+    # Llama 3.1 405B (Dubey et al., "The Llama 3 Herd of Models", arXiv:2407.21783, Table 3: 126 layers,
+    # model dimension 16,384, FFN dimension 53,248, 128 attention heads, 8 key/value heads)
+    "llama3.1-405b": LlamaConfig(n_layers=126, dim=16384, n_heads=128, n_kv_heads=8, ffn_dim=53248),
 }
 DEFAULT_PRESET = "tiny"
 

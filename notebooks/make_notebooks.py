@@ -951,6 +951,80 @@ def nb03():
         plt.show()
         """),
         _md(r"""
+        ## Where pipeline stages start to win: devices x model size x inter-node bandwidth
+
+        GPT-3 shapes (Brown et al. 2020, Table 2.1; 13B with d_model 5120, the table's 5140 does not split
+        into its 40 heads of 128; 1.3B with 16 heads of 128) at sequence 2048, global batch 1536 (Megatron-LM's
+        GPT-3 175B run, Narayanan et al. 2021), bf16, full recompute, micro-batch size 1, on 64, 256 and 1024
+        H100s (`h100-4x8` resized) with 50, 12.5 and 3.125 GB/s per GPU between nodes. For each point the
+        3-D search's fast estimate (`search/pipeline_search.py`: the tp plan of one stage simulated once per
+        block, stages balanced, the schedule's makespan, the data-parallel sync and optimizer after it) of
+        every pp x (dp | fsdp) x tp that fits in 80 GB, with `min_pp=1` so that the plans without stages
+        (pp = 1: the same estimate with one stage) compete too. The chart shows the best unstaged plan's
+        step time over the best staged one's: above 1, pipeline stages win. These are the search's
+        estimates, not the full cost model's prices (pricing every point in full would take tens of
+        minutes: GPT-3 175B's plan alone takes about a minute).
+
+        Command-line equivalent of one staged point (the 3-D search, then the full price of its best):
+
+        ```
+        autoddl plan examples/gpt.py --preset gpt3-175b --cluster configs/h100-4x8.yaml --devices 1024 \
+            --pipeline --no-search --precision bf16 --recompute full --global-batch-size 1536 --micro-batch-size 1
+        ```
+        """),
+        _code(r"""
+        from autoddl.loader import load_model_file
+        from autoddl.training import Training
+        from search.pipeline_search import search_3d
+        from search.planner import inner_tp_plan
+
+        PP_SIZES = {"1.3B": dict(n_layer=24, n_embd=2048, n_head=16), "13B": dict(n_layer=40, n_embd=5120, n_head=40),
+                    "175B": dict(n_layer=96, n_embd=12288, n_head=96)}
+        PP_DEVICES, PP_GBPS, PP_BATCH = [64, 256, 1024], [50, 12.5, 3.125], 1536
+        training = Training(param_dtype="bf16", recompute="full")
+        pp_rows = []
+        t0 = time.perf_counter()
+        for size, dims in PP_SIZES.items():
+            graph = load_model_file(ROOT / "examples/gpt.py", preset="gpt3-175b", **dims).with_batch_size(1).trace("bfloat16")
+            costs = {}                                  # block costs per tp: shared by every device count and link
+            for gbps in PP_GBPS:
+                for n in PP_DEVICES:
+                    base = BASE.resized(n)
+                    cluster = dataclasses.replace(base, inter_node=dataclasses.replace(base.inter_node, bandwidth_gbps=gbps))
+                    est = search_3d(lambda batch, g=graph: g, lambda g, tp, tr, c=cluster: inner_tp_plan(g, c, tp, tr),
+                                    cluster, training, PP_BATCH, cluster.device.memory_gb * 1e9, (1,), min_pp=1,
+                                    block_cache=costs)
+                    fit = [e for e in est if e.memory_bytes <= cluster.device.memory_gb * 1e9]
+                    staged = min((e for e in fit if e.degrees[0][1] > 1), key=lambda e: e.step_time_s, default=None)
+                    flat = min((e for e in fit if e.degrees[0][1] == 1), key=lambda e: e.step_time_s, default=None)
+                    pp_rows.append({"size": size, "devices": n, "inter_gbps": gbps,
+                                    "staged_s": staged.step_time_s if staged else np.nan,
+                                    "staged": staged.text if staged else "nothing fits",
+                                    "unstaged_s": flat.step_time_s if flat else np.nan,
+                                    "unstaged": flat.text if flat else "nothing fits"})
+            print(f"GPT-3 {size}: {graph.parameter_count / 1e9:.1f}B parameters, estimated at {len(PP_DEVICES) * len(PP_GBPS)} "
+                  f"points ({time.perf_counter() - t0:.0f} s so far)")
+        pipes = pd.DataFrame(pp_rows)
+        pipes["stages_win_x"] = pipes.unstaged_s / pipes.staged_s
+        pipes[["size", "devices", "inter_gbps", "unstaged_s", "staged_s", "stages_win_x", "staged", "unstaged"]].round(3)
+        """),
+        _code(r"""
+        fig, axes = plt.subplots(1, len(PP_GBPS), figsize=(15, 4.5), sharey=True)
+        for ax, gbps in zip(axes, PP_GBPS):
+            for size in PP_SIZES:
+                g = pipes[(pipes.inter_gbps == gbps) & (pipes["size"] == size)].sort_values("devices")
+                ax.plot(g.devices, g.stages_win_x, "o-", label=f"GPT-3 {size}")
+            ax.axhline(1.0, color="k", lw=0.8, ls=":")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(PP_DEVICES, [str(v) for v in PP_DEVICES])
+            ax.set(xlabel="H100s (8 per node)", title=f"{gbps:g} GB/s per GPU between nodes")
+        axes[0].set_ylabel("best unstaged / best staged step time\n(> 1: pipeline stages win)")
+        axes[0].legend()
+        fig.tight_layout()
+        plt.show()
+        """),
+        _md(r"""
         ## Conclusions (computed)
 
         The lines below are generated from the tables above, so they stay true when the cost model or the
@@ -996,6 +1070,12 @@ def nb03():
               f"{b.baseline_tokens_per_s.iloc[0]:,.0f} -> {b.baseline_tokens_per_s.iloc[-1]:,.0f} "
               f"({b.baseline_tokens_per_s.iloc[-1] / b.baseline_tokens_per_s.iloc[0]:.2f}x).")
         print("   Found plan per bandwidth: " + "; ".join(f"{g:g} GB/s {lab}" for g, lab in zip(b.index, b.label)))
+        wins = pipes[pipes.stages_win_x > 1]
+        for size in PP_SIZES:
+            w = wins[wins["size"] == size]
+            where = ", ".join(f"{n} GPUs at {g:g} GB/s ({x:.2f}x)" for n, g, x in zip(w.devices, w.inter_gbps, w.stages_win_x))
+            print(f"7. GPT-3 {size}: pipeline stages win " + (f"at {where}" if len(w) else "nowhere on this grid")
+                  + f" (of {len(PP_DEVICES) * len(PP_GBPS)} points).")
         """),
         _md(r"""
         ## Numbers checked by `tests/test_notebooks.py`
@@ -1006,7 +1086,9 @@ def nb03():
                                for n, r in scaling.iterrows()},
                    "bandwidth": {f"{g:g}": {"found_ms": round(float(r.step_ms), 4), "baseline_ms": round(float(r.baseline_step_ms), 4)}
                                  for g, r in bandwidth.iterrows()},
-                   "seqs_per_device": SEQS_PER_DEVICE, "seq_len": SEQ_LEN}
+                   "seqs_per_device": SEQS_PER_DEVICE, "seq_len": SEQ_LEN,
+                   "pipeline": [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
+                                for r in pipes.drop(columns="stages_win_x").to_dict("records")]}
         print(f"notebook executed in {time.perf_counter() - T_START:.0f} s")
         print("SUMMARY " + json.dumps(summary))
         """),

@@ -60,15 +60,17 @@ class Estimate:
                 + f" mbs={self.micro_batch_size} recompute={self.recompute}")
 
 
-def factorisations(cluster: Cluster, blocks: int) -> list[tuple[int, int, int]]:
-    """(pp, dp, tp) with pp >= 2 and at most ``blocks``, pp x dp x tp = devices, tp inside a node
-    (without tp, dp inside a node): search.meshes.role_splits."""
-    return [s for s in role_splits(cluster.num_devices, cluster.devices_per_node, max_pp=blocks) if s[0] >= 2]
+def factorisations(cluster: Cluster, blocks: int, min_pp: int = 2) -> list[tuple[int, int, int]]:
+    """(pp, dp, tp) with ``min_pp`` <= pp <= ``blocks``, pp x dp x tp = devices, tp inside a node
+    (without tp, dp inside a node): search.meshes.role_splits. ``min_pp=1`` adds the plans without
+    stages."""
+    return [s for s in role_splits(cluster.num_devices, cluster.devices_per_node, max_pp=blocks) if s[0] >= min_pp]
 
 
 def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int, dp: int, tp: int, role: str,
-             schedule: str, v: int, m: int) -> tuple[float, float]:
-    """(step seconds, bytes per device) of one candidate (module docstring)."""
+             schedule: str, v: int, m: int, sent_memo: dict | None = None) -> tuple[float, float]:
+    """(step seconds, bytes per device) of one candidate (module docstring). ``sent_memo``: a dict
+    kept for one ``inner`` plan, the largest boundary tensor per stage count (graph walks)."""
     n = pp * v
     cuts = cuts_of(costs, n)
     index = {b: i for i, b in enumerate(costs.blocks)}
@@ -79,8 +81,11 @@ def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int
     saved = [sum(costs.activation_bytes[i] for i in r) for r in runs]
     state = [sum(costs.nbytes[i] for i in r) - a for r, a in zip(runs, saved)]     # parameter state per stage
     mesh = (pp, dp, tp)
-    sent = max((b.nbytes for b in boundary_tensors(graph, inner, stages_from_cuts(graph, cuts),
-                                                   requires_grad(graph))), default=0)
+    memo = {} if sent_memo is None else sent_memo
+    if n not in memo:
+        memo[n] = max((b.nbytes for b in boundary_tensors(graph, inner, stages_from_cuts(graph, cuts),
+                                                          requires_grad(graph))), default=0)
+    sent = memo[n]
     p2p = cluster_collective_time_s(CollectiveKind.SEND_RECV, sent, mesh, 0, cluster)
     actions = schedule_actions(schedule, pp, m, v)
     per_element = param_state_bytes(1, inner.training, inner.optimizer)
@@ -105,11 +110,14 @@ def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int
 
 def search_3d(trace_for: Callable[[int], OpGraph], inner_plan_for: Callable[[OpGraph, int, Training], object],
               cluster: Cluster, training: Training, global_batch: int, limit_bytes: float,
-              micro_batch_sizes: tuple[int, ...] = (1, 2), say: Callable[[str], None] = lambda _m: None
-              ) -> list[Estimate]:
+              micro_batch_sizes: tuple[int, ...] = (1, 2), say: Callable[[str], None] = lambda _m: None,
+              min_pp: int = 2, block_cache: dict | None = None) -> list[Estimate]:
     """Every candidate's fast :class:`Estimate`, fastest first (fitting ones before the rest).
     ``trace_for(batch)``: the graph of one micro-batch of ``batch`` samples; ``inner_plan_for(graph,
-    tp, training)``: the tp baseline's plan on a (tp,) mesh."""
+    tp, training)``: the tp baseline's plan on a (tp,) mesh. ``min_pp=1`` estimates the plans without
+    stages too (one stage: the same estimate). ``costs``: a dict kept across calls for the same model
+    and intra-node link, holding each (micro-batch size, recompute, tp)'s inner plan and block costs
+    (they do not depend on the device count or the inter-node link)."""
     out: list[Estimate] = []
     tries = RECOMPUTE_TRIES if training.recompute == "auto" else (training.recompute,)
     for mbs in micro_batch_sizes:
@@ -117,20 +125,22 @@ def search_3d(trace_for: Callable[[int], OpGraph], inner_plan_for: Callable[[OpG
         blocks = len(repeated_blocks(graph))
         for recompute in tries:
             tr = dataclasses.replace(training, recompute=recompute, micro_batches=1)
-            by_tp: dict[int, tuple[object, BlockCosts]] = {}
-            for pp, dp, tp in factorisations(cluster, blocks):
+            by_tp: dict[int, tuple[object, BlockCosts, dict]] = {} if block_cache is None else \
+                block_cache.setdefault((mbs, recompute), {})
+            for pp, dp, tp in factorisations(cluster, blocks, min_pp):
                 if global_batch % (mbs * dp):
                     continue
                 m = global_batch // (mbs * dp)
                 if tp not in by_tp:
                     inner = inner_plan_for(graph, tp, tr)
-                    by_tp[tp] = (inner, block_costs(graph, inner, cluster.resized(tp)))
-                inner, costs = by_tp[tp]
+                    by_tp[tp] = (inner, block_costs(graph, inner, cluster.resized(tp)), {})
+                inner, costs, sent_memo = by_tp[tp]
                 for role in ("dp", "fsdp"):
                     for schedule, v in (("1f1b", 1), ("interleaved", 2)):
-                        if v > 1 and (m % pp or blocks < pp * v):
+                        if v > 1 and (pp == 1 or m % pp or blocks < pp * v):
                             continue
-                        step, mem = estimate(costs, graph, inner, cluster, pp, dp, tp, role, schedule, v, m)
+                        step, mem = estimate(costs, graph, inner, cluster, pp, dp, tp, role, schedule, v, m,
+                                             sent_memo)
                         out.append(Estimate([("pp", pp), (role, dp), ("tp", tp)], schedule, v, mbs, recompute,
                                             step, mem))
             if any(e.memory_bytes <= limit_bytes for e in out):

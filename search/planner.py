@@ -40,10 +40,10 @@ from autoddl.training import Training
 from costmodel.breakdown import CostBreakdown, plan_cost, predicted_collectives
 from costmodel.memory import activation_bytes, memory_bytes, recomputed_bytes
 from search.baselines import BaselineSpec, baseline_specs, build_baseline
-from search.coordinate_descent import coordinate_descent
 from search.formulate import Formulation, FormulationCache, formulate
 from search.meshes import inner_axis_in_node, mesh_shapes
 from search.stages import stage_cuts
+from search.tied import tied_descent
 from search.problem import NoFeasiblePlanError, memory_tolerance
 from search.zero import ZERO_STAGES, data_parallel_axes, with_zero
 
@@ -286,14 +286,17 @@ def fit_recompute(graph: OpGraph, plan: Plan, cluster: Cluster, limit: float,
 
 def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tuple[int, ...] | None = None,
            memory_gb: float | None = None, optimizer: str = "adamw", cd_time_limit_s: float = 1.0,
-           progress: Callable[[str], None] | None = None, training: Training | None = None) -> SearchOutcome:
+           progress: Callable[[str], None] | None = None, training: Training | None = None,
+           tie_blocks: bool = True) -> SearchOutcome:
     """Search every mesh; return the found plan and each baseline, all priced by the full cost model
-    and all carrying ``training`` (module docstring; ``recompute="auto"`` chooses per block)."""
+    and all carrying ``training`` (module docstring; ``recompute="auto"`` chooses per block).
+    ``tie_blocks``: search repeated blocks once, each given the first's choices (search/tied.py)."""
     training = training or Training()
     if training.offload != "none":            # spilling to host memory: search/offload.py
         from search.offload import offload_search
         return offload_search(graph, cluster, search, training=training, memory_gb=memory_gb, model_name=model_name,
-                              mesh=mesh, optimizer=optimizer, cd_time_limit_s=cd_time_limit_s, progress=progress)
+                              mesh=mesh, optimizer=optimizer, cd_time_limit_s=cd_time_limit_s, progress=progress,
+                              tie_blocks=tie_blocks)
     t0 = time.perf_counter()
     say = progress or (lambda _msg: None)
     if memory_gb is not None and memory_gb <= 0:
@@ -363,7 +366,7 @@ def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tupl
                     form = form_at(top)
                     break
                 continue
-            result = coordinate_descent(form.problem, starts, time_limit_s=cd_time_limit_s)
+            result = tied_descent(form.problem, starts, tie=tie_blocks, time_limit_s=cd_time_limit_s)
             starts = {**starts, "previous level": result.assignment}
             if not auto:
                 outcome = (result, None, None)

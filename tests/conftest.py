@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Callable
@@ -16,6 +19,12 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# No test reads (or fills) the user's trace cache (autoddl/trace_cache.py, ~/.cache/autoddl): the
+# session gets an empty one of its own, removed at exit; CLI subprocesses inherit it.
+_TRACE_CACHE = tempfile.mkdtemp(prefix="autoddl-test-cache-")
+os.environ["AUTODDL_CACHE_DIR"] = _TRACE_CACHE
+atexit.register(shutil.rmtree, _TRACE_CACHE, ignore_errors=True)
 
 
 @pytest.fixture

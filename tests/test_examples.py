@@ -102,12 +102,14 @@ def test_published_parameter_counts():
     assert round(gpt_params(load("gpt").config("gpt3-175b")) / 1e9) == 175
     assert llama_params(load("llama").config("llama3-8b")) == 8_030_261_248
     assert round(llama_params(load("llama").config("llama3-70b")) / 1e9, 1) == 70.6
+    assert round(llama_params(load("llama").config("llama3.1-405b")) / 1e9, 1) == 405.9   # "405B" in the paper
     assert vgg_params(load("vgg").config("vgg16")) == 138_357_544     # torchvision vgg16
     assert resnet_params(load("resnet").config("resnet50")) == 25_557_032  # torchvision resnet50
 
 
-# presets traced with torch.export here; gpt2-xl, gpt-6b, gpt3-175b and llama3-70b only in benchmarks/
-TRACED = [(m, p) for m, p in ALL_PRESETS if p not in ("gpt2-xl", "gpt-6b", "gpt3-175b", "llama3-70b")]
+# presets traced with torch.export here; gpt2-xl, gpt-6b, gpt3-175b, llama3-70b and llama3.1-405b only in benchmarks/
+TRACED = [(m, p) for m, p in ALL_PRESETS
+          if p not in ("gpt2-xl", "gpt-6b", "gpt3-175b", "llama3-70b", "llama3.1-405b")]
 OP_COUNTS = {  # (model, preset) -> {op: count} the graph must contain
     ("gpt", "tiny"): {"scaled_dot_product_attention": 2, "embedding": 2},
     ("gpt", "gpt2-small"): {"scaled_dot_product_attention": 12},

@@ -142,6 +142,21 @@ def test_03_scaling_executes_with_consistent_throughput():
     assert all(b <= a * (1 + 1e-9) for a, b in zip(base[1:], base)), f"best baseline vs bandwidth: {base}"
     # the 50 GB/s point is the 32-GPU point of the device sweep, on fewer meshes
     assert bw[50.0]["found_ms"] >= devices["32"]["found_ms"] * (1 - 1e-9)
+    # where pipeline stages win: every (size, devices, link) point, staged plans with pp >= 2 against pp = 1
+    pipes = {(r["size"], r["devices"], r["inter_gbps"]): r for r in s["pipeline"]}
+    assert set(pipes) == {(z, n, g) for z in ("1.3B", "13B", "175B") for n in (64, 256, 1024) for g in (50, 12.5, 3.125)}
+    for key, r in pipes.items():
+        if r["staged_s"] is not None:
+            assert r["staged"].startswith("pp=") and not r["staged"].startswith("pp=1,"), key
+        if r["unstaged_s"] is not None:
+            assert r["unstaged"].startswith("pp=1,"), key
+    assert any(r["staged_s"] is not None and (r["unstaged_s"] is None or r["staged_s"] < r["unstaged_s"])
+               for r in pipes.values()), "pipeline stages win nowhere"
+    for (z, n, g), r in pipes.items():          # a slower link never makes the best plan of either kind faster
+        for kind in ("staged_s", "unstaged_s"):
+            slower = [pipes[(z, n, h)][kind] for h in (50, 12.5, 3.125) if h <= g]
+            if r[kind] is not None and None not in slower:
+                assert all(x >= r[kind] * (1 - 1e-9) for x in slower), (z, n, g, kind)
 
 
 # -- 02: measured vs predicted ---------------------------------------------------------------------

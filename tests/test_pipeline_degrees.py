@@ -113,6 +113,27 @@ def test_cli_prices_a_pipelined_configuration_with_the_bubble_column(tmp_path, c
     assert code != 0 and "= 32 devices; run with --nproc 32" in capsys.readouterr().err
 
 
+def test_compare_chart_shows_the_bubble_as_its_own_segment(tmp_path):
+    import pandas as pd
+
+    from autoddl.charts import breakdown_chart
+
+    args = ["compare", str(GPT), "--preset", "tiny", "--set", "n_layer=8", "--cluster", str(H100),
+            "--micro-batch-size", "4", "--global-batch-size", "64", "--degrees", "pp=2,dp=2,tp=8", "--schedule",
+            "interleaved", "--virtual-stages", "2"]
+    assert main(args + ["--no-search", "--csv", str(tmp_path / "pp.csv")]) == 0
+    assert main(["plan", *args[1:], "--no-search", "--out", str(tmp_path / "pp.json")]) == 0
+    df = pd.read_csv(tmp_path / "pp.csv")
+    (given,) = df.itertuples()
+    assert given.bubble_ms == pytest.approx(Plan.load(tmp_path / "pp.json").cost.bubble_s * 1e3, rel=1e-9)
+    assert given.bubble_ms > 0
+    drawn = breakdown_chart(df, "pp", str(tmp_path / "pp.png"))
+    assert drawn["pipeline bubble"] == pytest.approx([given.bubble_ms])
+    assert drawn["compute"] == pytest.approx([given.compute_ms]) and (tmp_path / "pp.png").stat().st_size > 0
+    flat = df.assign(bubble_ms=0.0)                        # no stages: no bubble segment in the legend
+    assert "pipeline bubble" not in breakdown_chart(flat, "flat", str(tmp_path / "flat.png"))
+
+
 # -- the 3-D search ------------------------------------------------------------------------------------
 
 def test_factorisations_keep_tp_in_a_node_and_pp_outermost(h100_32):
@@ -124,6 +145,28 @@ def test_factorisations_keep_tp_in_a_node_and_pp_outermost(h100_32):
         (2, 4, 4), (4, 2, 4), (8, 1, 4),
         (2, 2, 8), (4, 1, 8)])                         # pp=8 x tp=8 would need 64 devices
     assert max(pp for pp, _, _ in factorisations(h100_32, 3)) == 2     # at most one stage per block (and divides)
+    unstaged = [f for f in factorisations(h100_32, 8, min_pp=1) if f[0] == 1]   # plans without stages
+    assert sorted(unstaged) == [(1, 1, 32), (1, 4, 8), (1, 8, 4), (1, 16, 2), (1, 32, 1)]   # a 1-D mesh may span nodes
+
+
+def test_one_stage_estimate_is_every_micro_batch_in_a_row(gpt8, h100_32):
+    from autoddl.collective_kinds import CollectiveKind
+    from costmodel.collectives import cluster_collective_time_s
+    from search.pipeline_search import estimate
+    from search.planner import inner_tp_plan
+    from search.stages import block_costs
+
+    mf, _ = gpt8
+    one = mf.with_batch_size(4).trace("float32")             # one dp rank's micro-batch
+    inner = inner_tp_plan(one, h100_32, 8, Training())
+    costs = block_costs(one, inner, h100_32.resized(8))
+    step, _ = estimate(costs, one, inner, h100_32, 1, 4, 8, "dp", "1f1b", 1, 3)
+    grads = sum(n.outputs[0].numel for n in one.parameters().values()) / 8 * 4    # fp32, split over tp=8
+    sync = cluster_collective_time_s(CollectiveKind.ALL_REDUCE, grads, (1, 4, 8), 1, h100_32)
+    # one stage: the 3 micro-batches' blocks back to back, then the gradient all-reduce and the optimizer
+    # (the hand count of the gradient bytes splits every parameter over tp: the norms' are not, ~1% here)
+    assert step - 3 * sum(costs.seconds) - costs.optimizer_s == pytest.approx(sync, rel=0.05)
+    assert step - sync - costs.optimizer_s == pytest.approx(3 * sum(costs.seconds), rel=1e-3)
 
 
 def test_fast_estimate_is_near_the_full_price(gpt8, h100_32):
@@ -154,6 +197,12 @@ def test_cli_pipeline_search_writes_the_best_3d_plan(tmp_path, capsys):
     assert plan.mesh.axis_names[0] == "pp" and plan.cost.fits_memory
     dp = math.prod(d for n, d in zip(plan.mesh.axis_names, plan.mesh.shape) if n in ("dp", "fsdp"))
     assert plan.training.micro_batches == 64 // (2 * dp)
+    # without --micro-batch-size: sizes 1 and 2, each traced (the second trace a third batch is read off)
+    code = main(["plan", str(GPT), "--preset", "tiny", "--set", "n_layer=4", "--cluster", str(H100), "--pipeline",
+                 "--global-batch-size", "64", "--no-search", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 0 and "micro-batch size 1:" in err and "micro-batch size 2:" in err
+    assert "read off its traces at batches 1 and 2" in err
     code = main(["plan", str(GPT), "--preset", "tiny", "--cluster", str(H100), "--pipeline", "--no-search",
                  "--out", str(out)])
     assert code != 0 and "--pipeline searches pipeline stages for a --global-batch-size" in capsys.readouterr().err

@@ -12,15 +12,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import textwrap
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import pandas as pd
 
+from autoddl import trace_cache
 from autoddl.api import schemes_frame
 from autoddl.cli import EXPECTED_ERRORS, add_model_options, common_options, model_overrides, register, table
 from autoddl.cluster import DEFAULT_CLUSTER_PATH, Cluster
@@ -28,8 +31,10 @@ from autoddl.graph import NodeKind, OpGraph
 from autoddl.loader import ModelFile, ModelFileError, load_for_plan, load_model_file
 from autoddl.ops import coverage_report
 from autoddl.plan import Mesh, Plan
-from autoddl.training import OFFLOAD_CHOICES, DEFAULT_BUCKET_MB, DTYPES, RECOMPUTE_CHOICES, RECOMPUTE_POLICIES, SCHEDULES, Training
-from search.pipeline_search import best_fitting, search_3d
+from autoddl.rebatch import at_batch
+from autoddl.training import (DEFAULT_BUCKET_MB, DTYPES, OFFLOAD_CHOICES, RECOMPUTE_CHOICES, RECOMPUTE_POLICIES,
+                              SCHEDULES, Training)
+from search.pipeline_search import FULL_PRICES, best_fitting, search_3d
 from search.planner import (SCHEMES, Scheme, SearchOutcome, data_parallel_degree, degrees_spec, inner_tp_plan,
                             parse_degrees, price_degrees, recompute_blocks, resolve_cluster, search)
 from search.problem import NoFeasiblePlanError
@@ -39,6 +44,7 @@ EXPECTED_ERRORS.append(NoFeasiblePlanError)
 PRECISIONS = tuple(DTYPES)                     # fp32, bf16, fp16
 VARIANT_PRECISIONS = ("fp32", "bf16")          # compare --variants: precision x recompute
 VARIANT_RECOMPUTE = RECOMPUTE_POLICIES         # none, selective, full
+FIT_RETRIES = 3                                # --pipeline: estimates priced in full after the best, while none fits
 NO_LIMIT_GB = 1e9                              # a variant nothing fits in is shown searched without a limit
 
 
@@ -122,7 +128,7 @@ def step_batch(micro_batch: int | None, global_batch: int | None, dp_degree: int
 class Planned:
     """What `plan` / `compare` computed: the search's outcome and the --degrees configuration."""
 
-    mf: ModelFile
+    tracer: "_Tracer"                                  # the model file's traces (and the file, built lazily)
     cluster: Cluster                                   # as the file says
     planned: Cluster                                   # resized to --devices
     outcome: SearchOutcome | None
@@ -134,16 +140,39 @@ class Planned:
     extra: list = field(default_factory=list)          # more priced schemes (--emit's best configuration)
 
     @property
+    def mf(self) -> ModelFile:
+        """The model file, built on first use (a cached trace does not build it)."""
+        return self.tracer.mf
+
+    @property
     def schemes(self) -> list[Scheme]:
         return (list(self.outcome.schemes) if self.outcome else []) + ([self.given] if self.given else []) + \
             list(self.extra)
 
 
 class _Tracer:
-    """Traces the model file once per (micro-step batch, precision)."""
+    """Traces the model file once per (micro-step batch, precision), through the on-disk trace cache
+    (autoddl/trace_cache.py): a graph traced by an earlier run with the same key is read back, and
+    the model file is then not even built (``mf`` loads it on first use). Once two batches are
+    traced in one precision, the graph at any other batch is read off them (autoddl/rebatch.py)."""
 
-    def __init__(self, args: argparse.Namespace, mf: ModelFile):
-        self.args, self.mf, self.graphs, self.seconds = args, mf, {}, 0.0
+    def __init__(self, args: argparse.Namespace, mf: ModelFile | None = None):
+        self.args, self._mf, self.graphs, self.seconds = args, mf, {}, 0.0
+
+    @property
+    def path(self) -> str:
+        """The model file's absolute path (as ``ModelFile.path``), without building it."""
+        return self._mf.path if self._mf is not None else str(Path(self.args.model_py).expanduser().resolve())
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).stem
+
+    @property
+    def mf(self) -> ModelFile:
+        if self._mf is None:
+            self._mf = load_model_file(self.args.model_py, **model_overrides(self.args))
+        return self._mf
 
     def __call__(self, dp_degree: int, training: Training) -> tuple[OpGraph, int | None, Training]:
         batch, k = step_batch(self.args.micro_batch_size, self.args.global_batch_size, dp_degree)
@@ -154,15 +183,41 @@ class _Tracer:
         key = (batch, param_dtype)
         if key not in self.graphs:
             t0 = time.perf_counter()
-            self.graphs[key] = (self.mf.with_batch_size(batch) if batch else self.mf).trace(param_dtype)
+            self.graphs[key] = self._cached(batch, param_dtype)
             self.seconds += time.perf_counter() - t0
         return self.graphs[key]
 
+    def _cached(self, batch: int | None, param_dtype: str) -> OpGraph:
+        derived = self._rebatched(batch, param_dtype)
+        if derived is not None:
+            return derived
+        def trace() -> OpGraph:
+            return (self.mf.with_batch_size(batch) if batch else self.mf).trace(param_dtype)
+        if not os.path.isfile(self.path):              # load_model_file says what is wrong with it
+            return trace()
+        return trace_cache.traced(self.path, model_overrides(self.args), batch, param_dtype, trace, _say)
+
+    def _rebatched(self, batch: int | None, param_dtype: str) -> OpGraph | None:
+        """The graph at ``batch`` read off two graphs traced here at other batches (autoddl/rebatch.py)."""
+        have = sorted(b for b, dt in self.graphs if dt == param_dtype and b is not None and b != batch)
+        if batch is None or len(have) < 2:
+            return None
+        b1, b2 = have[:2]
+        graph = at_batch(self.graphs[(b1, param_dtype)], b1, self.graphs[(b2, param_dtype)], b2, batch)
+        if graph is not None:
+            print(f"trace: {graph.model_name} at batch {batch} in {param_dtype} read off its traces at batches {b1} "
+                  f"and {b2}", file=sys.stderr)
+        return graph
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr)
+
 
 def _provenance(scheme: Scheme | None, args: argparse.Namespace, overrides: dict, batch: int | None,
-                mf: ModelFile) -> None:
+                tracer: "_Tracer") -> None:
     if scheme is not None and scheme.plan is not None:
-        scheme.plan.set_provenance(model_file=mf.path, model_args=overrides, cluster_file=args.cluster)
+        scheme.plan.set_provenance(model_file=tracer.path, model_args=overrides, cluster_file=args.cluster)
         scheme.plan.batch_size = batch
 
 
@@ -188,8 +243,7 @@ def _search(args: argparse.Namespace, progress, training: Training | None = None
     if args.pipeline and (given is not None or not args.global_batch_size):
         raise ValueError("--pipeline searches pipeline stages for a --global-batch-size (give one) and replaces "
                          "--degrees / --from-* (drop them)")
-    tracer = tracer or _Tracer(args, load_model_file(args.model_py, **overrides))
-    mf = tracer.mf
+    tracer = tracer or _Tracer(args)
     outcome, given_scheme, graph, error = None, None, None, ""
     if not args.no_search:
         graph, batch, tr = tracer(planned.num_devices, training)
@@ -201,16 +255,16 @@ def _search(args: argparse.Namespace, progress, training: Training | None = None
                 raise
             error = str(exc)
         for scheme in outcome.schemes if outcome else ():
-            _provenance(scheme, args, overrides, batch, mf)
+            _provenance(scheme, args, overrides, batch, tracer)
     if given is not None:
         given_scheme, g2, batch2 = given(tracer, training)
-        _provenance(given_scheme, args, overrides, batch2, mf)
+        _provenance(given_scheme, args, overrides, batch2, tracer)
         graph = graph or g2
     if args.pipeline:
         given_scheme, g3, batch3 = _search_pipeline(args, tracer, planned, training, progress)
-        _provenance(given_scheme, args, overrides, batch3, mf)
+        _provenance(given_scheme, args, overrides, batch3, tracer)
         graph = graph or g3
-    return Planned(mf, cluster, planned, outcome, given_scheme, graph, tracer.seconds, error, tracer.graphs)
+    return Planned(tracer, cluster, planned, outcome, given_scheme, graph, tracer.seconds, error, tracer.graphs)
 
 
 def _degrees_pricer(args: argparse.Namespace, planned: Cluster, degrees: list[tuple[str, int]]) -> GivenPricer:
@@ -231,12 +285,14 @@ def _search_pipeline(args: argparse.Namespace, tracer: "_Tracer", planned: Clust
     estimates = search_3d(lambda batch: tracer.at(batch, training.param_dtype),
                           lambda g, tp, tr: inner_tp_plan(g, planned, tp, tr, args.optimizer),
                           planned, training, args.global_batch_size, limit, sizes, progress)
-    best = best_fitting(estimates, limit)
+    best = best_fitting(estimates, limit, k=FULL_PRICES + FIT_RETRIES)
     if not best:
         least = min((e.memory_bytes for e in estimates), default=math.inf)
         raise NoFeasiblePlanError(least, limit)
     priced = []
-    for e in best:
+    for e in best:          # the fastest FULL_PRICES; further ones only while the full price does not fit
+        if len(priced) >= FULL_PRICES and any(p[0].breakdown.fits_memory for p in priced):
+            break
         dp = e.degrees[1][1]
         graph = tracer.at(e.micro_batch_size * dp, training.param_dtype)
         tr = dataclasses.replace(training, recompute=e.recompute,
@@ -244,7 +300,10 @@ def _search_pipeline(args: argparse.Namespace, tracer: "_Tracer", planned: Clust
         scheme = price_degrees(graph, planned, e.degrees, model_name=graph.model_name, memory_gb=args.memory_gb,
                                optimizer=args.optimizer, training=tr, schedule=e.schedule,
                                virtual_stages=e.virtual_stages)
-        progress(f"3-D search: {e.text}: estimated {e.step_time_s:.3f} s, priced {scheme.step_time_s:.3f} s")
+        bd = scheme.breakdown
+        progress(f"3-D search: {e.text}: estimated {e.step_time_s:.3f} s, {e.memory_bytes / 1e9:.1f} GB; priced "
+                 f"{scheme.step_time_s:.3f} s, {bd.memory_bytes_per_device / 1e9:.1f} GB"
+                 + ("" if bd.fits_memory else " (does not fit: pricing the next estimate)"))
         priced.append((scheme, graph, e.micro_batch_size * dp))
     fits = [p for p in priced if p[0].breakdown.fits_memory] or priced
     return min(fits, key=lambda p: p[0].step_time_s)
@@ -405,8 +464,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     result, tracer, user = plan_trainers.search_with_trainer(args, progress=lambda m: print("  " + m, file=sys.stderr))
     emitted = plan_trainers.choose_emitted(args, result, tracer, user) if args.emit else None
-    mf, graph, cluster, outcome, given = result.mf, result.graph, result.cluster, result.outcome, result.given
-    print(f"model:    {mf.name} ({mf.path}) {graph.parameter_count / 1e6:,.1f}M parameters, "
+    graph, cluster, outcome, given = result.graph, result.cluster, result.outcome, result.given
+    print(f"model:    {result.tracer.name} ({result.tracer.path}) {graph.parameter_count / 1e6:,.1f}M parameters, "
           f"{len(graph.ops())} ops, traced in {result.trace_s:.2f} s")
     planned = result.planned
     print(f"cluster:  {cluster.summary()}")
@@ -507,12 +566,12 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.variants:
         return _run_variants(args)
     result = _search(args, progress=None)
-    print(f"{result.mf.name} on {result.cluster.name}:")
+    print(f"{result.tracer.name} on {result.cluster.name}:")
     _print_schemes(result.schemes, _graphs_by_scheme(result), args.memory_breakdown)
     if result.search_error:
         print(f"search: {result.search_error}")
     df = _frame(result.schemes)
-    _write_outputs(args, df, f"{result.mf.name} on {result.cluster.name}")
+    _write_outputs(args, df, f"{result.tracer.name} on {result.cluster.name}")
     return 0
 
 
@@ -530,8 +589,7 @@ def _write_outputs(args: argparse.Namespace, df: pd.DataFrame, title: str) -> No
 def _run_variants(args: argparse.Namespace) -> int:
     """Each precision x recompute variant: the search (found plan and baselines) under it. A variant
     in which nothing fits is searched without the limit, to show what it would need."""
-    overrides = model_overrides(args)
-    tracer = _Tracer(args, load_model_file(args.model_py, **overrides))
+    tracer = _Tracer(args)
     frames, rows = [], []
     title = ""
     for precision in VARIANT_PRECISIONS:
@@ -549,7 +607,7 @@ def _run_variants(args: argparse.Namespace) -> int:
                     if s.breakdown is not None:
                         s.breakdown.memory_limit_bytes = int(limit)
                 note = "nothing fits: searched without the memory limit"
-            title = f"{result.mf.name} on {result.cluster.name}"
+            title = f"{result.tracer.name} on {result.cluster.name}"
             for s in result.schemes:
                 if s.plan is None:
                     continue
@@ -612,12 +670,12 @@ def run_explain(args: argparse.Namespace) -> int:
     from search.formulate import formulate
 
     plan = Plan.load(args.plan_json)
-    mf, graph = _traced_for(plan, args.plan_json)
+    name, graph = _traced_for(plan, args.plan_json)
     cluster = Cluster.from_yaml(plan.cluster_file or DEFAULT_CLUSTER_PATH).resized(plan.mesh.size)
     form = formulate(graph, cluster, plan.mesh.shape, optimizer=plan.optimizer, training=plan.training)
     picked = [i for i, n in enumerate(form.nodes) if n.kind is NodeKind.OP and (not args.op or _matches(n, args.op))]
     if args.op and not picked:
-        raise ValueError(f"--op {args.op}: no op, module path or parameter of {mf.name} is called that; see "
+        raise ValueError(f"--op {args.op}: no op, module path or parameter of {name} is called that; see "
                          f"`autoddl trace {plan.model}` for the op names and module paths")
     program = lower(graph, plan)
     rows = _explain_rows(form, _assignment_of(plan, form), picked, plan, graph, program, wide=args.wide)
@@ -643,12 +701,16 @@ def _traced_for(plan: Plan, path: str):
     """The model file the plan was made for, traced; refuses a graph the plan was not made for."""
     if not plan.model:
         raise ValueError(f"{path}: the plan names no model file; re-run `autoddl plan MODEL_PY`")
-    mf = load_for_plan(plan)
-    graph = mf.trace(plan.training.param_dtype)
+    dtype = plan.training.param_dtype
+    if os.path.isfile(plan.model):
+        graph = trace_cache.traced(plan.model, plan.model_args, plan.batch_size, dtype,
+                                   lambda: load_for_plan(plan).trace(dtype), _say)
+    else:                                              # load_for_plan says what is wrong with it
+        graph = load_for_plan(plan).trace(dtype)
     if graph.fingerprint() != plan.graph_hash:
         raise ValueError(f"{path} was made for another graph of {plan.model} (hash {plan.graph_hash}, "
                          f"now {graph.fingerprint()}); re-run `autoddl plan`")
-    return mf, graph
+    return Path(plan.model).stem, graph
 
 
 def _matches(node, name: str) -> bool:

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 from autoddl.atomic import write_text_atomic
 from autoddl.cli.plan import Planned, _search, _Tracer, training_of
-from autoddl.cli import model_overrides
 from autoddl.cluster import Cluster
 from autoddl.graph import NodeKind, OpGraph
-from autoddl.loader import ModelFileError, load_model_file
+from autoddl.loader import ModelFileError
 from autoddl.pipeline import pipeline_degree
 from autoddl.trainers import TrainerConfig
 from autoddl.trainers.formats import DEFAULT_OUT, NAMES, TRAINERS, check_expressible, read_config, write_config
@@ -93,7 +92,7 @@ def search_with_trainer(args: argparse.Namespace, progress) -> tuple[Planned, _T
         args.reduce_dtype = TRAINER_REDUCE[args.emit][args.precision]
     if args.emit and args.degrees:
         check_expressible(args.emit, _degrees_config(args))        # before the search, not after it
-    tracer = _Tracer(args, load_model_file(args.model_py, **model_overrides(args)))
+    tracer = _Tracer(args)
     if source is None:
         return _search(args, progress, tracer=tracer), tracer, None
     trainer, text, where = source
