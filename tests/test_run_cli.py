@@ -398,7 +398,7 @@ def test_plan_and_run_bf16_selective_recompute_micro_steps(tmp_path, capsys):
     plan = Plan.load(plan_json)
     assert (plan.batch_size, plan.training.micro_batches, plan.training.param_dtype) == (4, 4, "bfloat16")
     capsys.readouterr()
-    assert cli_main("run", plan_json, "--steps", 2, "--warmup", 1, "--check") == 0
+    assert cli_main("run", plan_json, "--steps", 2, "--warmup", 1, "--check", "--out", tmp_path / "runs.csv") == 0
     text = capsys.readouterr().out
     assert "-> OK" in text
     forward = next(line for line in text.splitlines() if line.startswith("forward    all_reduce"))
