@@ -31,10 +31,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, Union
 
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.sbp import B, NdSbp, Partial, Sbp
+
+Group = Union[int, tuple[int, ...]]   # a collective's ranks: one mesh axis, or several flattened into one group
+
+
+def group_axes(group: Group) -> tuple[int, ...]:
+    """The mesh axes of a collective's group (``2`` -> ``(2,)``)."""
+    return tuple(group) if isinstance(group, tuple) else (group,)
+
+
+def group_name(group: Group) -> str:
+    """``"1"`` for axis 1, ``"0+1"`` for axes 0 and 1 flattened (stream and audit names)."""
+    return "+".join(str(a) for a in group_axes(group))
 
 
 # -- the gradient rule ---------------------------------------------------------------------------
@@ -68,9 +80,10 @@ def needed_grad_ndsbp(output_nd: NdSbp) -> NdSbp:
 class Move:
     """One step of a boxing: on ``axes`` the tensor goes from layout ``before`` to ``after``.
 
-    A collective step has one axis, a ``kind`` and ``nbytes`` (M of the alpha-beta formula,
-    the full tensor as seen on that axis). A local step (``kind`` None) is a chunk (B -> S),
-    a zero-padded piece (S -> P, all such axes at once) or a keep-on-root (B -> P)."""
+    A collective step has a ``kind`` and ``nbytes`` (M of the alpha-beta formula, the full tensor
+    as seen on its axes) and one axis, or several for an all-reduce over their flattened group
+    (:func:`flatten_all_reduces`). A local step (``kind`` None) is a chunk (B -> S), a zero-padded
+    piece (S -> P, all such axes at once) or a keep-on-root (B -> P)."""
 
     axes: tuple[int, ...]
     before: NdSbp
@@ -81,6 +94,11 @@ class Move:
     @property
     def axis(self) -> int:
         return self.axes[0]
+
+    @property
+    def group(self) -> "Group":
+        """The ranks a collective step runs over: its mesh axis, or the tuple of its flattened axes."""
+        return self.axes if len(self.axes) > 1 else self.axes[0]
 
     @property
     def is_collective(self) -> bool:
@@ -179,6 +197,30 @@ def gradient_moves(nbytes: int, grad: NdSbp, src: NdSbp, mesh: Sequence[int],
     return boxing_moves(nbytes, grad, need, mesh)
 
 
-def collectives_of(moves: Sequence[Move]) -> list[tuple[CollectiveKind, int, int]]:
-    """``(kind, axis, M bytes)`` of the collective moves (kinds before backend emulation)."""
-    return [(m.kind, m.axis, m.nbytes) for m in moves if m.kind is not None]
+def flatten_all_reduces(moves: Sequence[Move]) -> tuple[Move, ...]:
+    """``moves`` with each run of consecutive all-reduces on distinct axes made one all-reduce over
+    the flattened group of those axes (as DistributedDataParallel reduces over all its ranks at once).
+    Summing over axes 0 then 1 is summing over their flattened group, and every all-reduce of a run
+    has the same M (an all-reduce changes no split), so the result is the same with one collective:
+    a ring over n = n0*n1 ranks moves 2(n-1)/n*M per rank, the chain 2(n0-1)/n0*M + 2(n1-1)/n1*M."""
+    out: list[Move] = []
+    for m in moves:
+        prev = out[-1] if out else None
+        if (prev is not None and m.kind is CollectiveKind.ALL_REDUCE and prev.kind is CollectiveKind.ALL_REDUCE
+                and not set(m.axes) & set(prev.axes)):
+            out[-1] = Move(tuple(sorted(prev.axes + m.axes)), prev.before, m.after, m.kind, prev.nbytes)
+        else:
+            out.append(m)
+    return tuple(out)
+
+
+def param_grad_sync_moves(nbytes: int, grad: NdSbp, storage: NdSbp, mesh: Sequence[int]) -> tuple[Move, ...]:
+    """A parameter's gradient sync: its gradient ``grad`` to its (gradient) storage, the all-reduces
+    over several axes flattened into one (:func:`flatten_all_reduces`). The step program syncs with
+    these moves and the search prices them."""
+    return flatten_all_reduces(gradient_moves(nbytes, grad, storage, mesh))
+
+
+def collectives_of(moves: Sequence[Move]) -> list[tuple[CollectiveKind, Group, int]]:
+    """``(kind, group, M bytes)`` of the collective moves (kinds before backend emulation)."""
+    return [(m.kind, m.group, m.nbytes) for m in moves if m.kind is not None]

@@ -42,7 +42,6 @@ class SpillTasks:
         self.resident = -1                                # the group forward ended with
         self.grads_left = {g.index: 0 for g in self.groups}
         self.buckets_of: dict[int, set[int]] = {g.index: set() for g in self.groups}
-        self.later_axes = {g.index: False for g in self.groups}   # a bucket all-reduced on more axes at the end
         self.copied_out: list[int] = []
 
     def groups_read(self, nodes: Iterable[OpNode]) -> list[int]:
@@ -93,19 +92,17 @@ class SpillTasks:
                 self.grads_left[g] += 1
                 if use.bucket >= 0:
                     self.buckets_of[g].add(use.bucket)
-                    self.later_axes[g] |= bool(self.low.prog.buckets[use.bucket].then_axes)
 
     def gradient_ready(self, use: ParamUse) -> None:
         if use.grad is not None and use.fqn in self.group_of:
             self.grads_left[self.group_of[use.fqn]] -= 1
 
     def after_backward(self, op: str, final: bool = False) -> None:
-        """Copy out each group whose gradients are complete and whose buckets were launched (a bucket
-        with further axes: at the end of backward, after their all-reduces)."""
+        """Copy out each group whose gradients are complete and whose buckets were launched."""
         low = self.low
         for group in self.groups:
             g = group.index
-            launched = all(b < len(low.bucket_tasks) for b in self.buckets_of[g]) and not self.later_axes[g]
+            launched = all(b < len(low.bucket_tasks) for b in self.buckets_of[g])
             if self.grads_left[g] != 0 or not (launched or final) or not group.grad_bytes:
                 continue
             labels = {f"bucket{b}" for b in self.buckets_of[g]}

@@ -1,4 +1,4 @@
-"""Alpha-beta time of one collective on one mesh axis, per backend.
+"""Alpha-beta time of one collective on one mesh axis (or several flattened into one group), per backend.
 
 ``M`` is always the bytes of the *full* tensor the collective is about (as seen
 on this axis, i.e. already divided by the splits of the other mesh axes), never
@@ -42,6 +42,7 @@ from typing import Sequence
 
 import numpy as np
 
+from autoddl.boxing import Group, group_axes
 from autoddl.cluster import Backend, Cluster, LinkSpec
 from autoddl.collective_kinds import BACKENDS, BackendCollectives, CollectiveKind, carried_out_as  # noqa: F401
 from autoddl.program import PHASES
@@ -49,10 +50,11 @@ from autoddl.program import PHASES
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective a training step runs: kind (as carried out), mesh axis, M bytes, phase."""
+    """One collective a training step runs: kind (as carried out), mesh axis (or tuple of axes
+    flattened into one group), M bytes, phase."""
 
     kind: CollectiveKind
-    axis: int
+    axis: Group
     bytes: int            # M: full tensor bytes on this axis (see module docstring)
     phase: str            # "forward" | "backward" | "grad_sync"
     tensor: str = ""      # the graph edge "producer->consumer" or parameter fqn it moves
@@ -62,7 +64,8 @@ class Collective:
             raise ValueError(f"Collective.phase must be one of {PHASES}, got {self.phase!r}")
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind.value, "axis": self.axis, "bytes": int(self.bytes),
+        return {"kind": self.kind.value, "axis": list(self.axis) if isinstance(self.axis, tuple) else self.axis,
+                "bytes": int(self.bytes),
                 "phase": self.phase, "tensor": self.tensor}
 
 
@@ -100,24 +103,34 @@ def collective_time_s(kind: CollectiveKind, nbytes: float, n_devices: int, link:
     return native_time_s(carried_out_as(kind, backend), nbytes, n_devices, bandwidth, link.latency_us * 1e-6)
 
 
-def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: Sequence[int], axis: int,
+def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: Sequence[int], axis: Group,
                               cluster: Cluster) -> float:
-    """Seconds for ``kind`` on mesh axis ``axis`` of ``mesh_shape`` on ``cluster``.
+    """Seconds for ``kind`` on mesh axis ``axis`` of ``mesh_shape`` on ``cluster``, or over the
+    flattened group of a tuple of axes (one collective over all their ranks: ``n`` is the product
+    of their sizes, and the link is that of the outermost, the slowest the group crosses).
 
-    Same as ``collective_time_s(kind, nbytes, mesh[axis], cluster.link_for_axis(mesh, axis),
-    cluster.backend, cluster.efficiency.network)``, except that on an intra-node axis a
+    Same as ``collective_time_s(kind, nbytes, n, cluster.link_for_axis(mesh, outermost axis),
+    cluster.backend, cluster.efficiency.network)``, except that on an intra-node group a
     per-kind fit in ``cluster.collectives`` replaces the link: the fit of ``kind`` itself,
-    else that of the kind the backend carries it out as (gloo's reduce-scatter is an all-reduce).
-    Plus ``cluster.executor.collective_us`` when the axis has more than one device; all of it
+    else that of the kind the backend carries it out as (gloo's reduce-scatter is an all-reduce);
+    ``n`` enters the fit's formula as it enters the link's (a fit taken on groups of 2 prices a
+    group of 4 as a ring of 4 with the fitted latency and bandwidth). Plus
+    ``cluster.executor.collective_us`` when the group has more than one device; all of it
     times ``cluster.comm_time_sharing(mesh_shape)``.
     """
     mesh = tuple(mesh_shape)
-    link = cluster.link_for_axis(mesh, axis)             # validates mesh and axis
-    if math.prod(mesh[axis % len(mesh):]) <= cluster.devices_per_node:
+    links = [cluster.link_for_axis(mesh, a) for a in group_axes(axis)]      # validates mesh and axes
+    axes = {a % len(mesh) for a in group_axes(axis)}
+    if len(axes) != len(links):
+        raise ValueError(f"a collective's group must be distinct mesh axes, got {axis!r} on mesh {mesh}")
+    outer = min(axes)
+    link = cluster.link_for_axis(mesh, outer)
+    n = math.prod(mesh[a] for a in axes)
+    if math.prod(mesh[outer:]) <= cluster.devices_per_node:
         fit = cluster.collectives.get(kind) or cluster.collectives.get(carried_out_as(kind, cluster.backend))
         link = fit or link
-    fixed_s = cluster.executor.collective_us * 1e-6 if mesh[axis] > 1 else 0.0
-    return (collective_time_s(kind, nbytes, mesh[axis], link, cluster.backend, cluster.efficiency.network)
+    fixed_s = cluster.executor.collective_us * 1e-6 if n > 1 else 0.0
+    return (collective_time_s(kind, nbytes, n, link, cluster.backend, cluster.efficiency.network)
             + fixed_s) * cluster.comm_time_sharing(mesh)
 
 

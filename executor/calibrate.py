@@ -559,7 +559,7 @@ class Bench:
                          f"step {step * 1e3:.2f} ms (rank 0)")
         t = torch.ones(1024, device=self.device)                                 # 4 KB
         gathered = torch.empty(1024 * self.s.nproc, device=self.device)
-        boxer = Boxer((self.s.nproc,), (self.rank,), [dist.group.WORLD.group_name], self.s.backend)
+        boxer = Boxer((self.s.nproc,), (self.rank,), {0: dist.group.WORLD.group_name}, self.s.backend)
         calls = 10 if self.s.quick else 40
         moves = {kind: (boxing_moves(4096, NdSbp.parse(src), NdSbp.parse("[B]"), (self.s.nproc,)),)
                  for kind, src in (("all_reduce", "[P]"), ("all_gather", "[S(0)]"))}

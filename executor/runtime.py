@@ -39,13 +39,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from autoddl.boxing import boxing_moves
+from autoddl.boxing import Group, boxing_moves
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.pipeline import pipeline_degree
 from autoddl.plan import Plan
 from autoddl.precision import cast_forward_inputs, torch_dtype, working_copy
-from autoddl.program import grad_storage_of, lower, optimizer_storage_of
+from autoddl.program import StepProgram, grad_storage_of, lower, optimizer_storage_of
 from autoddl.sbp import NdSbp
 from executor.audit import CommRecord, CommRecorder
 from executor.compiled import LocalStep, ProgramCompiler
@@ -71,6 +71,23 @@ def init_mesh(plan: Plan, device: str = "cpu", timeout_s: float = 120.0) -> Devi
         raise PlanExecutionError(f"plan {plan.name!r} is for mesh {plan.mesh} ({plan.mesh.size} devices) but "
                                  f"{world} processes were launched; run with --nproc {plan.mesh.size}")
     return init_device_mesh("cuda" if use_cuda else "cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.axis_names)
+
+
+def mesh_groups(mesh: DeviceMesh, program: StepProgram) -> dict[Group, str]:
+    """The process group (by name) of every mesh axis, and of every tuple of axes ``program`` runs a
+    collective over (a gradient all-reduce over several data-parallel axes): the sub-mesh of those
+    axes flattened with ``DeviceMesh._flatten`` (torch 2.13; every rank builds the same ones in the
+    same order, as ``new_group`` needs; flattening every axis gives the world group back)."""
+    groups: dict[Group, str] = {a: mesh.get_group(a).group_name for a in range(mesh.ndim)}
+    names = mesh.mesh_dim_names
+    for task in program.collectives():
+        if isinstance(task.axis, tuple) and task.axis not in groups:
+            if names is None:
+                raise PlanExecutionError(f"plan {program.plan_name!r} runs a collective over mesh axes {task.axis} "
+                                         "flattened, which needs a DeviceMesh with mesh_dim_names; build it with "
+                                         "executor.runtime.init_mesh")
+            groups[task.axis] = mesh[tuple(names[a] for a in task.axis)]._flatten().get_group().group_name
+    return groups
 
 
 def validate_plan(graph: OpGraph, plan: Plan) -> None:
@@ -137,8 +154,8 @@ class DistributedModel(nn.Module):
         self.device = torch.device(mesh.device_type)
         self.module = copy.deepcopy(model)  # the caller's model stays a plain single-device reference
         self.program = lower(graph, plan)
-        boxer = Boxer(tuple(plan.mesh.shape), tuple(mesh.get_coordinate()),
-                      [mesh.get_group(a).group_name for a in range(mesh.ndim)], dist.get_backend(), self._on_collective)
+        boxer = Boxer(tuple(plan.mesh.shape), tuple(mesh.get_coordinate()), mesh_groups(mesh, self.program),
+                      dist.get_backend(), self._on_collective)
         self.boxer = boxer
         self.local_params = self._place_parameters(boxer)
         self.host_copies = HostCopies(self.program, self.local_params, plan.training.param_dtype, self.device)
@@ -224,7 +241,7 @@ class DistributedModel(nn.Module):
         if self.recorder is not None:
             self.recorder.phase = phase
 
-    def _on_collective(self, kind, axis: int, nbytes: int, label: str) -> None:
+    def _on_collective(self, kind, axis: Group, nbytes: int, label: str) -> None:
         if self.recorder is not None:
             self.recorder.tensor = label
 
@@ -435,7 +452,7 @@ def train_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor], optimiz
 def audit_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor],
                optimizer: torch.optim.Optimizer) -> list[CommRecord]:
     """Run one training step with a CommRecorder; return the collectives it ran."""
-    rec = CommRecorder(dmodel.mesh)
+    rec = CommRecorder(dmodel.mesh, dmodel.boxer.groups)
     old, dmodel.recorder = dmodel.recorder, rec
     try:
         with rec:

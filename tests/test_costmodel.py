@@ -504,3 +504,31 @@ def test_collectives_measured_with_every_rank_busy_are_not_slowed_twice(a100):
     assert cluster_collective_time_s(K.ALL_REDUCE, M, (2, 2), 0, hosts) == pytest.approx(2 * bare, rel=1e-12)
     assert measured_busy.comm_time_sharing((2, 2)) == 1.0 and measured_busy.comm_time_sharing((1,)) == 0.5
     assert cluster_collective_time_s(K.ALL_REDUCE, M, (2, 2), 0, measured_busy) == pytest.approx(bare, rel=1e-12)
+
+
+def test_a_collective_over_flattened_axes_is_one_ring_over_their_product_on_the_slowest_link(two_nodes):
+    """An all-reduce over mesh axes (0, 1) of a 2x8 mesh on 2 nodes of 8: one ring over n = 16 ranks,
+    on the inter-node link (axis 0 crosses nodes), 2*15/16*M/b + 2*15*a; over (1, 2) of a 2x4x2
+    mesh (inside a node): n = 8 on NVLink. Calibrated per-kind fits replace the link inside a node,
+    with n = the group's size in the fit's formula; the executor's per-collective cost is paid once."""
+    from autoddl.cluster import ExecutorOverheads
+    from costmodel.collectives import cluster_collective_time_s
+
+    eff = two_nodes.efficiency.network
+    b, a = _b_a(two_nodes.inter_node, eff)
+    assert cluster_collective_time_s(K.ALL_REDUCE, M, (2, 8), (0, 1), two_nodes) == pytest.approx(
+        2 * 15 / 16 * M / b + 2 * 15 * a, rel=1e-12)
+    b, a = _b_a(two_nodes.intra_node, eff)
+    assert cluster_collective_time_s(K.ALL_REDUCE, M, (2, 4, 2), (1, 2), two_nodes) == pytest.approx(
+        2 * 7 / 8 * M / b + 2 * 7 * a, rel=1e-12)
+    fit = LinkSpec(bandwidth_gbps=0.5, latency_us=300.0)
+    from autoddl.cluster import CollectiveFits
+    fitted = dataclasses.replace(two_nodes, collectives=CollectiveFits(all_reduce=fit),
+                                 executor=ExecutorOverheads(collective_us=250.0))
+    b, a = _b_a(fit, eff)
+    assert cluster_collective_time_s(K.ALL_REDUCE, M, (2, 4, 2), (1, 2), fitted) == pytest.approx(
+        2 * 7 / 8 * M / b + 2 * 7 * a + 250e-6, rel=1e-12)
+    assert cluster_collective_time_s(K.ALL_REDUCE, M, (2, 4, 2), (0, 1), fitted) == pytest.approx(
+        cluster_collective_time_s(K.ALL_REDUCE, M, (8, 2), 0, fitted), rel=1e-12)   # crosses nodes: the link
+    with pytest.raises(ValueError, match="distinct mesh axes"):
+        cluster_collective_time_s(K.ALL_REDUCE, M, (2, 8), (1, -1), two_nodes)
