@@ -149,6 +149,10 @@ def test_data_parallel_over_two_axes_is_one_all_reduce_over_the_flattened_group(
     b, a = cluster.intra_node.bandwidth_gbps * 1e9 * cluster.efficiency.network, cluster.intra_node.latency_us * 1e-6
     flat = 2 * 3 / 4 * total / b + 2 * 3 * a
     assert plan_cost(g, plan, cluster).grad_sync_s == pytest.approx(flat, rel=1e-12)
+    # the search's per-edge price of a parameter's gradient sync is that same one all-reduce
+    from search.formulate import _pair_pricer
+    bb, pp = NdSbp.parse("[B, B]"), NdSbp.parse("[P, P]")
+    assert _pair_pricer((2, 2), cluster)(0, total, bb, bb, pp, True) == pytest.approx(flat, rel=1e-9)
 
 
 def test_data_parallel_sgd_optimizer_and_compute_split(a100):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from autoddl import runs
+from autoddl.boxing import group_name
 from autoddl.cli import EXPECTED_ERRORS, common_options, register, table
 from autoddl.plan import Plan
 from autoddl.program import lower
@@ -74,7 +75,7 @@ def collectives_table(predicted, measured) -> tuple[str, int]:
     for (phase, kind, axis), (pc, pb), (mc, mb) in runs.compare_collectives(predicted, measured):
         same = (pc, pb) == (mc, mb)
         differ += not same
-        rows.append((phase, kind, str(axis), str(pc), f"{pb / 1e6:.4f}", str(mc), f"{mb / 1e6:.4f}",
+        rows.append((phase, kind, group_name(axis), str(pc), f"{pb / 1e6:.4f}", str(mc), f"{mb / 1e6:.4f}",
                      "ok" if same else "MISMATCH"))
     text = table(("phase", "kind", "axis", "predicted n", "predicted MB", "measured n", "measured MB", ""),
                  rows) if rows else "(no collectives predicted or run)"
