@@ -16,7 +16,9 @@ to the target with its ``-> P`` axes held back (:func:`redistribute_target`), in
 the order of DTensor's greedy planner (:func:`dtensor_steps`: inner to outer
 axes first when the source is sharded, then outer to inner), then the local
 ``-> P`` moves. A step on axis k moves the tensor as the steps before left it:
-``M_k = nbytes / prod(mesh[j] for j != k if axis j is S at that moment)``.
+``M_k = nbytes / prod(mesh[j] for j != k if axis j is S at that moment)``. Consecutive
+all-reduces (``P -> B`` on several axes: a data-parallel gradient over two axes) are one
+all-reduce over the flattened group of their axes (:func:`flatten_all_reduces`), as DDP's.
 
 The backward gradient rule: an op hands back, for an input held as ``S(d)``, a
 gradient ``S(d)``; for ``P``, ``B``; for ``B``, ``B`` when every output of the op
@@ -163,7 +165,8 @@ def dtensor_steps(src: NdSbp, dst: NdSbp, mesh: Sequence[int]) -> list[tuple[int
 
 
 def boxing_moves(nbytes: int, src: NdSbp, dst: NdSbp, mesh: Sequence[int]) -> tuple[Move, ...]:
-    """Every step taking a tensor of ``nbytes`` from ``src`` to ``dst`` on ``mesh`` (module docstring).
+    """Every step taking a tensor of ``nbytes`` from ``src`` to ``dst`` on ``mesh`` (module docstring),
+    P -> B on several axes being one all-reduce over their flattened group (:func:`flatten_all_reduces`).
 
     Steps on a mesh axis of size 1 change the layout without moving data: they are kept as
     local moves so that each step's ``before`` is the layout the tensor really has."""
@@ -182,7 +185,7 @@ def boxing_moves(nbytes: int, src: NdSbp, dst: NdSbp, mesh: Sequence[int]) -> tu
             nxt = NdSbp(tuple(dst[i] if i in axes else s for i, s in enumerate(cur)))
             moves.append(Move(axes, cur, nxt))
             cur = nxt
-    return tuple(moves)
+    return flatten_all_reduces(moves)
 
 
 def gradient_moves(nbytes: int, grad: NdSbp, src: NdSbp, mesh: Sequence[int],
@@ -199,7 +202,8 @@ def gradient_moves(nbytes: int, grad: NdSbp, src: NdSbp, mesh: Sequence[int],
 
 def flatten_all_reduces(moves: Sequence[Move]) -> tuple[Move, ...]:
     """``moves`` with each run of consecutive all-reduces on distinct axes made one all-reduce over
-    the flattened group of those axes (as DistributedDataParallel reduces over all its ranks at once).
+    the flattened group of those axes (as DistributedDataParallel reduces a gradient over all its
+    ranks at once: data parallel over several mesh axes is one all-reduce, not one per axis).
     Summing over axes 0 then 1 is summing over their flattened group, and every all-reduce of a run
     has the same M (an all-reduce changes no split), so the result is the same with one collective:
     a ring over n = n0*n1 ranks moves 2(n-1)/n*M per rank, the chain 2(n0-1)/n0*M + 2(n1-1)/n1*M."""
@@ -212,13 +216,6 @@ def flatten_all_reduces(moves: Sequence[Move]) -> tuple[Move, ...]:
         else:
             out.append(m)
     return tuple(out)
-
-
-def param_grad_sync_moves(nbytes: int, grad: NdSbp, storage: NdSbp, mesh: Sequence[int]) -> tuple[Move, ...]:
-    """A parameter's gradient sync: its gradient ``grad`` to its (gradient) storage, the all-reduces
-    over several axes flattened into one (:func:`flatten_all_reduces`). The step program syncs with
-    these moves and the search prices them."""
-    return flatten_all_reduces(gradient_moves(nbytes, grad, storage, mesh))
 
 
 def collectives_of(moves: Sequence[Move]) -> list[tuple[CollectiveKind, Group, int]]:

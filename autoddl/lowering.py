@@ -51,8 +51,7 @@ import math
 from dataclasses import replace
 from typing import Sequence
 
-from autoddl.boxing import (Group, Move, boxing_moves, gradient_moves, grad_ndsbp, needed_grad_ndsbp,
-                            param_grad_sync_moves)
+from autoddl.boxing import Group, Move, boxing_moves, gradient_moves, grad_ndsbp, needed_grad_ndsbp
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
 from autoddl.offload import check_offload
@@ -314,7 +313,7 @@ class _Lowering:
             grad_nbytes = meta.numel * itemsize(self.plan.training.grad_reduce_dtype)
             use = ParamUse(len(self.prog.param_uses), fqn, meta, storage, dst, grad,
                            boxing_moves(meta.nbytes, storage, dst, self.mesh),
-                           param_grad_sync_moves(grad_nbytes, grad, grad_storage_of(self.plan, fqn), self.mesh)
+                           gradient_moves(grad_nbytes, grad, grad_storage_of(self.plan, fqn), self.mesh)
                            if grad is not None else (),
                            gather=gather)
             self._uses[key] = use.index
@@ -538,7 +537,7 @@ def param_syncs(graph: OpGraph, plan: Plan, only: frozenset[str] | None = None) 
 
 def _bucketable(sync: Sequence[Move]) -> bool:
     """A gradient sync a bucket can carry: one reduction (all-reduce or reduce-scatter; an all-reduce
-    over several axes is one, over their flattened group: autoddl.boxing.param_grad_sync_moves)."""
+    over several axes is one, over their flattened group: autoddl.boxing.flatten_all_reduces)."""
     return len(sync) == 1 and sync[0].kind in BUCKETED_KINDS
 
 

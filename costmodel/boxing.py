@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from autoddl.boxing import (Group, boxing_moves, collectives_of, gradient_moves, grad_ndsbp, grad_sbp,  # noqa: F401
-                            needed_grad_ndsbp, needed_grad_sbp, param_grad_sync_moves, transition_kind)
+                            needed_grad_ndsbp, needed_grad_sbp, transition_kind)
 from autoddl.cluster import Cluster
 from autoddl.graph import TensorMeta
 from autoddl.sbp import NdSbp
@@ -44,12 +44,6 @@ def edge_backward_transitions(nbytes: int, src: NdSbp, dst: NdSbp, grad: NdSbp,
     ``grad``: one boxing ``grad -> needed_grad_ndsbp(src)`` (``dst`` does not matter: every
     boxing is the identity on the logical tensor)."""
     return collectives_of(gradient_moves(nbytes, grad, src, mesh))
-
-
-def param_grad_sync_transitions(nbytes: int, grad: NdSbp, storage: NdSbp, mesh: tuple[int, ...]) -> list[Transition]:
-    """Collectives of a parameter's gradient sync, ``grad`` -> its ``storage``, as the step program
-    runs them (an all-reduce over several axes is one, over their flattened group)."""
-    return collectives_of(param_grad_sync_moves(nbytes, grad, storage, mesh))
 
 
 def backward_boxing_collectives(meta: TensorMeta, src: NdSbp, dst: NdSbp, mesh_shape: Sequence[int],

@@ -52,8 +52,8 @@ from autoddl.precision import MASTER_ITEMSIZE, itemsize
 from autoddl.program import block_of, recomputed_ops, requires_grad
 from autoddl.sbp import NdSbp, Signature
 from autoddl.training import Training
-from costmodel.boxing import (Group, edge_backward_transitions, grad_ndsbp, param_grad_sync_transitions,
-                              transitions_of, transitions_time_s)
+from costmodel.boxing import (Group, edge_backward_transitions, grad_ndsbp, needed_grad_ndsbp, transitions_of,
+                              transitions_time_s)
 from costmodel.compute import op_compute_time_s, op_forward_time_s, optimizer_time_s
 from costmodel.memory import param_state_bytes
 from search.problem import SearchProblem
@@ -270,7 +270,7 @@ def _pair_pricer(mesh: tuple[int, ...], cluster: Cluster):
         forward = probe(transitions_of(_PROBE_BYTES, src, dst, mesh))
         backward = ()
         if grad is not None:
-            backward = probe(param_grad_sync_transitions(_PROBE_BYTES, grad, src, mesh) if is_param
+            backward = probe(transitions_of(_PROBE_BYTES, grad, needed_grad_ndsbp(src), mesh) if is_param
                              else edge_backward_transitions(_PROBE_BYTES, src, dst, grad, mesh))
         return forward, backward
 

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from autoddl.boxing import boxing_moves
 from autoddl.cluster import DEFAULT_CLUSTER_PATH, Backend, Cluster, Efficiency, LinkSpec
 from autoddl.graph import NodeKind, OpNode, TensorMeta, TensorRef
 from autoddl.sbp import B, P, S, NdSbp, Signature
@@ -145,6 +146,24 @@ def test_boxing_nd_follows_dtensor_step_order():
         [(K.ALL_GATHER, 1, meta.nbytes // 2), (K.ALL_GATHER, 0, meta.nbytes)]
     # a size-1 axis never communicates
     assert boxing_collectives(meta, nd(S(0), P), nd(B, B), (1, 4)) == [(K.ALL_REDUCE, 1, meta.nbytes)]
+
+
+def test_all_reduces_on_several_axes_are_one_over_their_flattened_group():
+    """P -> B on several axes (a data-parallel gradient over two axes) is one all-reduce over the
+    group of those axes flattened, on the tensor as the other axes' splits leave it; an all-reduce
+    that another collective separates from the next stays on its own axis."""
+    meta = TensorMeta((16, 32), "float32")
+    assert boxing_collectives(meta, nd(P, P), nd(B, B), (2, 4)) == [(K.ALL_REDUCE, (0, 1), meta.nbytes)]
+    assert boxing_collectives(meta, nd(S(0), P, P), nd(S(0), B, B), (2, 2, 2)) == \
+        [(K.ALL_REDUCE, (1, 2), meta.nbytes // 2)]
+    assert boxing_collectives(meta, nd(P, S(1), P), nd(B, S(1), B), (2, 2, 2)) == \
+        [(K.ALL_REDUCE, (0, 2), meta.nbytes // 2)]
+    assert boxing_collectives(meta, nd(P, P, S(0)), nd(B, B, B), (2, 2, 2)) == \
+        [(K.ALL_GATHER, 2, meta.nbytes), (K.ALL_REDUCE, (0, 1), meta.nbytes)]
+    assert boxing_collectives(meta, nd(P, P), nd(B, S(1)), (2, 4)) == \
+        [(K.ALL_REDUCE, 0, meta.nbytes), (K.REDUCE_SCATTER, 1, meta.nbytes)]
+    [move] = boxing_moves(meta.nbytes, nd(P, P), nd(B, B), (2, 4))
+    assert (move.axes, move.group, move.before, move.after) == ((0, 1), (0, 1), nd(P, P), nd(B, B))
 
 
 def test_boxing_to_partial_is_local_unless_nested():
