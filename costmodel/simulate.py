@@ -3,7 +3,8 @@
 One pass over the tasks in issue order (every dependency is issued earlier):
 ``start = max(end of every dependency, end of the stream's previous task)``,
 ``end = start + duration``. Streams are the compute stream and one
-communication stream per mesh axis, so an asynchronous gradient bucket runs
+communication stream per mesh axis (and per group of axes flattened into one: a process group
+has a queue of its own), so an asynchronous gradient bucket runs
 while backward goes on, and is exposed only where the optimizer (or the next
 bucket) has to wait for it. With pipeline stages every pp rank has its own streams (and a
 ``p2p`` stream for its sends), so a rank idles where its schedule waits for another's

@@ -25,6 +25,7 @@ import pandas as pd
 
 from autoddl import trace_cache
 from autoddl.api import schemes_frame
+from autoddl.boxing import group_name
 from autoddl.cli import EXPECTED_ERRORS, add_model_options, common_options, model_overrides, register, table
 from autoddl.cluster import DEFAULT_CLUSTER_PATH, Cluster
 from autoddl.graph import NodeKind, OpGraph
@@ -723,7 +724,7 @@ def _explain_rows(form, assignment: np.ndarray, picked: list[int], plan: Plan, g
                   wide: bool) -> list[tuple[str, ...]]:
     by_op: dict[str, list[str]] = {}
     for t in program.collectives():
-        text = (f"{t.phase} {t.collective.value} axis {t.axis} {t.nbytes / 1e6:.3f} MB ({t.tensor})" if wide
+        text = (f"{t.phase} {t.collective.value} axis {group_name(t.axis)} {t.nbytes / 1e6:.3f} MB ({t.tensor})" if wide
                 else f"{SHORT_PHASE[t.phase]} {SHORT_KIND[t.collective.value]} {t.nbytes / 1e6:.2f}MB")
         by_op.setdefault(t.op, []).append(text)
     rows = []
