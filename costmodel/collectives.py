@@ -114,7 +114,10 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
     per-kind fit in ``cluster.collectives`` replaces the link: the fit of ``kind`` itself,
     else that of the kind the backend carries it out as (gloo's reduce-scatter is an all-reduce);
     ``n`` enters the fit's formula as it enters the link's (a fit taken on groups of 2 prices a
-    group of 4 as a ring of 4 with the fitted latency and bandwidth). Plus
+    group of 4 as a ring of 4 with the fitted latency and bandwidth). A group across nodes takes
+    ``links.inter_node`` as measured: configs/two-hosts.yaml's was fitted with 2 groups sharing the
+    hosts' one link, so one ring over all 4 ranks (alone on it) is overpriced there (8 MB: 199 ms
+    against 105.7 ms measured; its one-pair fit, in that file's comments, gives 98.5 ms). Plus
     ``cluster.executor.collective_us`` when the group has more than one device; all of it
     times ``cluster.comm_time_sharing(mesh_shape)``.
     """
