@@ -113,13 +113,13 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
     else that of the kind the backend carries it out as (gloo's reduce-scatter is an all-reduce).
     Plus ``cluster.executor.collective_us`` when the axis has more than one device; all of it
     times ``cluster.comm_time_sharing(mesh_shape)``. A ``send_recv`` joins two devices, not an
-    axis: :func:`send_recv_time_s` prices it.
+    axis: it is :func:`send_recv_time_s` from the first device to the next one along ``axis``.
     """
-    if CollectiveKind(kind) is CollectiveKind.SEND_RECV:
-        raise ValueError("cluster_collective_time_s: a send_recv joins two devices, not a mesh axis; price it with "
-                         "costmodel.collectives.send_recv_time_s(nbytes, src, dst, cluster, busy_mesh)")
     mesh = tuple(mesh_shape)
     link = cluster.link_for_axis(mesh, axis)             # validates mesh and axis
+    if CollectiveKind(kind) is CollectiveKind.SEND_RECV:
+        next_s = math.prod(mesh[axis % len(mesh) + 1:])  # row-major: the next rank along the axis
+        return send_recv_time_s(nbytes, 0, next_s, cluster, mesh) if mesh[axis] > 1 else 0.0
     if math.prod(mesh[axis % len(mesh):]) <= cluster.devices_per_node:
         fit = cluster.collectives.get(kind) or cluster.collectives.get(carried_out_as(kind, cluster.backend))
         link = fit or link

@@ -352,7 +352,7 @@ def test_executor_overheads_per_op_input_param_and_collective(a100):
     getitem = dataclasses.replace(view, name="getitem", target="getitem")
     assert op_compute_time_s(getitem, s1, (8,), slow) == 0.0           # runs no op
     # a collective pays collective_us on top of alpha-beta, only when the axis has devices to talk to
-    for kind in set(K) - {K.SEND_RECV}:                    # a send joins two devices: send_recv_time_s
+    for kind in K:
         base = cluster_collective_time_s(kind, M, (8,), 0, a100)
         assert cluster_collective_time_s(kind, M, (8,), 0, slow) == pytest.approx(base + 600e-6, rel=1e-12)
     assert cluster_collective_time_s(K.ALL_REDUCE, M, (1, 8), 0, slow) == 0.0
@@ -526,8 +526,11 @@ def test_a_send_between_two_devices_uses_their_link_and_the_send_recv_fit(a100):
     assert send_recv_time_s(nbytes, 7, 8, fitted, (16,)) == pytest.approx(hand(base.inter_node), rel=1e-12)
     with pytest.raises(ValueError, match="outside .* 16 devices"):
         send_recv_time_s(nbytes, 0, 16, base, (16,))
-    with pytest.raises(ValueError, match="send_recv_time_s"):
-        cluster_collective_time_s(K.SEND_RECV, nbytes, (2, 8), 0, base)
+    # on a mesh axis: a send from the first device to the next one along it (axis 0 of (2, 8): 0 -> 8)
+    assert cluster_collective_time_s(K.SEND_RECV, nbytes, (2, 8), 0, base) == pytest.approx(
+        hand(base.inter_node), rel=1e-12)
+    assert cluster_collective_time_s(K.SEND_RECV, nbytes, (2, 8), 1, fitted) == pytest.approx(hand(fit), rel=1e-12)
+    assert cluster_collective_time_s(K.SEND_RECV, nbytes, (1, 16), 0, base) == 0.0
 
 
 def test_sends_measured_with_every_rank_busy_are_not_slowed_twice(a100):
