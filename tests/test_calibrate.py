@@ -344,7 +344,7 @@ def test_quick_calibration_on_two_gloo_ranks(tmp_path, capfd):
     assert f"bfloat16 {c.device.peaks['bfloat16']:g}" in printed              # the summary calibrate prints
     n_shapes = len(Settings.default(2, quick=True).matmul_shapes)
     assert err.count("calibrate: matmul") == err.count("calibrate: bfloat16 matmul") == n_shapes
-    assert all(f"calibrate: {k} on 2 of 2 ranks" in err for k in GLOO_FORMULA)
+    assert all(f"calibrate: {k} on 2 of 2 ranks" in err for k in [*GLOO_FORMULA, "send_recv"])
     rows = raw.read_text().splitlines()
     assert rows[0] == "benchmark,what,n_devices,bytes_or_flops,time_s" and len(rows) > 25
     # each op family timed per dtype on synthetic inputs: a fixed cost and a work scale each; recompute's costs
