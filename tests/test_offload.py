@@ -329,13 +329,17 @@ def _run_offloaded(mf, graph, plan):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("ranks,precision", [(2, "fp32"), (1, "bf16")])
-def test_executor_runs_the_programs_copies_and_matches_one_process(write_model, ranks, precision):
-    """A params-offload plan (data parallel on 2 ranks; one rank in bf16) runs with each block's
-    parameters living in host buffers, copied in and out at the program's copy tasks: loss,
-    gradients and parameters after 2 steps match one process, and the copies that ran are the
-    program's (all but the kept parameters' copies around the optimizer, which the executor does
-    not run)."""
+@pytest.mark.parametrize("level,ranks,precision", [("params", 2, "fp32"), ("params", 1, "bf16"),
+                                                   ("activations", 2, "fp32"), ("optimizer", 2, "fp32")])
+def test_executor_runs_the_programs_copies_and_matches_one_process(write_model, level, ranks, precision):
+    """An offloaded plan (data parallel on 2 ranks; one rank in bf16) runs as its program says:
+    ``params``: each block's parameters live in host buffers, copied in and out at the program's copy
+    tasks; ``activations``: also what autograd saves in blocks 0 and 1 (block 2's stay), out after
+    their forward and back before their backward; every level: the root's (all, under ``optimizer``)
+    masters live on the host, their gradients copied out and updated working copies back around
+    the optimizer there. Loss, gradients and parameters after 2 steps match one process, and the
+    copies that ran are the program's, bytes included (a Linear+ReLU block saves its input and its
+    ReLU output, as the rule counts its Linear and ReLU outputs)."""
     from autoddl.precision import check_rtol
     from dist_utils import run_ranks
 
@@ -346,10 +350,16 @@ def test_executor_runs_the_programs_copies_and_matches_one_process(write_model, 
     cluster = Cluster.from_yaml(DGX).resized(ranks)
     dp = next(s for s in search(graph, cluster, training=training, mesh=(ranks,), cd_time_limit_s=0.05).schemes
               if s.name == "dp").plan
-    plan = dataclasses.replace(dp, training=dataclasses.replace(dp.training, offload="params"))
+    plan = dataclasses.replace(dp, training=dataclasses.replace(dp.training, offload=level))
     program = lower(graph, plan)
-    expected = sorted((t.copy, t.nbytes, t.tensor) for t in program.copies() if t.op != "optimizer")
-    assert len(expected) == 3 + 2 + 3
+    expected = sorted((t.copy, t.nbytes, t.tensor) for t in program.copies())
+    size = {"fp32": 4, "bf16": 2}[precision]
+    act = 2 * (8 // ranks) * D * size
+    assert len(expected) == {"params": 3 + 2 + 3 + 2, "activations": 3 + 2 + 3 + 2 + 2 + 2, "optimizer": 2}[level]
+    assert [r for r in expected if r[2].endswith("activations")] == (
+        [("d2h", act, "d2h blocks.0 activations"), ("d2h", act, "d2h blocks.1 activations"),
+         ("h2d", act, "h2d blocks.0 activations"), ("h2d", act, "h2d blocks.1 activations")]
+        if level == "activations" else [])
     for rank, (errors, ran) in enumerate(run_ranks(_run_offloaded, ranks, mf, graph, plan, timeout_s=120)):
         bad = {k: v for k, v in errors.items() if not v <= check_rtol(training.param_dtype)}
         assert not bad, f"rank {rank}: relative errors above the bound: {bad}"
@@ -358,20 +368,26 @@ def test_executor_runs_the_programs_copies_and_matches_one_process(write_model, 
 
 
 def test_run_summary_audits_the_copies_against_the_programs(write_model, capsys):
-    """``autoddl run``'s summary compares the copies one step ran with the program's (the kept
-    parameters' copies around the optimizer are named as not run) and counts a difference."""
+    """``autoddl run``'s summary compares the copies one step ran with the program's and counts a
+    difference; saved activations' copies are matched by label, their bytes reported beside."""
     from autoddl.cli.run import _copies_audit
 
     mf = model(write_model, 3)
     graph = mf.trace("float32")
     program = lower(graph, plan_at(graph, one_device(), "params"))
-    ran = [[t.copy, t.nbytes, t.tensor] for t in program.copies() if t.op != "optimizer"]
+    ran = [[t.copy, t.nbytes, t.tensor] for t in program.copies()]
     assert _copies_audit(program.copies(), ran) == 0
-    assert "8 ran" in capsys.readouterr().out
+    assert "10 ran" in capsys.readouterr().out
     assert _copies_audit(program.copies(), ran[:-1]) == 1
     out = capsys.readouterr().out
-    assert "7 ran" in out and "the program's 8" in out and "2 copies around the optimizer are not run" in out \
-        and "DIFFER" in out
+    assert "9 ran" in out and "the program's 10" in out and "DIFFER" in out
+    program = lower(graph, plan_at(graph, one_device(), "activations"))
+    ran = [[t.copy, t.nbytes * (2 if t.tensor.endswith("activations") else 1), t.tensor] for t in program.copies()]
+    a = 2 * 8 * D * 4
+    assert _copies_audit(program.copies(), ran) == 0
+    assert f"saved activations {8 * a / 1e6:.3f} MB ran, {4 * a / 1e6:.3f} MB by the program's rule" \
+        in capsys.readouterr().out
+    assert _copies_audit(program.copies(), [r for r in ran if r[2] != "h2d blocks.0 activations"]) == 1
 
 
 def test_gradients_leave_after_every_axis_of_their_buckets_all_reduce(write_model):
