@@ -1,4 +1,4 @@
-"""The host copies of the step program, run (``offload params``; what is spilled: autoddl/offload.py).
+"""The host copies of the step program, run (``offload``; what is spilled: autoddl/offload.py).
 
 Each spilled group's working parameters live in host buffers between uses (``host``: the working
 copies in ``param_dtype``, refreshed from the float32 masters after each optimizer step, as the
@@ -237,7 +237,11 @@ class HostCopies:
         for k in (g, g - 1):                               # the group, and the one before prefetched
             if k in self.saved and (ACTIVATIONS, k) not in self.copied:
                 self._copy_back(k, device)
-        return self.saved[g][i][1]
+        pair = self.saved[g][i]
+        if pair[1] is None:          # unpacked again (retain_graph): from the host once more, not a program copy
+            return pair[0].to(device)
+        value, pair[1] = pair[1], None                     # autograd holds it now; freed after its use
+        return value
 
     def _copy_back(self, g: int, device: torch.device) -> None:
         self.copied.add((ACTIVATIONS, g))

@@ -2,8 +2,9 @@
 autoddl/offload.py).
 
 ``auto`` plans without offload first; only when nothing fits does it try ``optimizer``, then
-``params``, then ``activations``, and keeps the first level at which some plan fits, its fastest plan;
-under ``params`` / ``activations`` each plan spills the fewest repeated blocks, in block order, with which it fits
+``params`` and ``activations`` together (block spilling: each plan at both, the faster that fits),
+and keeps the first tier at which some plan fits, its fastest plan; under ``params`` /
+``activations`` each plan spills the fewest repeated blocks, in block order, with which it fits
 (``Training.spill_blocks``). A given level is applied to every plan. The plans offered are those of the search without the memory limit (the
 fastest plans, memory aside: spilling changes what fits, not what is fast on the device), each
 priced again with the level under the real limit (and, with ``recompute auto``, the fewest
@@ -25,7 +26,7 @@ from autoddl.training import Training
 from search.problem import NoFeasiblePlanError
 
 UNLIMITED_GB = 1e9          # the memory limit of the search whose plans are offered for spilling
-AUTO_LEVELS = ("optimizer", "params", "activations")
+AUTO_TIERS = (("optimizer",), SPILL_LEVELS)   # tried in turn; within a tier the fastest plan that fits
 
 
 def offload_search(graph: OpGraph, cluster: Cluster, search_fn: Callable, *, training: Training,
@@ -67,12 +68,16 @@ def offload_search(graph: OpGraph, cluster: Cluster, search_fn: Callable, *, tra
         return Scheme(scheme.name, plan, bd, no_offload_s=plain_bd.step_time_s,
                       no_offload_fits=plain_bd.memory_bytes_per_device <= limit)
 
-    levels = AUTO_LEVELS if request == "auto" else (request,)
-    for level in levels:
-        schemes = [spilled(s, level) for s in free.schemes if s.name != "found"]
-        found = spilled(next(s for s in free.schemes if s.name == "found"), level)
+    def fastest(variants: list) -> Scheme:          # one scheme's plans at a tier's levels
+        fits = [v for v in variants if v.plan is not None and v.breakdown.fits_memory]
+        return min(fits, key=lambda v: v.step_time_s) if fits else variants[0]
+
+    tiers = AUTO_TIERS if request == "auto" else ((request,),)
+    for tier in tiers:
+        schemes = [fastest([spilled(s, level) for level in tier]) for s in free.schemes if s.name != "found"]
+        found = fastest([spilled(s, level) for s in free.schemes if s.name == "found" for level in tier])
         fitting = [s for s in schemes + [found] if s.plan is not None and s.breakdown.fits_memory]
-        say(f"offload {level}: {len(fitting)} of {sum(s.plan is not None for s in schemes + [found])} plans fit "
+        say(f"offload {' / '.join(tier)}: {len(fitting)} of {sum(s.plan is not None for s in schemes + [found])} plans fit "
             f"{gb(limit)} per device")
         if fitting:
             break

@@ -176,8 +176,9 @@ def test_a_plan_whose_host_memory_exceeds_the_hosts_does_not_fit(write_model):
 
 def test_auto_offloads_only_when_nothing_fits_and_takes_the_first_level_that_does(write_model):
     """Root + 6 blocks on one device: with room, auto keeps everything on the device; with a limit
-    between each level's memory it takes optimizer, then params, then activations; below that,
-    nothing fits."""
+    between each level's memory it takes optimizer, then params; between params' and activations',
+    activations (params and activations are one tier: the faster that fits); below that, nothing
+    fits."""
     mf = model(write_model, 6)
     graph = mf.trace("float32")
     cluster = one_device()
