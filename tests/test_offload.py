@@ -490,3 +490,19 @@ def test_activation_spilling_step_in_the_copy_bound_regime_is_the_closed_form(wr
     step = max(t.end_s for t in timeline.tasks)
     assert step == pytest.approx(c + f0 + (n - 1) * a + (n - 1) * (a + c) + b_lin0 + c + opt, rel=1e-9)
     assert timeline.busy_s(phase="offload") == pytest.approx(2 * (n - 1) * a + (n + (n - 1) + n) * c, rel=1e-9)
+
+
+def test_recompute_levels_are_counted_with_the_activations_spilled():
+    """``recompute auto``'s per-level memory (search.planner.memory_at_levels) under offload
+    activations is the full count (only the blocks that stay keep their activations on the device),
+    not the activations rule's sum."""
+    from search.planner import memory_at_levels, plan_memory, recompute_levels
+
+    mf = tiny_gpt(3)
+    graph = mf.trace("float32")
+    cluster = one_device()
+    plan = plan_at(graph, cluster, "activations")
+    at = memory_at_levels(graph, plan, cluster)
+    for level in recompute_levels(graph, Training(recompute="auto"))[::2]:
+        training = dataclasses.replace(plan.training, recompute_blocks=level)
+        assert at(training) == plan_memory(graph, dataclasses.replace(plan, training=training), cluster)
