@@ -215,8 +215,9 @@ def test_auto_plan_records_the_slowdown_against_the_plan_without_offload(write_m
 
 
 def test_auto_with_recompute_auto_recomputes_the_fewest_blocks_after_spilling(write_model):
-    """With both autos and a limit that params offload meets only with some blocks recomputed, the
-    plan spills params and recomputes some blocks, not all, and fits."""
+    """With recompute auto and a limit that params offload meets only with some blocks recomputed, an
+    offload params plan recomputes some blocks, not all, and fits; offload auto takes the faster of
+    that and spilling activations too (one tier), which fits as well."""
     mf = model(write_model, 6)
     graph = mf.trace("float32")
     cluster = one_device()
@@ -226,13 +227,18 @@ def test_auto_with_recompute_auto_recomputes_the_fewest_blocks_after_spilling(wr
     least = plan_cost(graph, full, cluster).memory_bytes_per_device
     assert least < plain
     limit = (least + plain) / 2
-    out = search(graph, cluster, training=Training(offload="auto", recompute="auto"), memory_gb=limit / 1e9,
+    out = search(graph, cluster, training=Training(offload="params", recompute="auto"), memory_gb=limit / 1e9,
                  cd_time_limit_s=0.05)
     training = out.found.training
     recomputed = [b for b, p in training.recompute_blocks.items() if p != "none"]
     assert training.offload == "params" and 0 < len(recomputed) <= 2 * 6
     assert out.found_breakdown.memory_bytes_per_device <= limit
     assert not all(p == "full" for p in training.recompute_blocks.values())
+    auto = search(graph, cluster, training=Training(offload="auto", recompute="auto"), memory_gb=limit / 1e9,
+                  cd_time_limit_s=0.05)
+    assert auto.found.training.offload in ("params", "activations")
+    assert auto.found_breakdown.memory_bytes_per_device <= limit
+    assert auto.found_breakdown.step_time_s <= out.found_breakdown.step_time_s
 
 
 def with_blocks(plan, k: int):
