@@ -142,6 +142,8 @@ class DistributedModel(nn.Module):
         self.boxer = boxer
         self.local_params = self._place_parameters(boxer)
         self.host_copies = HostCopies(self.program, self.local_params, plan.training.param_dtype, self.device)
+        if plan.training.offload_level != "none":          # the optimizer on the host (executor/offload.py)
+            self._keep_masters_on_host()
         ep = graph.exported
         self._user_inputs = list(ep.graph_signature.user_inputs)
         self._constants = dict(getattr(ep.graph_signature, "inputs_to_lifted_tensor_constants", {}))
@@ -161,9 +163,20 @@ class DistributedModel(nn.Module):
         self.run_program: Callable[..., torch.Tensor] = self.local_program
 
     def _grad_sync(self, program, spill: "HostCopies | None" = None) -> GradSync:
+        host = spill is not None or self.plan.training.offload_level != "none"
         return GradSync(program, self.boxer, self.local_params, self._set_phase,
                         reduce_dtype=self.plan.training.grad_reduce_dtype, grad_targets=self._grad_targets(),
-                        copy_out=spill.copy_out if spill is not None else None)
+                        copy_out=self.host_copies.copy_out if host else None)
+
+    def _keep_masters_on_host(self) -> None:
+        """Offload: the kept parameters' masters to host buffers, where the optimizer steps them."""
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        sharded = sorted(f for f in self.local_params if hasattr(params.get(f), "_autoddl_opt_layout"))
+        if sharded:
+            raise PlanExecutionError(f"plan {self.plan.name!r}: offload {self.plan.training.offload_level} with the "
+                                     f"optimizer sharded (ZeRO-1/2: {sharded[0]} ...) is priced but not run; run a plan "
+                                     "whose optimizer storage is its parameters' storage, or --offload none")
+        self.host_copies.keep_masters({f: params[f] for f in self.local_params if f in params})
 
     def _place_parameters(self, boxer: Boxer) -> dict[str, torch.Tensor]:
         """Every parameter as a DTensor of its storage layout (tied weights stay tied); returns the
@@ -204,6 +217,7 @@ class DistributedModel(nn.Module):
     def sync_parameters(self) -> None:
         """ZeRO-1/2, after the optimizer step: per ``program.param_syncs``, one all-gather of the
         updated shards (in the working dtype) rebuilds every parameter in its storage."""
+        self.host_copies.copy_back()        # offload: the host's updated working copies to the device
         params = dict(self.module.named_parameters(remove_duplicate=False))
         dtype = self.plan.training.param_dtype
         with torch.no_grad():
@@ -273,7 +287,12 @@ class DistributedModel(nn.Module):
         self._set_phase("forward")
         self.step.start_step()
         self.host_copies.start_step()
-        loss = self.run_program(*self._local_inputs(inputs))
+        if self.host_copies.act_group:             # offload activations: saved tensors to the host
+            with self.host_copies.hooks():
+                loss = self.run_program(*self._local_inputs(inputs))
+            self.host_copies.end_forward()
+        else:
+            loss = self.run_program(*self._local_inputs(inputs))
         if loss.requires_grad:
             loss.register_hook(self._queue_finish)
         return loss
