@@ -110,6 +110,19 @@ def check_offload(graph: OpGraph, plan: Plan) -> None:
                                  "use --offload optimizer with this plan, or a plan that replicates it")
 
 
+def check_runnable_offload(graph: OpGraph, plan: Plan) -> None:
+    """Refuse what the executor does not run though the cost model prices it: offload activations of a
+    block that is also recomputed (a checkpointed block's saved tensors bypass the spill hooks)."""
+    if offload_level(plan) != "activations":
+        return
+    recomputed = [g.group for g in spill_groups(graph, plan) if plan.training.recompute_of(g.group) != "none"]
+    if recomputed:
+        raise ValueError(f"plan {plan.name!r}: offload activations of recomputed blocks ({', '.join(recomputed[:3])}"
+                         f"{', ...' if len(recomputed) > 3 else ''}) is not run by the executor (a checkpointed "
+                         "block's saved tensors bypass the spill hooks); use --recompute none for the spilled "
+                         "blocks, or --offload params")
+
+
 def spill_groups(graph: OpGraph, plan: Plan) -> list[SpillGroup]:
     """The layer groups spilled under ``offload params`` / ``activations``, in the order forward first
     uses them (empty under any other level): ``Training.spill_blocks``, or every one when it names

@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from autoddl.boxing import boxing_moves
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph
+from autoddl.offload import check_runnable_offload
 from autoddl.pipeline import pipeline_degree
 from autoddl.plan import Plan
 from autoddl.precision import cast_forward_inputs, torch_dtype, working_copy
@@ -113,6 +114,10 @@ def validate_plan(graph: OpGraph, plan: Plan) -> None:
             problems.append(f"parameter {fqn}: storage {nd} has P; store parameters as S or B")
         elif len(nd) != len(mesh) or not nd.divides(node.outputs[0].shape, mesh):
             problems.append(f"parameter {fqn}: storage {nd} does not fit {node.outputs[0]} on mesh {plan.mesh}")
+    try:
+        check_runnable_offload(graph, plan)
+    except ValueError as exc:
+        problems.append(str(exc))
     if problems:
         more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
         raise PlanExecutionError(f"plan {plan.name!r} does not fit the traced graph of "

@@ -20,7 +20,7 @@ from typing import Callable
 
 from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph
-from autoddl.offload import SPILL_LEVELS, check_offload, spill_groups
+from autoddl.offload import SPILL_LEVELS, check_offload, check_runnable_offload, spill_groups
 from autoddl.plan import Plan
 from autoddl.training import Training
 from search.problem import NoFeasiblePlanError
@@ -62,6 +62,10 @@ def offload_search(graph: OpGraph, cluster: Cluster, search_fn: Callable, *, tra
             plan = fewest_blocks(graph, plan, cluster, limit)
         if training.recompute == "auto":
             plan, bd = fit_recompute(graph, plan, cluster, limit, recompute_levels(graph, training))
+            try:
+                check_runnable_offload(graph, plan)
+            except ValueError as exc:
+                return Scheme(scheme.name, None, None, str(exc))
         else:
             bd = price(graph, plan, cluster, limit)
         plain_bd = scheme.breakdown

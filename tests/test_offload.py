@@ -12,6 +12,7 @@ import torch
 from autoddl.cli import main
 from autoddl.cluster import Cluster, ClusterConfigError, LinkSpec
 from autoddl.loader import load_model_file
+from autoddl.offload import spill_groups
 from autoddl.program import block_of, lower
 from autoddl.training import Training
 from costmodel.breakdown import plan_cost
@@ -512,3 +513,29 @@ def test_recompute_levels_are_counted_with_the_activations_spilled():
     for level in recompute_levels(graph, Training(recompute="auto"))[::2]:
         training = dataclasses.replace(plan.training, recompute_blocks=level)
         assert at(training) == plan_memory(graph, dataclasses.replace(plan, training=training), cluster)
+
+
+def test_spilled_activations_of_recomputed_blocks_are_refused_by_the_executor_and_never_chosen(write_model):
+    """The executor does not run offload activations on a checkpointed block: validate_plan names the
+    blocks and what to use instead, and offload auto with recompute auto never returns such a plan."""
+    from executor.runtime import PlanExecutionError, validate_plan
+
+    mf = model(write_model, 6)
+    graph = mf.trace("float32")
+    cluster = one_device()
+    plan = plan_at(graph, cluster, "activations")
+    full = dataclasses.replace(plan, training=dataclasses.replace(plan.training, recompute="full"))
+    with pytest.raises(PlanExecutionError, match=r"offload activations of recomputed blocks \(blocks\.0, blocks\.1, "
+                                                 r"blocks\.2, \.\.\.\) is not run by the executor.*--offload params"):
+        validate_plan(graph, full)
+    validate_plan(graph, plan)                       # without recompute it runs
+    spilled = plan_cost(graph, plan_at(graph, cluster, "params"), cluster).memory_bytes_per_device
+    least = plan_cost(graph, dataclasses.replace(full, training=dataclasses.replace(
+        full.training, offload="params")), cluster).memory_bytes_per_device
+    out = search(graph, cluster, training=Training(offload="auto", recompute="auto"),
+                 memory_gb=(least + spilled) / 2e9, cd_time_limit_s=0.05)
+    training = out.found.training
+    if training.offload == "activations":
+        blocks = [g.group for g in spill_groups(graph, out.found)]
+        assert all(training.recompute_of(b) == "none" for b in blocks)
+    assert out.found_breakdown.memory_bytes_per_device <= (least + spilled) / 2
