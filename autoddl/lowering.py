@@ -34,8 +34,8 @@ Mixed precision: gradients cross the network in ``Training.grad_reduce_dtype``; 
 under the policy) already holds activations and parameter working copies in ``param_dtype``.
 
 Spilling to host memory (``Training.offload``, autoddl/offload.py): the host copies are emitted by
-autoddl/offload_program.py at four points (before an op's forward and backward, after an op's
-backward, around the optimizer, which then runs on the host); a compute task waits for the copies
+autoddl/offload_program.py at five points (before an op's forward and backward, after an op's
+forward and backward, around the optimizer, which then runs on the host); a compute task waits for the copies
 it needs (``wait_for``).
 
 ZeRO-3 / FSDP gathers: the parameter uses whose move is one all-gather are grouped by layer
@@ -205,6 +205,7 @@ class _Lowering:
         self.emit(deps=deps, phase="forward", stream=COMPUTE, op=node.name, local_flops=node.flops / share,
                   local_bytes=(node.bytes_read + node.bytes_written) / share)
         self.inner(node, sig, "forward")
+        self.spill.after_forward(node)
 
     def inner(self, node: OpNode, sig: Signature, phase: str) -> None:
         """The collectives the op's local kernel runs itself (autoddl.ops.inner_collectives), synchronous;

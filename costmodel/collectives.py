@@ -16,7 +16,7 @@ all_to_all      the logical tensor (piece = M/n)       (n-1)/n * (M/n)/b + (n-1)
 broadcast       the broadcast tensor                   M/b + (n-1) * a
                 (pipelined ring: bandwidth term ~M/b for large M, n-1 hops of latency)
 send_recv       the tensor one rank sends another      M/b + a
-                (pipeline stages: one hop on the link the two stages cross; n is the pp degree)
+                (one hop between two devices: :func:`send_recv_time_s`)
 ==============  =====================================  ===========================================
 
 ``n == 1`` costs 0 for every kind. The backend table says how each kind is
@@ -32,6 +32,9 @@ DTensor's redistribute around the backend call), which is not part of ``a``; on 
 CPU cluster whose nodes hold more of the mesh's ranks than ``cores_per_node`` the
 whole time is multiplied by ``Cluster.comm_time_sharing`` (the ranks time-share the cores,
 beyond the sharing the fits were measured under).
+
+A point-to-point send (a pipeline stage's activations or gradients, a shard's transfer) is
+priced by :func:`send_recv_time_s` alone, from the two devices it joins, with the same rules.
 """
 
 from __future__ import annotations
@@ -119,7 +122,8 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
     hosts' one link, so one ring over all 4 ranks (alone on it) is overpriced there (8 MB: 199 ms
     against 105.7 ms measured; its one-pair fit, in that file's comments, gives 98.5 ms). Plus
     ``cluster.executor.collective_us`` when the group has more than one device; all of it
-    times ``cluster.comm_time_sharing(mesh_shape)``.
+    times ``cluster.comm_time_sharing(mesh_shape)``. A ``send_recv`` joins two devices, not an
+    axis: it is :func:`send_recv_time_s` from the first device to the next one along ``axis``.
     """
     mesh = tuple(mesh_shape)
     links = [cluster.link_for_axis(mesh, a) for a in group_axes(axis)]      # validates mesh and axes
@@ -129,12 +133,45 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
     outer = min(axes)
     link = cluster.link_for_axis(mesh, outer)
     n = math.prod(mesh[a] for a in axes)
+    if CollectiveKind(kind) is CollectiveKind.SEND_RECV:
+        if len(axes) > 1:
+            raise ValueError(f"a send_recv is between two ranks along one mesh axis, got the group {axis!r}")
+        next_s = math.prod(mesh[outer + 1:])             # row-major: the next rank along the axis
+        return send_recv_time_s(nbytes, 0, next_s, cluster, mesh) if n > 1 else 0.0
     if math.prod(mesh[outer:]) <= cluster.devices_per_node:
         fit = cluster.collectives.get(kind) or cluster.collectives.get(carried_out_as(kind, cluster.backend))
         link = fit or link
     fixed_s = cluster.executor.collective_us * 1e-6 if n > 1 else 0.0
     return (collective_time_s(kind, nbytes, n, link, cluster.backend, cluster.efficiency.network)
             + fixed_s) * cluster.comm_time_sharing(mesh)
+
+
+def send_recv_time_s(nbytes: float, src: int, dst: int, cluster: Cluster, busy_mesh: Sequence[int]) -> float:
+    """Seconds to send ``nbytes`` from device ``src`` to device ``dst`` of ``cluster`` (numbered node-major)
+    while every rank of ``busy_mesh`` runs; 0 when ``src == dst``.
+
+    The ``send_recv`` formula (``M/b + a``) on the link the two devices share: inside a node the
+    calibrated ``cluster.collectives.send_recv`` fit when there is one (``autoddl calibrate``: half a
+    gloo isend / irecv ping-pong), else ``cluster.intra_node``; across nodes ``cluster.inter_node``.
+    Plus ``cluster.executor.collective_us``, all times ``cluster.comm_time_sharing(busy_mesh)``, as
+    :func:`cluster_collective_time_s` does for a collective.
+    """
+    if src == dst:
+        return 0.0
+    dpn = cluster.devices_per_node
+    if not (0 <= src < cluster.num_devices and 0 <= dst < cluster.num_devices):
+        raise ValueError(f"send_recv_time_s: devices {src} -> {dst} outside {cluster.name}'s "
+                         f"{cluster.num_devices} devices (0..{cluster.num_devices - 1})")
+    same_node = src // dpn == dst // dpn
+    link = (cluster.collectives.get(CollectiveKind.SEND_RECV) or cluster.intra_node) if same_node else cluster.inter_node
+    return ((collective_time_s(CollectiveKind.SEND_RECV, nbytes, 2, link, cluster.backend, cluster.efficiency.network)
+             + cluster.executor.collective_us * 1e-6) * cluster.comm_time_sharing(tuple(busy_mesh)))
+
+
+def stage_device(pp_rank: int, mesh_shape: Sequence[int]) -> int:
+    """The first device of pipeline rank ``pp_rank`` on a mesh whose outermost axis (0) is pp: the
+    peer a send from another stage's first device reaches (devices numbered row-major, node-major)."""
+    return pp_rank * math.prod(tuple(mesh_shape)[1:])
 
 
 # -- fitting latency and bandwidth to timings ------------------------------------------------------

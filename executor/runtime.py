@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from autoddl.boxing import Group, boxing_moves
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph
+from autoddl.offload import check_runnable_offload
 from autoddl.pipeline import pipeline_degree
 from autoddl.plan import Plan
 from autoddl.precision import cast_forward_inputs, torch_dtype, working_copy
@@ -130,6 +131,10 @@ def validate_plan(graph: OpGraph, plan: Plan) -> None:
             problems.append(f"parameter {fqn}: storage {nd} has P; store parameters as S or B")
         elif len(nd) != len(mesh) or not nd.divides(node.outputs[0].shape, mesh):
             problems.append(f"parameter {fqn}: storage {nd} does not fit {node.outputs[0]} on mesh {plan.mesh}")
+    try:
+        check_runnable_offload(graph, plan)
+    except ValueError as exc:
+        problems.append(str(exc))
     if problems:
         more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
         raise PlanExecutionError(f"plan {plan.name!r} does not fit the traced graph of "
@@ -159,6 +164,8 @@ class DistributedModel(nn.Module):
         self.boxer = boxer
         self.local_params = self._place_parameters(boxer)
         self.host_copies = HostCopies(self.program, self.local_params, plan.training.param_dtype, self.device)
+        if plan.training.offload_level != "none":          # the optimizer on the host (executor/offload.py)
+            self._keep_masters_on_host()
         ep = graph.exported
         self._user_inputs = list(ep.graph_signature.user_inputs)
         self._constants = dict(getattr(ep.graph_signature, "inputs_to_lifted_tensor_constants", {}))
@@ -178,9 +185,20 @@ class DistributedModel(nn.Module):
         self.run_program: Callable[..., torch.Tensor] = self.local_program
 
     def _grad_sync(self, program, spill: "HostCopies | None" = None) -> GradSync:
+        host = spill is not None or self.plan.training.offload_level != "none"
         return GradSync(program, self.boxer, self.local_params, self._set_phase,
                         reduce_dtype=self.plan.training.grad_reduce_dtype, grad_targets=self._grad_targets(),
-                        copy_out=spill.copy_out if spill is not None else None)
+                        copy_out=self.host_copies.copy_out if host else None)
+
+    def _keep_masters_on_host(self) -> None:
+        """Offload: the kept parameters' masters to host buffers, where the optimizer steps them."""
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        sharded = sorted(f for f in self.local_params if hasattr(params.get(f), "_autoddl_opt_layout"))
+        if sharded:
+            raise PlanExecutionError(f"plan {self.plan.name!r}: offload {self.plan.training.offload_level} with the "
+                                     f"optimizer sharded (ZeRO-1/2: {sharded[0]} ...) is priced but not run; run a plan "
+                                     "whose optimizer storage is its parameters' storage, or --offload none")
+        self.host_copies.keep_masters({f: params[f] for f in self.local_params if f in params})
 
     def _place_parameters(self, boxer: Boxer) -> dict[str, torch.Tensor]:
         """Every parameter as a DTensor of its storage layout (tied weights stay tied); returns the
@@ -221,6 +239,7 @@ class DistributedModel(nn.Module):
     def sync_parameters(self) -> None:
         """ZeRO-1/2, after the optimizer step: per ``program.param_syncs``, one all-gather of the
         updated shards (in the working dtype) rebuilds every parameter in its storage."""
+        self.host_copies.copy_back()        # offload: the host's updated working copies to the device
         params = dict(self.module.named_parameters(remove_duplicate=False))
         dtype = self.plan.training.param_dtype
         with torch.no_grad():
@@ -290,7 +309,12 @@ class DistributedModel(nn.Module):
         self._set_phase("forward")
         self.step.start_step()
         self.host_copies.start_step()
-        loss = self.run_program(*self._local_inputs(inputs))
+        if self.host_copies.act_group:             # offload activations: saved tensors to the host
+            with self.host_copies.hooks():
+                loss = self.run_program(*self._local_inputs(inputs))
+            self.host_copies.end_forward()
+        else:
+            loss = self.run_program(*self._local_inputs(inputs))
         if loss.requires_grad:
             loss.register_hook(self._queue_finish)
         return loss

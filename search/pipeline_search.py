@@ -11,8 +11,8 @@ Each candidate is first estimated fast, from the plan of one stage's inside: the
 the dp degree: a rank's compute and tp collectives depend on its own batch only), whose one
 micro-batch is simulated once (search/stages.py ``block_costs``: per block forward and backward
 seconds, saved and parameter bytes). The stages are cut where they balance, the schedule's step
-time is :func:`autoddl.pipeline.schedule_makespan` of the stages' times with the sends on the pp
-axis's link, plus each rank's gradient reduction over dp (an all-reduce; fsdp: a reduce-scatter
+time is :func:`autoddl.pipeline.schedule_makespan` of the stages' times with every send priced as
+the slowest hop between consecutive stages (``costmodel.collectives.send_recv_time_s``), plus each rank's gradient reduction over dp (an all-reduce; fsdp: a reduce-scatter
 per micro-batch and two all-gathers of the stage's parameters, at most overlapping its compute)
 and its optimizer share. Memory: the rank's parameter state (fsdp: / dp) and its micro-batches in
 flight. The best fitting estimates (``FULL_PRICES``) are then traced at their real batch and
@@ -34,7 +34,7 @@ from autoddl.pipeline import (boundary_tensors, in_flight_peak, repeated_blocks,
 from autoddl.program import requires_grad
 from autoddl.training import Training
 from autoddl.precision import itemsize
-from costmodel.collectives import cluster_collective_time_s
+from costmodel.collectives import cluster_collective_time_s, send_recv_time_s, stage_device
 from costmodel.memory import param_state_bytes
 from search.meshes import role_splits
 from search.stages import BlockCosts, block_costs, cuts_of
@@ -86,7 +86,9 @@ def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int
         memo[n] = max((b.nbytes for b in boundary_tensors(graph, inner, stages_from_cuts(graph, cuts),
                                                           requires_grad(graph))), default=0)
     sent = memo[n]
-    p2p = cluster_collective_time_s(CollectiveKind.SEND_RECV, sent, mesh, 0, cluster)
+    hops = range(pp if v > 1 else pp - 1)                      # interleaved: the last rank sends to the first too
+    p2p = max((send_recv_time_s(sent, stage_device(r, mesh), stage_device((r + 1) % pp, mesh), cluster, mesh)
+               for r in hops), default=0.0)                     # the slowest hop between stages
     actions = schedule_actions(schedule, pp, m, v)
     per_element = param_state_bytes(1, inner.training, inner.optimizer)
     tail_s, peak = 0.0, 0.0

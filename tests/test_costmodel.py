@@ -551,3 +551,45 @@ def test_a_collective_over_flattened_axes_is_one_ring_over_their_product_on_the_
         cluster_collective_time_s(K.ALL_REDUCE, M, (8, 2), 0, fitted), rel=1e-12)   # crosses nodes: the link
     with pytest.raises(ValueError, match="distinct mesh axes"):
         cluster_collective_time_s(K.ALL_REDUCE, M, (2, 8), (1, -1), two_nodes)
+
+
+def test_a_send_between_two_devices_uses_their_link_and_the_send_recv_fit(a100):
+    """send_recv_time_s: M/b + a on the link two devices share, the calibrated send_recv fit inside a
+    node (not across), plus the executor's cost per message, times the comm time sharing."""
+    from costmodel.collectives import cluster_collective_time_s, send_recv_time_s
+
+    base = dataclasses.replace(a100.resized(16), executor=dataclasses.replace(a100.executor, collective_us=7.0))
+    nbytes, eff = 3 * 2**20, base.efficiency.network
+    assert base.intra_node != base.inter_node
+
+    def hand(link):
+        return nbytes / (link.bandwidth_gbps * 1e9 * eff) + link.latency_us * 1e-6 + 7e-6
+    assert send_recv_time_s(nbytes, 1, 6, base, (16,)) == pytest.approx(hand(base.intra_node), rel=1e-12)
+    assert send_recv_time_s(nbytes, 7, 8, base, (16,)) == pytest.approx(hand(base.inter_node), rel=1e-12)
+    assert send_recv_time_s(nbytes, 3, 3, base, (16,)) == 0.0
+    fit = LinkSpec(bandwidth_gbps=12.5, latency_us=40.0)
+    fitted = dataclasses.replace(base, collectives={"send_recv": fit})
+    assert send_recv_time_s(nbytes, 1, 6, fitted, (16,)) == pytest.approx(hand(fit), rel=1e-12)
+    assert send_recv_time_s(nbytes, 7, 8, fitted, (16,)) == pytest.approx(hand(base.inter_node), rel=1e-12)
+    with pytest.raises(ValueError, match="outside .* 16 devices"):
+        send_recv_time_s(nbytes, 0, 16, base, (16,))
+    # on a mesh axis: a send from the first device to the next one along it (axis 0 of (2, 8): 0 -> 8)
+    assert cluster_collective_time_s(K.SEND_RECV, nbytes, (2, 8), 0, base) == pytest.approx(
+        hand(base.inter_node), rel=1e-12)
+    assert cluster_collective_time_s(K.SEND_RECV, nbytes, (2, 8), 1, fitted) == pytest.approx(hand(fit), rel=1e-12)
+    assert cluster_collective_time_s(K.SEND_RECV, nbytes, (1, 16), 0, base) == 0.0
+
+
+def test_sends_measured_with_every_rank_busy_are_not_slowed_twice(a100):
+    """As for collectives: two hosts of 2 ranks on 1 core each; a link measured with both ranks of each
+    host busy (comm_measured_ranks_per_node 2) prices a send with all 4 ranks running at the bare
+    formula, and slows it 2x when measured at full speed."""
+    from costmodel.collectives import send_recv_time_s
+
+    hosts = dataclasses.replace(a100.resized(4), nodes=2, devices_per_node=2, cores_per_node=1)
+    measured_busy = dataclasses.replace(hosts, comm_measured_ranks_per_node=2)
+    nbytes = 2**20
+    for src, dst in ((0, 1), (1, 2)):                      # inside a host, across the hosts
+        bare = send_recv_time_s(nbytes, src, dst, dataclasses.replace(hosts, cores_per_node=None), (4,))
+        assert send_recv_time_s(nbytes, src, dst, hosts, (4,)) == pytest.approx(2 * bare, rel=1e-12)
+        assert send_recv_time_s(nbytes, src, dst, measured_busy, (4,)) == pytest.approx(bare, rel=1e-12)
