@@ -29,6 +29,7 @@ consumers hand back to the one the producer needs (:func:`gradient_moves`).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -148,8 +149,13 @@ def boxing_moves(nbytes: int, src: NdSbp, dst: NdSbp, mesh: Sequence[int]) -> tu
     """Every step taking a tensor of ``nbytes`` from ``src`` to ``dst`` on ``mesh`` (module docstring).
 
     Steps on a mesh axis of size 1 change the layout without moving data: they are kept as
-    local moves so that each step's ``before`` is the layout the tensor really has."""
-    mesh = tuple(mesh)
+    local moves so that each step's ``before`` is the layout the tensor really has.
+    Memoised: the moves are frozen, and the blocks of a decoder box the same tensors the same way."""
+    return _boxing_moves(nbytes, src, dst, tuple(mesh))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _boxing_moves(nbytes: int, src: NdSbp, dst: NdSbp, mesh: tuple[int, ...]) -> tuple[Move, ...]:
     mid, pad, keep = redistribute_target(src, dst)
     moves: list[Move] = []
     cur = src
