@@ -47,6 +47,7 @@ backward reaches that op.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 from typing import Sequence
@@ -66,9 +67,10 @@ from autoddl.program import (COMPUTE, BoxKey, Bucket, EdgeBox, GatherGroup, Inpu
                              syncs_every_micro_step, used_parameters, work_divisor)
 from autoddl.sbp import NdSbp, Partial, Signature
 
+@functools.lru_cache(maxsize=1 << 16)
 def consumer_grad(sig: Signature, slot: int, deferred: frozenset[int]) -> NdSbp:
     """The gradient layout an op hands back for input ``slot``: the gradient rule, with P on the
-    axes where the op's own output gradient arrives deferred (P)."""
+    axes where the op's own output gradient arrives deferred (P). Memoised (layouts are frozen)."""
     grad = grad_ndsbp(sig.inputs[slot], sig.outputs)
     if not deferred:
         return grad
