@@ -178,7 +178,13 @@ def gradient_moves(nbytes: int, grad: NdSbp, src: NdSbp, mesh: Sequence[int],
     """The gradient of an edge whose consumers hand back ``grad``, to what the producer of ``src``
     needs (for a parameter, ``src`` is its storage: this is the gradient sync). On the mesh axes in
     ``deferred`` the producer takes the gradient as P (its reduction deferred: see
-    autoddl.program's ``deferred_reductions``)."""
+    autoddl.program's ``deferred_reductions``). Memoised, as :func:`boxing_moves`."""
+    return _gradient_moves(nbytes, grad, src, tuple(mesh), frozenset(deferred))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _gradient_moves(nbytes: int, grad: NdSbp, src: NdSbp, mesh: tuple[int, ...],
+                    deferred: frozenset[int]) -> tuple[Move, ...]:
     need = needed_grad_ndsbp(src)
     if deferred:
         need = NdSbp(tuple(Partial() if axis in deferred else s for axis, s in enumerate(need)))

@@ -575,6 +575,10 @@ def repeat_micro_steps(tasks: list[Task], k: int, last_host: int | None, deferre
     ``syncs_every_micro_step``), each micro-step's first task after the previous
     one's last host task. A dependency on a skipped task becomes the skipped task's own. Returns
     the tasks and, per micro-step, each old task id's new ids (none or its deps when skipped)."""
+    if k == 1 and all(t.id == i for i, t in enumerate(tasks)):    # one micro-step: the tasks as they are
+        return [t if t.micro_step == 0 and list(t.deps) == sorted(set(t.deps)) else
+                replace(t, deps=tuple(sorted(set(t.deps))), micro_step=0) for t in tasks], \
+            [{t.id: (t.id,) for t in tasks}]
     out: list[Task] = []
     ids: list[dict[int, tuple[int, ...]]] = []
     previous_last: int | None = None
