@@ -103,10 +103,17 @@ class NdSbp:
         for s in self.sbps:
             if not isinstance(s, (Split, Broadcast, Partial)):
                 raise TypeError(f"NdSbp entries must be Split/Broadcast/Partial, got {s!r}")
-        object.__setattr__(self, "_hash", hash(tuple(str(s) for s in self.sbps)))
+        key = tuple(str(s) for s in self.sbps)          # "S(0)", "B", "P": equal exactly when the SBPs are
+        object.__setattr__(self, "_key", key)
+        object.__setattr__(self, "_hash", hash(key))
 
     def __hash__(self) -> int:  # cached: NdSbps key the search's memo tables
         return self._hash
+
+    def __eq__(self, other: object) -> bool:  # on the cached strings: memo lookups compare many NdSbps
+        if not isinstance(other, NdSbp):
+            return NotImplemented
+        return self is other or self._key == other._key
 
     @classmethod
     def of(cls, *sbps: Sbp) -> "NdSbp":
