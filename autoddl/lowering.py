@@ -395,15 +395,18 @@ class _Lowering:
         self.spill.count_gradients(self.prog.param_uses)
         recompute_at = {block_ops[-1].name: block_ops for block_ops in recomputed_ops(self.graph, self.plan).values()}
         last_in_block = {name: name for name in recompute_at}
+        regather: dict[str, list[GatherGroup]] = {}     # resharded groups by their last forward consumer
+        for g in self.prog.gathers:
+            if g.reshard:
+                regather.setdefault(g.last_consumer, []).append(g)
         for node in reversed(ops):
             if node.name not in self.rg and node.name not in recompute_at:
                 continue
             self.spill.before_backward(node, recompute_at.get(node.name, []))
-            for g in self.prog.gathers:     # backward reached a resharded group: gather it again
-                if g.reshard and g.last_consumer == node.name:
-                    self.emit(phase="backward", stream=comm_stream(g.axis), op=node.name,
-                              collective=CollectiveKind.ALL_GATHER, axis=g.axis, nbytes=g.nbytes,
-                              tensor=f"regather {g.group}")
+            for g in regather.get(node.name, ()):     # backward reached a resharded group: gather it again
+                self.emit(phase="backward", stream=comm_stream(g.axis), op=node.name,
+                          collective=CollectiveKind.ALL_GATHER, axis=g.axis, nbytes=g.nbytes,
+                          tensor=f"regather {g.group}")
             if node.name in last_in_block:
                 self.recompute(recompute_at[node.name])
             if node.name not in self.rg:
