@@ -238,9 +238,16 @@ class Signature:
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "outputs", tuple(self.outputs))
         object.__setattr__(self, "_hash", hash((self.inputs, self.outputs)))
+        object.__setattr__(self, "_key", (tuple(getattr(nd, "_key", nd) for nd in self.inputs),
+                                          tuple(getattr(nd, "_key", nd) for nd in self.outputs)))
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __eq__(self, other: object) -> bool:  # on the NdSbps' cached strings: memo tables key on signatures
+        if not isinstance(other, Signature):
+            return NotImplemented
+        return self is other or (self._hash == other._hash and self._key == other._key)
 
     def __str__(self) -> str:
         return ", ".join(map(str, self.inputs)) + " -> " + ", ".join(map(str, self.outputs))
