@@ -87,11 +87,9 @@ def deferred_reductions(graph: OpGraph, plan: Plan, rg: set[str]) -> dict[str, f
     for node in graph.ops():
         if node.name not in rg:
             continue
-        sig = signature_of(plan, node)
         pure[node.name] = frozenset(
-            a for a in range(ndim)
-            if all(nd[a].is_broadcast() for nd in sig.inputs + sig.outputs)
-            and all(_gradient_source(graph, ref.node, rg, pure, a) for ref in node.inputs))
+            a for a in _replicated_axes(signature_of(plan, node), ndim)
+            if all(_gradient_source(graph, ref.node, rg, pure, a) for ref in node.inputs))
     deferred: dict[str, frozenset[int]] = {}
     for node in reversed(graph.ops()):
         axes = pure.get(node.name, frozenset())
@@ -101,6 +99,12 @@ def deferred_reductions(graph: OpGraph, plan: Plan, rg: set[str]) -> dict[str, f
                   for c, _, slot in graph.uses(node.name) if c.is_op and c.name in rg]
         deferred[node.name] = frozenset(a for a in axes if any(g[a].is_partial() for g in handed))
     return {k: v for k, v in deferred.items() if v}
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _replicated_axes(sig: Signature, ndim: int) -> tuple[int, ...]:
+    """The mesh axes on which every input and output of ``sig`` is B, in order."""
+    return tuple(a for a in range(ndim) if all(nd[a].is_broadcast() for nd in sig.inputs + sig.outputs))
 
 
 def _gradient_source(graph: OpGraph, name: str, rg: set[str], pure: dict[str, frozenset[int]], axis: int) -> bool:
