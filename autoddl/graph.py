@@ -46,6 +46,9 @@ class TensorMeta:
     def __hash__(self) -> int:  # cached: metas key the search's memo tables
         return self._hash
 
+    def __reduce__(self):  # unpickled through __init__: the cached hash is this process's (str hashes vary)
+        return TensorMeta, (self.shape, self.dtype)
+
     @property
     def ndim(self) -> int:
         return len(self.shape)

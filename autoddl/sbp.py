@@ -110,6 +110,9 @@ class NdSbp:
     def __hash__(self) -> int:  # cached: NdSbps key the search's memo tables
         return self._hash
 
+    def __reduce__(self):  # unpickled through __init__: the cached hash is this process's (str hashes vary)
+        return NdSbp, (self.sbps,)
+
     def __eq__(self, other: object) -> bool:  # on the cached strings: memo lookups compare many NdSbps
         if not isinstance(other, NdSbp):
             return NotImplemented
@@ -243,6 +246,9 @@ class Signature:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __reduce__(self):  # unpickled through __init__, as NdSbp
+        return Signature, (self.inputs, self.outputs)
 
     def __eq__(self, other: object) -> bool:  # on the NdSbps' cached strings: memo tables key on signatures
         if not isinstance(other, Signature):

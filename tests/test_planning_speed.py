@@ -1,10 +1,15 @@
 """The planning speed-ups change no result: the greedy baselines decide each repeated block once
 (search/baselines.py's memo on ``_greedy_key``), and the search found with that memo equals the
-search found without it, plan for plan and price for price."""
+search found without it, plan for plan and price for price; graphs read from the trace cache hash
+as freshly traced ones."""
 
 from __future__ import annotations
 
 import itertools
+import os
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +17,9 @@ import pytest
 
 import search.baselines as baselines
 from autoddl.cluster import Cluster
+from autoddl.graph import TensorMeta
 from autoddl.loader import load_model_file
+from autoddl.sbp import NdSbp, Signature
 from search.baselines import baseline_specs, build_baseline
 from search.formulate import formulate
 from search.planner import search
@@ -78,3 +85,19 @@ def test_search_with_the_memo_equals_the_search_without(llama4, dgx, monkeypatch
     assert fast.found_breakdown.step_time_s == slow.found_breakdown.step_time_s
     assert [(s.name, s.step_time_s, s.reason) for s in fast.schemes] == \
         [(s.name, s.step_time_s, s.reason) for s in slow.schemes]
+
+
+def test_unpickled_metas_and_layouts_hash_as_fresh_ones():
+    """A trace cache written by another process (another string-hash seed) gives metas whose hash is
+    this process's: equal keys meet in the search's memo tables (a stale cached hash missed them,
+    making every re-plan slower than the first plan's search)."""
+    code = ("import pickle, sys; from autoddl.graph import TensorMeta; from autoddl.sbp import Signature; "
+            "sys.stdout.buffer.write(pickle.dumps([TensorMeta((4, 8), 'bfloat16'), "
+            "Signature.parse('[S(0)], [B] -> [S(0)]')]))")
+    env = {**os.environ, "PYTHONHASHSEED": "7", "PYTHONPATH": str(ROOT)}
+    meta, sig = pickle.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                            check=True).stdout)
+    fresh_meta, fresh_sig = TensorMeta((4, 8), "bfloat16"), Signature.parse("[S(0)], [B] -> [S(0)]")
+    assert meta == fresh_meta and hash(meta) == hash(fresh_meta) and {fresh_meta: 1}[meta] == 1
+    assert sig == fresh_sig and hash(sig) == hash(fresh_sig) and {fresh_sig: 1}[sig] == 1
+    assert hash(sig.inputs[0]) == hash(NdSbp.parse("[S(0)]"))
