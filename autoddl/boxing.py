@@ -31,6 +31,7 @@ consumers hand back to the one the producer needs (:func:`gradient_moves`).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence, Union
@@ -169,8 +170,13 @@ def boxing_moves(nbytes: int, src: NdSbp, dst: NdSbp, mesh: Sequence[int]) -> tu
     P -> B on several axes being one all-reduce over their flattened group (:func:`flatten_all_reduces`).
 
     Steps on a mesh axis of size 1 change the layout without moving data: they are kept as
-    local moves so that each step's ``before`` is the layout the tensor really has."""
-    mesh = tuple(mesh)
+    local moves so that each step's ``before`` is the layout the tensor really has.
+    Memoised: the moves are frozen, and the blocks of a decoder box the same tensors the same way."""
+    return _boxing_moves(nbytes, src, dst, tuple(mesh))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _boxing_moves(nbytes: int, src: NdSbp, dst: NdSbp, mesh: tuple[int, ...]) -> tuple[Move, ...]:
     mid, pad, keep = redistribute_target(src, dst)
     moves: list[Move] = []
     cur = src
@@ -193,7 +199,13 @@ def gradient_moves(nbytes: int, grad: NdSbp, src: NdSbp, mesh: Sequence[int],
     """The gradient of an edge whose consumers hand back ``grad``, to what the producer of ``src``
     needs (for a parameter, ``src`` is its storage: this is the gradient sync). On the mesh axes in
     ``deferred`` the producer takes the gradient as P (its reduction deferred: see
-    autoddl.program's ``deferred_reductions``)."""
+    autoddl.program's ``deferred_reductions``). Memoised, as :func:`boxing_moves`."""
+    return _gradient_moves(nbytes, grad, src, tuple(mesh), frozenset(deferred))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _gradient_moves(nbytes: int, grad: NdSbp, src: NdSbp, mesh: tuple[int, ...],
+                    deferred: frozenset[int]) -> tuple[Move, ...]:
     need = needed_grad_ndsbp(src)
     if deferred:
         need = NdSbp(tuple(Partial() if axis in deferred else s for axis, s in enumerate(need)))

@@ -9,6 +9,7 @@ same producer twice, e.g. ``x * x``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -45,6 +46,9 @@ class TensorMeta:
     def __hash__(self) -> int:  # cached: metas key the search's memo tables
         return self._hash
 
+    def __reduce__(self):  # unpickled through __init__: the cached hash is this process's (str hashes vary)
+        return TensorMeta, (self.shape, self.dtype)
+
     @property
     def ndim(self) -> int:
         return len(self.shape)
@@ -80,6 +84,12 @@ class TensorRef:
         return self.node if self.index == 0 else f"{self.node}[{self.index}]"
 
 
+@functools.lru_cache(maxsize=4096)
+def _op_name(target: str) -> str:
+    parts = target.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else target
+
+
 @dataclass
 class OpNode:
     name: str                                  # fx node name, unique in the graph
@@ -100,8 +110,7 @@ class OpNode:
     @property
     def op_name(self) -> str:
         """``aten.mm.default`` -> ``mm``; non-aten targets are returned whole."""
-        parts = self.target.split(".")
-        return parts[1] if len(parts) >= 2 and parts[0] == "aten" else self.target
+        return _op_name(self.target)
 
     @property
     def is_op(self) -> bool:
@@ -120,11 +129,13 @@ class OpGraph:
         self.exported = exported  # torch.export.ExportedProgram, when traced in this process
         self.nx = nx.DiGraph()
         self._order: list[str] = []
+        self._by_name: dict[str, OpNode] = {}     # name -> node: lookups without networkx's views
         for node in nodes:
             if node.name in self.nx:
                 raise ValueError(f"duplicate node name {node.name!r}")
             self.nx.add_node(node.name, node=node)
             self._order.append(node.name)
+            self._by_name[node.name] = node
             for slot, ref in enumerate(node.inputs):
                 if ref.node not in self.nx:
                     raise ValueError(f"node {node.name!r} reads {ref.node!r} before it is defined")
@@ -136,7 +147,7 @@ class OpGraph:
     # -- lookup ---------------------------------------------------------------
     def __getitem__(self, name: str) -> OpNode:
         try:
-            return self.nx.nodes[name]["node"]
+            return self._by_name[name]
         except KeyError:
             raise KeyError(f"no node named {name!r} in the graph of {self.model_name or 'this model'}") from None
 
@@ -151,7 +162,7 @@ class OpGraph:
 
     def topo(self) -> Iterator[OpNode]:
         """All nodes in execution order (a topological order)."""
-        return (self[n] for n in self._order)
+        return (self._by_name[n] for n in self._order)
 
     def ops(self) -> list[OpNode]:
         return [n for n in self.topo() if n.kind is NodeKind.OP]

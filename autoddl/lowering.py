@@ -47,6 +47,7 @@ backward reaches that op.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 from typing import Sequence
@@ -66,9 +67,10 @@ from autoddl.program import (COMPUTE, BoxKey, Bucket, EdgeBox, GatherGroup, Inpu
                              syncs_every_micro_step, used_parameters, work_divisor)
 from autoddl.sbp import NdSbp, Partial, Signature
 
+@functools.lru_cache(maxsize=1 << 16)
 def consumer_grad(sig: Signature, slot: int, deferred: frozenset[int]) -> NdSbp:
     """The gradient layout an op hands back for input ``slot``: the gradient rule, with P on the
-    axes where the op's own output gradient arrives deferred (P)."""
+    axes where the op's own output gradient arrives deferred (P). Memoised (layouts are frozen)."""
     grad = grad_ndsbp(sig.inputs[slot], sig.outputs)
     if not deferred:
         return grad
@@ -85,11 +87,9 @@ def deferred_reductions(graph: OpGraph, plan: Plan, rg: set[str]) -> dict[str, f
     for node in graph.ops():
         if node.name not in rg:
             continue
-        sig = signature_of(plan, node)
         pure[node.name] = frozenset(
-            a for a in range(ndim)
-            if all(nd[a].is_broadcast() for nd in sig.inputs + sig.outputs)
-            and all(_gradient_source(graph, ref.node, rg, pure, a) for ref in node.inputs))
+            a for a in _replicated_axes(signature_of(plan, node), ndim)
+            if all(_gradient_source(graph, ref.node, rg, pure, a) for ref in node.inputs))
     deferred: dict[str, frozenset[int]] = {}
     for node in reversed(graph.ops()):
         axes = pure.get(node.name, frozenset())
@@ -99,6 +99,12 @@ def deferred_reductions(graph: OpGraph, plan: Plan, rg: set[str]) -> dict[str, f
                   for c, _, slot in graph.uses(node.name) if c.is_op and c.name in rg]
         deferred[node.name] = frozenset(a for a in axes if any(g[a].is_partial() for g in handed))
     return {k: v for k, v in deferred.items() if v}
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _replicated_axes(sig: Signature, ndim: int) -> tuple[int, ...]:
+    """The mesh axes on which every input and output of ``sig`` is B, in order."""
+    return tuple(a for a in range(ndim) if all(nd[a].is_broadcast() for nd in sig.inputs + sig.outputs))
 
 
 def _gradient_source(graph: OpGraph, name: str, rg: set[str], pure: dict[str, frozenset[int]], axis: int) -> bool:
@@ -392,15 +398,18 @@ class _Lowering:
         self.spill.count_gradients(self.prog.param_uses)
         recompute_at = {block_ops[-1].name: block_ops for block_ops in recomputed_ops(self.graph, self.plan).values()}
         last_in_block = {name: name for name in recompute_at}
+        regather: dict[str, list[GatherGroup]] = {}     # resharded groups by their last forward consumer
+        for g in self.prog.gathers:
+            if g.reshard:
+                regather.setdefault(g.last_consumer, []).append(g)
         for node in reversed(ops):
             if node.name not in self.rg and node.name not in recompute_at:
                 continue
             self.spill.before_backward(node, recompute_at.get(node.name, []))
-            for g in self.prog.gathers:     # backward reached a resharded group: gather it again
-                if g.reshard and g.last_consumer == node.name:
-                    self.emit(phase="backward", stream=comm_stream(g.axis), op=node.name,
-                              collective=CollectiveKind.ALL_GATHER, axis=g.axis, nbytes=g.nbytes,
-                              tensor=f"regather {g.group}")
+            for g in regather.get(node.name, ()):     # backward reached a resharded group: gather it again
+                self.emit(phase="backward", stream=comm_stream(g.axis), op=node.name,
+                          collective=CollectiveKind.ALL_GATHER, axis=g.axis, nbytes=g.nbytes,
+                          tensor=f"regather {g.group}")
             if node.name in last_in_block:
                 self.recompute(recompute_at[node.name])
             if node.name not in self.rg:
@@ -553,6 +562,10 @@ def repeat_micro_steps(tasks: list[Task], k: int, last_host: int | None, deferre
     ``syncs_every_micro_step``), each micro-step's first task after the previous
     one's last host task. A dependency on a skipped task becomes the skipped task's own. Returns
     the tasks and, per micro-step, each old task id's new ids (none or its deps when skipped)."""
+    if k == 1 and all(t.id == i for i, t in enumerate(tasks)):    # one micro-step: the tasks as they are
+        return [t if t.micro_step == 0 and list(t.deps) == sorted(set(t.deps)) else
+                replace(t, deps=tuple(sorted(set(t.deps))), micro_step=0) for t in tasks], \
+            [{t.id: (t.id,) for t in tasks}]
     out: list[Task] = []
     ids: list[dict[int, tuple[int, ...]]] = []
     previous_last: int | None = None

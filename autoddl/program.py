@@ -64,6 +64,9 @@ def signature_of(plan: Plan, node: OpNode) -> Signature:
     """The plan's signature for an op / input / buffer node, checked against the node. A
     ``getitem`` the plan does not name reads its output of a multi-output op as that op holds it."""
     sig = plan.signatures.get(node.name)
+    if sig is not None and _fits(sig, len(node.inputs) if node.kind is NodeKind.OP else 0, len(node.outputs),
+                                 len(plan.mesh.shape)):
+        return sig                                 # the common case, its check memoised
     if sig is None and node.target == "getitem" and node.inputs:
         ref = node.inputs[0]
         held = plan.signatures[ref.node].outputs[ref.index] if ref.node in plan.signatures else None
@@ -83,6 +86,13 @@ def signature_of(plan: Plan, node: OpNode) -> Signature:
             raise ValueError(f"plan {plan.name!r}: signature {sig} of {what} {node.name!r} has an NdSbp "
                              f"{nd} of {len(nd)} axes; the mesh {plan.mesh} has {plan.mesh.ndim}")
     return sig
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _fits(sig: Signature, n_in: int, n_out: int, ndim: int) -> bool:
+    """``sig`` has ``n_in`` inputs, ``n_out`` outputs and ``ndim`` axes in each NdSbp (signature_of's check)."""
+    return len(sig.inputs) == n_in and len(sig.outputs) == n_out and all(len(nd) == ndim
+                                                                        for nd in sig.inputs + sig.outputs)
 
 
 def storage_of(plan: Plan, fqn: str) -> NdSbp:
@@ -178,6 +188,11 @@ def work_divisor(sig: Signature, mesh_shape: Sequence[int]) -> int:
     """How many devices share an op's work: the product of the mesh sizes of the axes on which
     some input or output is split (a contracted split gives P outputs but still splits the work;
     an axis where everything is B or P runs the op full-size on every device)."""
+    return _work_divisor(sig, tuple(mesh_shape))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _work_divisor(sig: Signature, mesh_shape: tuple[int, ...]) -> int:
     nds = sig.inputs + sig.outputs
     return math.prod(n for axis, n in enumerate(mesh_shape) if any(nd[axis].is_split() for nd in nds))
 

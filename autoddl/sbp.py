@@ -103,10 +103,20 @@ class NdSbp:
         for s in self.sbps:
             if not isinstance(s, (Split, Broadcast, Partial)):
                 raise TypeError(f"NdSbp entries must be Split/Broadcast/Partial, got {s!r}")
-        object.__setattr__(self, "_hash", hash(tuple(str(s) for s in self.sbps)))
+        key = tuple(str(s) for s in self.sbps)          # "S(0)", "B", "P": equal exactly when the SBPs are
+        object.__setattr__(self, "_key", key)
+        object.__setattr__(self, "_hash", hash(key))
 
     def __hash__(self) -> int:  # cached: NdSbps key the search's memo tables
         return self._hash
+
+    def __reduce__(self):  # unpickled through __init__: the cached hash is this process's (str hashes vary)
+        return NdSbp, (self.sbps,)
+
+    def __eq__(self, other: object) -> bool:  # on the cached strings: memo lookups compare many NdSbps
+        if not isinstance(other, NdSbp):
+            return NotImplemented
+        return self is other or self._key == other._key
 
     @classmethod
     def of(cls, *sbps: Sbp) -> "NdSbp":
@@ -231,9 +241,19 @@ class Signature:
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "outputs", tuple(self.outputs))
         object.__setattr__(self, "_hash", hash((self.inputs, self.outputs)))
+        object.__setattr__(self, "_key", (tuple(getattr(nd, "_key", nd) for nd in self.inputs),
+                                          tuple(getattr(nd, "_key", nd) for nd in self.outputs)))
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __reduce__(self):  # unpickled through __init__, as NdSbp
+        return Signature, (self.inputs, self.outputs)
+
+    def __eq__(self, other: object) -> bool:  # on the NdSbps' cached strings: memo tables key on signatures
+        if not isinstance(other, Signature):
+            return NotImplemented
+        return self is other or (self._hash == other._hash and self._key == other._key)
 
     def __str__(self) -> str:
         return ", ".join(map(str, self.inputs)) + " -> " + ", ".join(map(str, self.outputs))

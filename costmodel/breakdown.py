@@ -117,7 +117,8 @@ def plan_cost(graph: OpGraph, plan: Plan, cluster: Cluster) -> CostBreakdown:
     program = lower(graph, plan)
     timeline = simulate(program, graph, plan, cluster)
     collectives = predicted_collectives(graph, plan, cluster, program)
-    memory = memory_bytes(graph, plan, collectives, program)
+    activations = activation_bytes(graph, plan)         # the memory's and the per-op table's
+    memory = memory_bytes(graph, plan, collectives, program, activations)
     rank = timeline.busiest_rank
     bubble = bubble_s(timeline, program)
     host_limit = int(cluster.host_bytes_per_device()) if plan.training.offload_level != "none" else 0
@@ -132,7 +133,7 @@ def plan_cost(graph: OpGraph, plan: Plan, cluster: Cluster) -> CostBreakdown:
         + timeline.busy_s(phase="optimizer", collective=True, pp_rank=rank),        # ZeRO-1/2's parameter all-gather
         optimizer_s=timeline.busy_s(phase="optimizer", collective=False, pp_rank=rank)
         - cluster.executor.step_us * 1e-6,
-        memory_bytes_per_device=memory["total"], memory=memory, per_op=_per_op(graph, plan, timeline),
+        memory_bytes_per_device=memory["total"], memory=memory, per_op=_per_op(graph, plan, timeline, activations),
         memory_limit_bytes=int(cluster.device.memory_gb * 1e9), collectives=collectives,
         step_overhead_s=cluster.executor.step_us * 1e-6, exposed_comm_s=_exposed_comm_s(timeline, bubble, rank),
         bubble_s=bubble, offload_s=timeline.busy_s(phase="offload"), host_limit_bytes=host_limit,
@@ -149,13 +150,13 @@ def _exposed_comm_s(timeline: Timeline, bubble: float, rank: int) -> float:
     return min(rest, timeline.busy_s(collective=True, pp_rank=rank)) if host or copies else rest
 
 
-def _per_op(graph: OpGraph, plan: Plan, timeline: Timeline) -> pd.DataFrame:
-    """Per op: compute (forward + backward) and the collectives charged to it, in µs."""
+def _per_op(graph: OpGraph, plan: Plan, timeline: Timeline, activations: dict[str, int]) -> pd.DataFrame:
+    """Per op: compute (forward + backward), the collectives charged to it, in µs, and its saved
+    activations (:func:`activation_bytes`)."""
     compute: dict[str, float] = defaultdict(float)
     comm: dict[str, float] = defaultdict(float)
     for t in timeline.tasks:
         (comm if t.task.is_collective else compute)[t.task.op] += t.duration_s
-    activations = activation_bytes(graph, plan)
     rows = [{"op": node.name, "target": node.target,
              "output_shape": "x".join(map(str, node.outputs[0].shape)) if node.outputs else "",
              "signature": str(signature_of(plan, node)), "compute_us": compute[node.name] * 1e6,

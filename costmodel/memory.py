@@ -151,17 +151,19 @@ def boxing_buffer_bytes(collectives: Sequence[Collective], graph: OpGraph, mesh_
 
 
 def memory_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective] = (),
-                 program: StepProgram | None = None) -> dict[str, int]:
+                 program: StepProgram | None = None, activations: dict[str, int] | None = None) -> dict[str, int]:
     """Bytes per device by category (see module docstring), plus ``total``; with pipeline stages,
     those of the pp rank that needs the most (:func:`pipeline_rank_bytes`).
 
     ``collectives`` are the step's collectives after backend emulation
     (:func:`costmodel.breakdown.predicted_collectives`); they size ``boxing_buffer``.
+    ``activations``: :func:`activation_bytes` of ``graph`` and ``plan`` when the caller has it.
     """
     if program is not None and program.pipeline is not None:
         ranks = [pipeline_rank_bytes(graph, plan, collectives, program, r) for r in range(program.pipeline.stages)]
         return max(ranks, key=lambda mem: mem["total"])
-    return _rank_bytes(graph, plan, collectives, program, None, sum(activation_bytes(graph, plan).values()))
+    activations = activation_bytes(graph, plan) if activations is None else activations
+    return _rank_bytes(graph, plan, collectives, program, None, sum(activations.values()))
 
 
 def _rank_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective], program: StepProgram | None,

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autoddl.cluster import Cluster
-from autoddl.graph import OpGraph
+from autoddl.graph import OpGraph, OpNode
 from autoddl.offload import HOST
 from autoddl.plan import Plan
 from autoddl.pipeline import schedule_makespan
@@ -105,9 +105,11 @@ class RecomputeInfo:
 
 
 def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recompute: RecomputeInfo | None = None,
-                params: frozenset[str] | None = None) -> float:
+                params: frozenset[str] | None = None, op_times: dict | None = None) -> float:
     """Duration of one task (module docstring); ``recompute``: :meth:`RecomputeInfo.of` the plan
-    (found when not given); ``params``: the parameters an optimizer task updates (None: all)."""
+    (found when not given); ``params``: the parameters an optimizer task updates (None: all);
+    ``op_times``: a memo of op kernel times for this plan and cluster (the blocks of a decoder
+    repeat the same ops)."""
     mesh = tuple(plan.mesh.shape)
     if task.collective is CollectiveKind.SEND_RECV:
         peer = (task.pp_rank + (1 if task.phase == "forward" else -1)) % mesh[0]
@@ -125,10 +127,13 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
         return step_s + cluster.executor.step_us * 1e-6
     node = graph[task.op]
     sig = signature_of(plan, node)
-    if task.phase in ("forward", "recompute"):
-        t = op_forward_time_s(node, sig, mesh, cluster)
-    else:
-        t = op_backward_time_s(node, sig, mesh, cluster)
+    forward = task.phase in ("forward", "recompute")
+    key = (forward, sig, *_kernel_key(node))
+    t = op_times.get(key) if op_times is not None else None
+    if t is None:
+        t = op_forward_time_s(node, sig, mesh, cluster) if forward else op_backward_time_s(node, sig, mesh, cluster)
+        if op_times is not None:
+            op_times[key] = t
     policy = plan.training.recompute_of(block_of(node))
     if policy != "none" and cluster.executor.recompute:
         recompute = recompute or RecomputeInfo.of(graph, plan)
@@ -136,6 +141,12 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
         t += recompute_overhead_s(node, policy, task.phase, node.name in recompute.recomputed, cluster,
                                   first_in_block=first) * cluster.time_sharing(mesh)
     return t
+
+
+def _kernel_key(node: OpNode) -> tuple:
+    """All of ``node`` that op_forward_time_s / op_backward_time_s read (costmodel/compute.py)."""
+    return (node.kind, node.target, node.flops, node.bytes_read, node.bytes_written, node.input_metas,
+            node.outputs, len(node.inputs), len(node.params))
 
 
 def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster) -> Timeline:
@@ -146,11 +157,12 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
     recompute = RecomputeInfo.of(graph, plan)
     rank_params = program.pipeline.rank_params if program.pipeline is not None else ()
     memo: dict[tuple, float] = {}       # a pipeline copies each chunk's tasks once per micro-batch
+    op_times: dict[tuple, float] = {}   # op kernel times, shared by the repeated blocks' ops
     for task in program.tasks:
         key = (task.phase, task.op, task.stream, task.collective, task.axis, task.nbytes, task.pp_rank, task.copy)
         if key not in memo:
             params = rank_params[task.pp_rank] if rank_params and task.phase == "optimizer" else None
-            memo[key] = task_time_s(task, graph, plan, cluster, recompute, params)
+            memo[key] = task_time_s(task, graph, plan, cluster, recompute, params, op_times)
         stream = (task.pp_rank, task.stream)
         start = max([end[d] for d in task.deps] + [stream_free.get(stream, 0.0)])
         finish = start + memo[key]

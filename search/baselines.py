@@ -100,6 +100,7 @@ def build_baseline(form: Formulation, spec: BaselineSpec) -> Baseline:
         incoming[v].append((u, mat))
 
     from_inputs = _from_inputs(nodes)
+    memo: dict[tuple, tuple[int, dict[int, int]]] = {}     # _greedy_key -> (choice, lazy storages by edge)
     for i, node in enumerate(nodes):
         cands = problem.choices[i]
         if node.kind in (NodeKind.INPUT, NodeKind.BUFFER):
@@ -110,8 +111,17 @@ def build_baseline(form: Formulation, spec: BaselineSpec) -> Baseline:
             else:
                 assignment[i] = _pick_placeholder(cands, _storage_wish(node, spec.roles))
         else:
-            assignment[i] = _greedy_op(i, node, cands, spec.roles, params, assignment, lazy_params, incoming,
-                                       problem, form.index, node.name in from_inputs)
+            key = _greedy_key(i, node, params, assignment, lazy_params, incoming, problem, form.index,
+                              node.name in from_inputs)
+            if key not in memo:
+                best, lazy = _greedy_op(i, node, cands, spec.roles, params, assignment, lazy_params, incoming,
+                                        problem, form.index, node.name in from_inputs)
+                memo[key] = best, {pos: lazy[u] for pos, (u, _) in enumerate(incoming[i]) if u in lazy}
+            assignment[i], lazy = memo[key]
+            for pos, a in lazy.items():
+                u = incoming[i][pos][0]
+                assignment[u] = a
+                lazy_params.discard(u)
     for i in lazy_params:                     # a parameter nobody used: as its roles wish
         if assignment[i] < 0:
             assignment[i] = _pick_placeholder(problem.choices[i], _storage_wish(nodes[i], spec.roles))
@@ -131,7 +141,7 @@ def _from_inputs(nodes: list[OpNode]) -> set[str]:
 
 def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, ...], params: set[str],
                assignment: np.ndarray, lazy_params: set[int], incoming, problem, index: dict[str, int],
-               from_inputs: bool = True) -> int:
+               from_inputs: bool = True) -> tuple[int, dict[int, int]]:
     """The allowed candidate with the smallest key: (gathers a batch-split activation on a dp / zero
     axis, needs a forward collective on an activation,
     reduce-scatters onto the sequence (sp), minus the weight splits on tp/sp axes, compute + boxing
@@ -149,18 +159,28 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
     megatron = _megatron_layer(node, param_slots)
     best, best_key = -1, (np.inf,)
     lazy_choice: dict[int, int] = {}
+    # What does not depend on the candidate, read once: the placed producers' cost rows (as floats,
+    # added in the same order as before), the placed parameters' storages, the placed inputs' layouts.
+    node_cost = problem.node_cost[i].tolist()
+    edge_rows = [(u, mat, mat[assignment[u]].tolist() if assignment[u] >= 0 else None) for u, mat in incoming[i]]
+    stored = [(slot, problem.choices[index[name]][assignment[index[name]]].outputs[0])
+              for slot, name in param_slots.items() if assignment[index[name]] >= 0]
+    placed = [(slot, problem.choices[index[ref.node]][assignment[index[ref.node]]].outputs[ref.index])
+              for slot, ref in enumerate(node.inputs)
+              if ref.node not in params and ref.node in index and assignment[index[ref.node]] >= 0]
     for j, sig in enumerate(cands):
-        if (not _param_use_allowed(sig, param_slots, roles) or _splits_batch(node, sig, param_slots, model_axes)
+        if (not _param_use_allowed(sig, param_slots, roles)
+                or (model_axes and _splits_batch(node, sig, param_slots, model_axes))
                 or _not_vocab_parallel(node, sig, param_slots, model_axes)):
             continue
         if not from_inputs and any(not nd[axis].is_broadcast() for nd in sig.outputs for axis in batch_axes):
             continue
-        total = problem.node_cost[i][j]
+        total = node_cost[j]
         chosen_lazy: dict[int, int] = {}
         feasible = True
-        for u, mat in incoming[i]:
-            if assignment[u] >= 0:
-                total += mat[assignment[u], j]
+        for u, mat, row in edge_rows:
+            if row is not None:
+                total += row[j]
             elif u in lazy_params:
                 a = _storage_matching(problem.choices[u], sig, problem.nodes[u], node, roles)
                 if a is None:
@@ -170,13 +190,9 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
                 total += problem.node_cost[u][a] + mat[a, j]
         if not feasible:
             continue
-        if not all(_use_matches_storage(problem.choices[index[name]][assignment[index[name]]].outputs[0],
-                                        sig.inputs[slot], model_axes)
-                   for slot, name in param_slots.items() if assignment[index[name]] >= 0):
+        if not all(_use_matches_storage(storage, sig.inputs[slot], model_axes) for slot, storage in stored):
             continue
-        sources = [(problem.choices[index[ref.node]][assignment[index[ref.node]]].outputs[ref.index], sig.inputs[slot])
-                   for slot, ref in enumerate(node.inputs)
-                   if ref.node not in params and ref.node in index and assignment[index[ref.node]] >= 0]
+        sources = [(src, sig.inputs[slot]) for slot, src in placed]
         if any(_megatron_forbids(src, dst, roles, axis, node) for src, dst in sources for axis in model_axes):
             continue
         if any(d[axis].is_partial() and not s[axis].is_partial() for s, d in sources for axis in batch_axes):
@@ -196,10 +212,28 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
             best, best_key, lazy_choice = j, key, chosen_lazy
     if best < 0:
         best = 0                              # the all-B signature is always first and always allowed
-    for u, a in lazy_choice.items():
-        assignment[u] = a
-        lazy_params.discard(u)
-    return best
+    return best, lazy_choice
+
+
+def _greedy_key(i: int, node: OpNode, params: set[str], assignment: np.ndarray, lazy_params: set[int], incoming,
+                problem, index: dict[str, int], from_inputs: bool) -> tuple:
+    """Everything :func:`_greedy_op`'s choice for node ``i`` depends on: the node's structure, its
+    candidates and cost vector (shared objects across repeated blocks: search/formulate.py's
+    FormulationCache), each incoming edge's matrix and its producer's state (placed: its choice;
+    a lazy parameter: its candidates, costs and the slot reading it), and the layouts of the placed
+    producers and parameters. Equal keys give equal choices, so the blocks of a decoder are
+    decided once."""
+    slot_of = {ref.node: slot for slot, ref in reversed(list(enumerate(node.inputs)))}     # first slot reading
+    edges = tuple((id(mat), int(assignment[u])) if assignment[u] >= 0 else
+                  (id(mat), id(problem.choices[u]), id(problem.node_cost[u]), slot_of[problem.nodes[u]])
+                  if u in lazy_params else (id(mat),) for u, mat in incoming[i])
+    layouts = tuple((slot, ref.node in params, problem.choices[index[ref.node]][assignment[index[ref.node]]]
+                     .outputs[0 if ref.node in params else ref.index])
+                    for slot, ref in enumerate(node.inputs)
+                    if ref.node in index and assignment[index[ref.node]] >= 0)
+    params_at = tuple(slot for slot, ref in enumerate(node.inputs) if ref.node in params)
+    return (id(problem.choices[i]), id(problem.node_cost[i]), node.op_name, node.input_metas, node.outputs,
+            from_inputs, params_at, edges, layouts)
 
 
 def _megatron_forbids(src: NdSbp, dst: NdSbp, roles: tuple[str, ...], axis: int, node: OpNode) -> bool:

@@ -299,137 +299,167 @@ def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tupl
                               mesh=mesh, optimizer=optimizer, cd_time_limit_s=cd_time_limit_s, progress=progress,
                               tie_blocks=tie_blocks)
     t0 = time.perf_counter()
-    say = progress or (lambda _msg: None)
     if memory_gb is not None and memory_gb <= 0:
         raise PlanningError(f"--memory-gb {memory_gb}: must be a positive number of GB per device")
     limit = (memory_gb if memory_gb is not None else cluster.device.memory_gb) * 1e9
     meshes = resolve_meshes(cluster, mesh)
-    graph_hash = graph.fingerprint()
-    auto = training.recompute == "auto"
-    levels = recompute_levels(graph, training) if auto else [dict(training.recompute_blocks)]
-    top = len(levels) - 1
-
-    def make_plan(name: str, form: Formulation, assignment: np.ndarray, tr: Training) -> tuple[Plan, CostBreakdown]:
-        plan = assignment_plan(name, form, assignment, graph_hash, model_name, cluster, optimizer, tr)
-        return plan, price(graph, plan, cluster, limit)
-
-    def least(form: Formulation) -> float:
-        return form.problem.min_memory()
-
-    def can_fit(form: Formulation) -> bool:
-        return least(form) <= limit + memory_tolerance(limit)
-
-    baselines: dict[str, Scheme] = {}
-    candidates: list[tuple[Plan, CostBreakdown]] = []
-    per_mesh: list[dict] = []
-    formulations: dict[tuple[int, ...], Formulation] = {}
-    min_memory = math.inf
-    descended: list[tuple] = []     # (mesh, formulation, search result, level, priced plan or None, its breakdown)
+    run = _Search(graph, cluster, model_name, mesh, limit, optimizer, cd_time_limit_s, progress or (lambda _m: None),
+                  training, tie_blocks)
     for shape in meshes:
+        run.on_mesh(shape)
+    best_plan, best_bd = run.choose()
+    order = [s.name for spec_nd in (1, 2) for s in baseline_specs(spec_nd)] + ["zero1", "zero2"]
+    schemes = sorted(run.baselines.values(), key=lambda s: order.index(s.name))
+    schemes.append(Scheme("found", best_plan, best_bd))
+    return SearchOutcome(best_plan, best_bd, schemes, meshes, time.perf_counter() - t0, run.per_mesh,
+                         run.formulations)
+
+
+class _Search:
+    """One :func:`search`'s state, stage by stage: per mesh the baselines (:meth:`baselines_on`)
+    and the descent at the recompute level that fits (:meth:`descend`), then the full cost model's
+    choice among the candidates (:meth:`choose`)."""
+
+    def __init__(self, graph: OpGraph, cluster: Cluster, model_name: str, mesh: tuple[int, ...] | None,
+                 limit: float, optimizer: str, cd_time_limit_s: float, say: Callable[[str], None],
+                 training: Training, tie_blocks: bool):
+        self.graph, self.cluster, self.model_name, self.mesh, self.limit = graph, cluster, model_name, mesh, limit
+        self.optimizer, self.cd_time_limit_s, self.say = optimizer, cd_time_limit_s, say
+        self.training, self.tie_blocks = training, tie_blocks
+        self.graph_hash = graph.fingerprint()
+        self.auto = training.recompute == "auto"
+        self.levels = recompute_levels(graph, training) if self.auto else [dict(training.recompute_blocks)]
+        self.top = len(self.levels) - 1
+        self.baselines: dict[str, Scheme] = {}
+        self.per_mesh: list[dict] = []
+        self.formulations: dict[tuple[int, ...], Formulation] = {}
+        self.min_memory = math.inf
+        self.descended: list[tuple] = []  # (mesh, formulation, search result, level, priced plan or None, breakdown)
+
+    def at(self, level: int) -> Training:
+        return at_level(self.training, self.levels[level])
+
+    def plan_of(self, name: str, form: Formulation, assignment: np.ndarray, tr: Training) -> Plan:
+        return assignment_plan(name, form, assignment, self.graph_hash, self.model_name, self.cluster,
+                               self.optimizer, tr)
+
+    def can_fit(self, form: Formulation) -> bool:
+        return form.problem.min_memory() <= self.limit + memory_tolerance(self.limit)
+
+    def on_mesh(self, shape: tuple[int, ...]) -> None:
+        """Formulate ``shape``, build its baselines, descend, and record the outcome."""
         tm = time.perf_counter()
         memo: dict[int, Formulation] = {}
-        cache = FormulationCache(graph, cluster, shape, optimizer)
+        cache = FormulationCache(self.graph, self.cluster, shape, self.optimizer)
 
         def form_at(i: int) -> Formulation:
             if i not in memo:
-                memo[i] = formulate(graph, cluster, shape, optimizer=optimizer, memory_limit_bytes=limit,
-                                    training=at_level(training, levels[i]), cache=cache)
+                memo[i] = formulate(self.graph, self.cluster, shape, optimizer=self.optimizer,
+                                    memory_limit_bytes=self.limit, training=self.at(i), cache=cache)
             return memo[i]
 
-        form = formulations[shape] = form_at(0)
+        form = self.formulations[shape] = form_at(0)
+        starts = self.baselines_on(shape, form)
+        outcome, form, level, before, exact = self.descend(form_at, starts)
+        where = "x".join(map(str, shape))
+        if outcome is None:
+            need = form.problem.min_memory()
+            self.min_memory = min(self.min_memory, need)
+            self.per_mesh.append({"mesh": shape, "fits": False, "min_memory_bytes": need,
+                                  "seconds": time.perf_counter() - tm})
+            self.say(f"mesh {where}: nothing fits {self.limit / 1e9:.1f} GB per device"
+                     + (" even with every block recomputed in full" if self.auto else ""))
+            return
+        result, plan, bd = outcome
+        self.formulations[shape] = form
+        if plan is not None:
+            plan.notes.append(auto_note(plan, self.graph, self.limit, before, exact))
+        self.descended.append((shape, form, result, level, plan, bd))
+        summary = recompute_summary(self.at(level), self.graph)
+        self.per_mesh.append({"mesh": shape, "fits": bd.fits_memory if bd is not None else True,
+                              "objective_s": result.cost, "start": result.start,
+                              "seconds": time.perf_counter() - tm, "recompute": summary})
+        self.say(f"mesh {where:>6}: {result.cost * 1e3:10.3f} ms search objective "
+                 f"(from {result.start}, {time.perf_counter() - tm:.2f} s)" + (f"; {summary}" if self.auto else ""))
+
+    def baselines_on(self, shape: tuple[int, ...], form: Formulation) -> dict[str, np.ndarray]:
+        """The baselines on ``shape``: each applicable one is a descent start; on its canonical mesh
+        (or the mesh the user gave) it is priced (at the first recompute level it fits, under auto)."""
         starts: dict[str, np.ndarray] = {}
         for spec in baseline_specs(len(shape)):
             base = build_baseline(form, spec)
-            is_canonical = mesh is not None or canonical_mesh(spec, cluster) == shape
+            is_canonical = self.mesh is not None or canonical_mesh(spec, self.cluster) == shape
             if base.applicable:
                 starts[spec.name] = base.assignment
                 if is_canonical:
-                    plan = assignment_plan(spec.name, form, base.assignment, graph_hash, model_name, cluster,
-                                           optimizer, at_level(training, levels[0]))
-                    plan, bd = fit_recompute(graph, plan, cluster, limit, levels) if auto else \
-                        (plan, price(graph, plan, cluster, limit))
-                    baselines[spec.name] = Scheme(spec.name, plan, bd)
+                    plan = self.plan_of(spec.name, form, base.assignment, self.at(0))
+                    plan, bd = fit_recompute(self.graph, plan, self.cluster, self.limit, self.levels) if self.auto \
+                        else (plan, price(self.graph, plan, self.cluster, self.limit))
+                    self.baselines[spec.name] = Scheme(spec.name, plan, bd)
             elif is_canonical:
-                baselines[spec.name] = Scheme(spec.name, None, None, base.reason)
-        level, before, exact = 0, None, True
-        outcome = None                     # (result, plan, breakdown) at ``level``
+                self.baselines[spec.name] = Scheme(spec.name, None, None, base.reason)
+        return starts
+
+    def descend(self, form_at: Callable[[int], Formulation], starts: dict[str, np.ndarray]) -> tuple:
+        """Coordinate descent from ``starts`` at the first recompute level where the mesh's best plan
+        fits (module docstring): (outcome: (result, priced plan or None, breakdown or None) or None
+        when nothing fits, the formulation, the level, the memory before recompute, whether exact)."""
+        level, before, exact, top = 0, None, True, self.top
         while True:
             form = form_at(level)
-            if not can_fit(form):          # the search's own estimate: nothing fits at this level
-                outcome = None
-                if not auto or level == top:
-                    break
+            if not self.can_fit(form):          # the search's own estimate: nothing fits at this level
+                if not self.auto or level == top:
+                    return None, form, level, before, exact
                 if before is None:
-                    before, exact = least(form), False
-                nxt = first_level(lambda i: can_fit(form_at(i)), level + 1, top)
-                level = top if nxt is None else nxt
+                    before, exact = form.problem.min_memory(), False
+                nxt = first_level(lambda i: self.can_fit(form_at(i)), level + 1, top)
                 if nxt is None:
-                    form = form_at(top)
-                    break
+                    return None, form_at(top), top, before, exact
+                level = nxt
                 continue
-            result = tied_descent(form.problem, starts, tie=tie_blocks, time_limit_s=cd_time_limit_s)
+            result = tied_descent(form.problem, starts, tie=self.tie_blocks, time_limit_s=self.cd_time_limit_s)
             starts = {**starts, "previous level": result.assignment}
-            if not auto:
-                outcome = (result, None, None)
-                break
-            plan = assignment_plan("found", form, result.assignment, graph_hash, model_name, cluster, optimizer,
-                                   at_level(training, levels[level]))
-            memory = memory_at_levels(graph, plan, cluster)
+            if not self.auto:
+                return (result, None, None), form, level, before, exact
+            plan = self.plan_of("found", form, result.assignment, self.at(level))
+            memory = memory_at_levels(self.graph, plan, self.cluster)
             here = memory(plan.training)
-            if here <= limit or level == top:
-                outcome = (result, plan, price(graph, plan, cluster, limit))
-                break
+            if here <= self.limit or level == top:
+                return (result, plan, price(self.graph, plan, self.cluster, self.limit)), form, level, before, exact
             if before is None:
                 before, exact = here, True
-            nxt = first_level(lambda i: memory(at_level(training, levels[i])) <= limit, level + 1, top)  # noqa: B023
+            nxt = first_level(lambda i: memory(self.at(i)) <= self.limit, level + 1, top)  # noqa: B023
             level = top if nxt is None else nxt
-        if outcome is None:
-            need = least(form)
-            min_memory = min(min_memory, need)
-            per_mesh.append({"mesh": shape, "fits": False, "min_memory_bytes": need,
-                             "seconds": time.perf_counter() - tm})
-            say(f"mesh {'x'.join(map(str, shape))}: nothing fits {limit / 1e9:.1f} GB per device"
-                + (" even with every block recomputed in full" if auto else ""))
-            continue
-        result, plan, bd = outcome
-        formulations[shape] = form
-        if plan is not None:
-            plan.notes.append(auto_note(plan, graph, limit, before, exact))
-        descended.append((shape, form, result, level, plan, bd))
-        per_mesh.append({"mesh": shape, "fits": bd.fits_memory if bd is not None else True,
-                         "objective_s": result.cost, "start": result.start,
-                         "seconds": time.perf_counter() - tm,
-                         "recompute": recompute_summary(at_level(training, levels[level]), graph)})
-        say(f"mesh {'x'.join(map(str, shape)):>6}: {result.cost * 1e3:10.3f} ms search objective "
-            f"(from {result.start}, {time.perf_counter() - tm:.2f} s)"
-            + (f"; {recompute_summary(at_level(training, levels[level]), graph)}" if auto else ""))
-    # Only meshes near the best objective are worth the full cost model (it can only be lower).
-    best_objective = min((r.cost for _, _, r, *_ in descended), default=math.inf)
-    for shape, form, result, level, plan, bd in descended:
-        if plan is not None:                      # auto: priced already, to decide the level
-            candidates.append((plan, bd))
-        elif result.cost <= NEAR_BEST * best_objective:
-            candidates.append(make_plan("found", form, result.assignment, at_level(training, levels[level])))
-    baselines.update(zero_baselines(graph, baselines.get("dp"), cluster, limit))
-    candidates += [zero_variant(graph, p, stage, cluster, limit) for p, _ in list(candidates)
-                   for stage in ZERO_STAGES if p.name == "found" and data_parallel_axes(p)]
-    for scheme in baselines.values():
-        if scheme.plan is not None:
-            candidates.append((scheme.plan, scheme.breakdown))
-    fitting = [(p, bd) for p, bd in candidates if bd.fits_memory]
-    if not fitting:
-        need = min([bd.memory_bytes_per_device for _, bd in candidates] + [min_memory])
-        raise NoFeasiblePlanError(need, limit)
-    best_plan, best_bd = min(fitting, key=lambda pb: pb[1].step_time_s)
-    if best_plan.name != "found":               # a baseline beat the descent under the full cost model
-        kept = best_plan.name
-        best_plan = Plan.from_dict({**best_plan.to_dict(), "name": "found"})
-        best_plan.notes.append(f"the search kept the {kept} baseline: no plan it visited was cheaper "
-                               "under the full cost model")
-    order = [s.name for spec_nd in (1, 2) for s in baseline_specs(spec_nd)] + ["zero1", "zero2"]
-    schemes = sorted(baselines.values(), key=lambda s: order.index(s.name))
-    schemes.append(Scheme("found", best_plan, best_bd))
-    return SearchOutcome(best_plan, best_bd, schemes, meshes, time.perf_counter() - t0, per_mesh, formulations)
+
+    def choose(self) -> tuple[Plan, CostBreakdown]:
+        """The cheapest fitting candidate under the full cost model: the descent's plan on each mesh
+        near the best objective (and its ZeRO variants), and every baseline."""
+        candidates: list[tuple[Plan, CostBreakdown]] = []
+        # Only meshes near the best objective are worth the full cost model (it can only be lower).
+        best_objective = min((r.cost for _, _, r, *_ in self.descended), default=math.inf)
+        for _shape, form, result, level, plan, bd in self.descended:
+            if plan is not None:                      # auto: priced already, to decide the level
+                candidates.append((plan, bd))
+            elif result.cost <= NEAR_BEST * best_objective:
+                plan = self.plan_of("found", form, result.assignment, self.at(level))
+                candidates.append((plan, price(self.graph, plan, self.cluster, self.limit)))
+        self.baselines.update(zero_baselines(self.graph, self.baselines.get("dp"), self.cluster, self.limit))
+        candidates += [zero_variant(self.graph, p, stage, self.cluster, self.limit) for p, _ in list(candidates)
+                       for stage in ZERO_STAGES if p.name == "found" and data_parallel_axes(p)]
+        for scheme in self.baselines.values():
+            if scheme.plan is not None:
+                candidates.append((scheme.plan, scheme.breakdown))
+        fitting = [(p, bd) for p, bd in candidates if bd.fits_memory]
+        if not fitting:
+            need = min([bd.memory_bytes_per_device for _, bd in candidates] + [self.min_memory])
+            raise NoFeasiblePlanError(need, self.limit)
+        best_plan, best_bd = min(fitting, key=lambda pb: pb[1].step_time_s)
+        if best_plan.name != "found":               # a baseline beat the descent under the full cost model
+            kept = best_plan.name
+            best_plan = Plan.from_dict({**best_plan.to_dict(), "name": "found"})
+            best_plan.notes.append(f"the search kept the {kept} baseline: no plan it visited was cheaper "
+                                   "under the full cost model")
+        return best_plan, best_bd
 
 
 def zero_variant(graph: OpGraph, plan: Plan, stage: int, cluster: Cluster, limit: float,

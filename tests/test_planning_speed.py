@@ -1,0 +1,103 @@
+"""The planning speed-ups change no result: the greedy baselines decide each repeated block once
+(search/baselines.py's memo on ``_greedy_key``), and the search found with that memo equals the
+search found without it, plan for plan and price for price; graphs read from the trace cache hash
+as freshly traced ones."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import search.baselines as baselines
+from autoddl.cluster import Cluster
+from autoddl.graph import TensorMeta
+from autoddl.loader import load_model_file
+from autoddl.sbp import NdSbp, Signature
+from search.baselines import baseline_specs, build_baseline
+from search.formulate import formulate
+from search.planner import search
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def dgx():
+    return Cluster.from_yaml(ROOT / "configs" / "dgx-a100-8.yaml")
+
+
+@pytest.fixture(scope="module")
+def llama4():
+    return load_model_file(ROOT / "examples" / "llama.py", preset="tiny", n_layers=4, batch_size=8).trace("float32")
+
+
+def unmemoised(monkeypatch) -> None:
+    """Every node's key unique: each op is decided by its own greedy pass, as before the memo."""
+    fresh = itertools.count()
+    monkeypatch.setattr(baselines, "_greedy_key", lambda *a, **k: next(fresh))
+
+
+def counted(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    greedy = baselines._greedy_op
+
+    def spy(i, *args, **kwargs):
+        calls.append(i)
+        return greedy(i, *args, **kwargs)
+    monkeypatch.setattr(baselines, "_greedy_op", spy)
+    return calls
+
+
+@pytest.mark.parametrize("mesh", [(8,), (4, 2)])   # where a key without the edges decides wrongly
+def test_memoised_baselines_equal_the_op_by_op_pass(llama4, dgx, mesh, monkeypatch):
+    form = formulate(llama4, dgx, mesh)
+    with monkeypatch.context() as m:
+        calls = counted(m)
+        fast = [build_baseline(form, spec) for spec in baseline_specs(len(mesh))]
+        memoised_calls = len(calls)
+    with monkeypatch.context() as m:
+        unmemoised(m)
+        calls = counted(m)
+        slow = [build_baseline(form, spec) for spec in baseline_specs(len(mesh))]
+        all_calls = len(calls)
+    for f, s in zip(fast, slow):
+        assert f.reason == s.reason, f.spec.name
+        assert (f.assignment is None) == (s.assignment is None), f.spec.name
+        if f.assignment is not None:
+            assert np.array_equal(f.assignment, s.assignment), f.spec.name
+    assert any(f.applicable for f in fast)
+    # 4 identical blocks: blocks 2-4 reuse block 1's decisions, so well under the op-by-op count.
+    assert memoised_calls < 0.6 * all_calls, (memoised_calls, all_calls)
+
+
+def test_search_with_the_memo_equals_the_search_without(llama4, dgx, monkeypatch):
+    fast = search(llama4, dgx, mesh=(4, 2))
+    with monkeypatch.context() as m:
+        unmemoised(m)
+        slow = search(llama4, dgx, mesh=(4, 2))
+    assert fast.found.to_dict() == slow.found.to_dict()
+    assert fast.found_breakdown.step_time_s == slow.found_breakdown.step_time_s
+    assert [(s.name, s.step_time_s, s.reason) for s in fast.schemes] == \
+        [(s.name, s.step_time_s, s.reason) for s in slow.schemes]
+
+
+def test_unpickled_metas_and_layouts_hash_as_fresh_ones():
+    """A trace cache written by another process (another string-hash seed) gives metas whose hash is
+    this process's: equal keys meet in the search's memo tables (a stale cached hash missed them,
+    making every re-plan slower than the first plan's search)."""
+    code = ("import pickle, sys; from autoddl.graph import TensorMeta; from autoddl.sbp import Signature; "
+            "sys.stdout.buffer.write(pickle.dumps([TensorMeta((4, 8), 'bfloat16'), "
+            "Signature.parse('[S(0)], [B] -> [S(0)]')]))")
+    env = {**os.environ, "PYTHONHASHSEED": "7", "PYTHONPATH": str(ROOT)}
+    meta, sig = pickle.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                            check=True).stdout)
+    fresh_meta, fresh_sig = TensorMeta((4, 8), "bfloat16"), Signature.parse("[S(0)], [B] -> [S(0)]")
+    assert meta == fresh_meta and hash(meta) == hash(fresh_meta) and {fresh_meta: 1}[meta] == 1
+    assert sig == fresh_sig and hash(sig) == hash(fresh_sig) and {fresh_sig: 1}[sig] == 1
+    assert hash(sig.inputs[0]) == hash(NdSbp.parse("[S(0)]"))
