@@ -12,10 +12,10 @@ the dp degree: a rank's compute and tp collectives depend on its own batch only)
 micro-batch is simulated once (search/stages.py ``block_costs``: per block forward and backward
 seconds, saved and parameter bytes). The stages are cut where they balance, the schedule's step
 time is :func:`autoddl.pipeline.schedule_makespan` of the stages' times with the sends on the pp
-axis's link, plus each rank's gradient reduction over dp (an all-reduce; fsdp: the all-gather of
-its first chunk's parameters and the reduce-scatter of their gradients, the ends of the step that do
-not overlap: the program gathers each chunk's groups once per step and reduce-scatters once, as
-torchtitan runs FSDP under pp, autoddl/lowering.py) and its optimizer share. Memory counts what
+axis's link (fsdp: a chunk's first forward takes at least the all-gather of its parameters and its
+last backward at least the reduce-scatter of their gradients: the program gathers each chunk's
+groups once per step and reduce-scatters once, as torchtitan runs FSDP under pp,
+autoddl/lowering.py), plus each rank's gradient all-reduce over dp and its optimizer share. Memory counts what
 costmodel/memory.py counts for the pipelined program, with its functions: the rank's parameter
 state (``param_state_bytes``; fsdp: / dp for the parameters whose local dim 0 dp divides, as the
 baseline shards them), those parameters gathered for the step with their unsharded gradients
@@ -94,26 +94,35 @@ def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int
     p2p = cluster_collective_time_s(CollectiveKind.SEND_RECV, max(received), mesh, 0, cluster)
     actions = schedule_actions(schedule, pp, m, v)
     tail_s, peak = 0.0, 0.0
+    gather_s, scatter_s = [0.0] * n, [0.0] * n       # fsdp: per chunk, its step's all-gather and reduce-scatter
     for rank in range(pp):
         chunks = list(range(rank, n, pp))
         state, gathered = _rank_state(costs, [runs[c] for c in chunks], inner.training, inner.optimizer,
-                                      dp if role == "fsdp" else 1)
+                                      dp if role == "fsdp" else 1, tp)
         grad = sum(n_ for r in (runs[c] for c in chunks) for i in r for n_, _ in costs.params[i]) \
             * itemsize(inner.training.grad_reduce_dtype)
-        if role == "fsdp":      # gathered once per step and reduce-scattered once (autoddl/lowering.py): the
-            first = _rank_state(costs, [runs[rank]], inner.training, inner.optimizer, dp)[1]   # ends exposed
-            sync = (cluster_collective_time_s(CollectiveKind.ALL_GATHER, first * itemsize(inner.training.param_dtype),
-                                              mesh, 1, cluster)
-                    + cluster_collective_time_s(CollectiveKind.REDUCE_SCATTER,
-                                                first * itemsize(inner.training.grad_reduce_dtype), mesh, 1, cluster))
+        if role == "fsdp":      # gathered in a chunk's first forward, reduce-scattered in its last backward
+            for c in chunks:
+                numel = _rank_state(costs, [runs[c]], inner.training, inner.optimizer, dp, tp)[1]
+                gather_s[c] = cluster_collective_time_s(CollectiveKind.ALL_GATHER,
+                                                        numel * itemsize(inner.training.param_dtype), mesh, 1, cluster)
+                scatter_s[c] = cluster_collective_time_s(CollectiveKind.REDUCE_SCATTER,
+                                                         numel * itemsize(inner.training.grad_reduce_dtype), mesh, 1,
+                                                         cluster)
+            sync = 0.0
         else:
             sync = cluster_collective_time_s(CollectiveKind.ALL_REDUCE, grad, mesh, 1, cluster)
         tail_s = max(tail_s, sync + costs.optimizer_s * len(chunks) / n / (dp if role == "fsdp" else 1))
         held = in_flight_peak(actions[rank], [saved[c] for c in chunks])
         peak = max(peak, state + sum(step_gathered_bytes(gathered, inner.training)) + held + costs.other_bytes
                    + max(costs.boxing_bytes, _bucket_bytes(costs, [runs[c] for c in chunks], inner.training, dp)))
-    makespan = schedule_makespan(actions, v, lambda r, a: (fwd if a.kind == "F" else bwd)[a.chunk * pp + r], p2p)
-    return makespan + tail_s, peak
+    def seconds(r: int, a) -> float:        # fsdp: a chunk's first forward / last backward waits for its collectives
+        c = a.chunk * pp + r
+        if a.kind == "F":
+            return max(fwd[c], gather_s[c]) if a.micro_batch == 0 else fwd[c]
+        return max(bwd[c], scatter_s[c]) if a.micro_batch == m - 1 else bwd[c]
+
+    return schedule_makespan(actions, v, seconds, p2p) + tail_s, peak
 
 
 def _bucket_bytes(costs: BlockCosts, runs: list[range], training: Training, dp: int) -> float:
@@ -126,17 +135,18 @@ def _bucket_bytes(costs: BlockCosts, runs: list[range], training: Training, dp: 
     return max((min(sum(g), training.bucket_bytes + max(g)) for g in grads if g), default=0.0)
 
 
-def _rank_state(costs: BlockCosts, runs: list[range], training: Training, optimizer: str, dp: int
+def _rank_state(costs: BlockCosts, runs: list[range], training: Training, optimizer: str, dp: int, tp: int
                 ) -> tuple[float, float]:
     """(parameter state bytes, elements gathered for the step) of one device holding the blocks of
-    ``runs``, with ZeRO-3 over ``dp`` (1: none): a parameter whose local dim 0 ``dp`` divides is
-    sharded and gathered, as the fsdp baseline stores it (search/baselines.py ``_storage_wish``:
-    S(0), else B); the others stay whole. Non-floating and scalar parameters: by their block's bytes."""
+    ``runs``, with ZeRO-3 over ``dp`` (1: none): a parameter with a dim the inner plan does not split
+    and ``dp`` divides is sharded and gathered, as the fsdp baseline stores it (search/baselines.py
+    ``_storage_matching``; without tp, dim 0 only: ``_storage_wish``); the others stay whole.
+    Non-floating and scalar parameters: by their block's bytes."""
     numel = gathered = 0.0
     for r in runs:
         for i in r:
-            for local, dim0 in costs.params[i]:
-                split = dp > 1 and dim0 % dp == 0
+            for local, free in costs.params[i]:
+                split = dp > 1 and any(size % dp == 0 for size in (free if tp > 1 else free[:1]))
                 numel += local / dp if split else local
                 gathered += local if split else 0
     other = sum(costs.nbytes[i] - costs.activation_bytes[i] for r in runs for i in r) \

@@ -4,8 +4,8 @@ The plan inside one stage (its signatures over the inner mesh axes) is lowered a
 once for one micro-batch, without stages; each repeated block's cost is the time its tasks took
 (compute, recompute and the collectives charged to its ops) and its memory is its saved
 activations plus its parameters' per-device state (``param_state_bytes``: master, gradient,
-optimizer states, working copy). Beside them: each block's parameters (local elements and dim 0,
-for sharding them over dp) and what the cost model's memory accounting (costmodel/memory.py) gives
+optimizer states, working copy). Beside them: each block's parameters (local elements and the dims
+the plan does not split, for sharding them over dp) and what the cost model's memory accounting (costmodel/memory.py) gives
 the one-micro-batch program besides parameter state and saved activations (the recomputed block,
 the boxing buffer, the buffers). Ops outside the blocks count with the block they run next to
 (the embedding with the first, the head and the loss with the last). The blocks are then split
@@ -45,7 +45,8 @@ class BlockCosts:
     activation_bytes: list[float]
     grad_sync_s: float
     optimizer_s: float
-    params: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)   # per block: (numel, dim 0), local
+    # per block, each floating parameter's local elements and the sizes of the dims its storage does not split
+    params: list[list[tuple[int, tuple[int, ...]]]] = dataclasses.field(default_factory=list)
     other_bytes: float = 0.0         # the one-micro-batch program's recomputed + buffers (costmodel/memory.py)
     boxing_bytes: float = 0.0        # and its boxing_buffer (without dp: no gradient buckets)
 
@@ -79,14 +80,15 @@ def block_costs(graph: OpGraph, plan: Plan, cluster: Cluster) -> BlockCosts:
         if name in owner:
             saved[owner[name]] += size
     nbytes = dict(saved)
-    params: dict[str, list[tuple[int, int]]] = {b: [] for b in blocks}
+    params: dict[str, list[tuple[int, tuple[int, ...]]]] = {b: [] for b in blocks}
     for fqn, node in used_parameters(graph).items():
         first = graph.consumers(node.name)[0].name
         meta = node.outputs[0]
         local = local_bytes(meta.numel, storage_of(one, fqn), one.mesh.shape)
         nbytes[owner[first]] += param_state_bytes(local, one.training, one.optimizer)
         if meta.is_floating and meta.ndim:
-            params[owner[first]].append((local, storage_of(one, fqn).local_shape(meta.shape, one.mesh.shape)[0]))
+            taken = {sbp.dim for sbp in storage_of(one, fqn) if sbp.is_split()}
+            params[owner[first]].append((local, tuple(n for d, n in enumerate(meta.shape) if d not in taken)))
     boxing = boxing_buffer_bytes(predicted_collectives(graph, one, cluster, program), graph, one.mesh.shape)
     return BlockCosts(blocks, [forward[b] for b in blocks], [backward[b] for b in blocks],
                       [nbytes[b] for b in blocks], [saved[b] for b in blocks],
