@@ -16,7 +16,9 @@ to the target with its ``-> P`` axes held back (:func:`redistribute_target`), in
 the order of DTensor's greedy planner (:func:`dtensor_steps`: inner to outer
 axes first when the source is sharded, then outer to inner), then the local
 ``-> P`` moves. A step on axis k moves the tensor as the steps before left it:
-``M_k = nbytes / prod(mesh[j] for j != k if axis j is S at that moment)``.
+``M_k = nbytes / prod(mesh[j] for j != k if axis j is S at that moment)``. Consecutive
+all-reduces (``P -> B`` on several axes: a data-parallel gradient over two axes) are one
+all-reduce over the flattened group of their axes (:func:`flatten_all_reduces`), as DDP's.
 
 The backward gradient rule: an op hands back, for an input held as ``S(d)``, a
 gradient ``S(d)``; for ``P``, ``B``; for ``B``, ``B`` when every output of the op
@@ -31,10 +33,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, Union
 
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.sbp import B, NdSbp, Partial, Sbp
+
+Group = Union[int, tuple[int, ...]]   # a collective's ranks: one mesh axis, or several flattened into one group
+
+
+def group_axes(group: Group) -> tuple[int, ...]:
+    """The mesh axes of a collective's group (``2`` -> ``(2,)``)."""
+    return tuple(group) if isinstance(group, tuple) else (group,)
+
+
+def group_name(group: Group) -> str:
+    """``"1"`` for axis 1, ``"0+1"`` for axes 0 and 1 flattened (stream and audit names)."""
+    return "+".join(str(a) for a in group_axes(group))
 
 
 # -- the gradient rule ---------------------------------------------------------------------------
@@ -68,9 +82,10 @@ def needed_grad_ndsbp(output_nd: NdSbp) -> NdSbp:
 class Move:
     """One step of a boxing: on ``axes`` the tensor goes from layout ``before`` to ``after``.
 
-    A collective step has one axis, a ``kind`` and ``nbytes`` (M of the alpha-beta formula,
-    the full tensor as seen on that axis). A local step (``kind`` None) is a chunk (B -> S),
-    a zero-padded piece (S -> P, all such axes at once) or a keep-on-root (B -> P)."""
+    A collective step has a ``kind`` and ``nbytes`` (M of the alpha-beta formula, the full tensor
+    as seen on its axes) and one axis, or several for an all-reduce over their flattened group
+    (:func:`flatten_all_reduces`). A local step (``kind`` None) is a chunk (B -> S), a zero-padded
+    piece (S -> P, all such axes at once) or a keep-on-root (B -> P)."""
 
     axes: tuple[int, ...]
     before: NdSbp
@@ -81,6 +96,11 @@ class Move:
     @property
     def axis(self) -> int:
         return self.axes[0]
+
+    @property
+    def group(self) -> "Group":
+        """The ranks a collective step runs over: its mesh axis, or the tuple of its flattened axes."""
+        return self.axes if len(self.axes) > 1 else self.axes[0]
 
     @property
     def is_collective(self) -> bool:
@@ -145,7 +165,8 @@ def dtensor_steps(src: NdSbp, dst: NdSbp, mesh: Sequence[int]) -> list[tuple[int
 
 
 def boxing_moves(nbytes: int, src: NdSbp, dst: NdSbp, mesh: Sequence[int]) -> tuple[Move, ...]:
-    """Every step taking a tensor of ``nbytes`` from ``src`` to ``dst`` on ``mesh`` (module docstring).
+    """Every step taking a tensor of ``nbytes`` from ``src`` to ``dst`` on ``mesh`` (module docstring),
+    P -> B on several axes being one all-reduce over their flattened group (:func:`flatten_all_reduces`).
 
     Steps on a mesh axis of size 1 change the layout without moving data: they are kept as
     local moves so that each step's ``before`` is the layout the tensor really has."""
@@ -164,7 +185,7 @@ def boxing_moves(nbytes: int, src: NdSbp, dst: NdSbp, mesh: Sequence[int]) -> tu
             nxt = NdSbp(tuple(dst[i] if i in axes else s for i, s in enumerate(cur)))
             moves.append(Move(axes, cur, nxt))
             cur = nxt
-    return tuple(moves)
+    return flatten_all_reduces(moves)
 
 
 def gradient_moves(nbytes: int, grad: NdSbp, src: NdSbp, mesh: Sequence[int],
@@ -179,6 +200,24 @@ def gradient_moves(nbytes: int, grad: NdSbp, src: NdSbp, mesh: Sequence[int],
     return boxing_moves(nbytes, grad, need, mesh)
 
 
-def collectives_of(moves: Sequence[Move]) -> list[tuple[CollectiveKind, int, int]]:
-    """``(kind, axis, M bytes)`` of the collective moves (kinds before backend emulation)."""
-    return [(m.kind, m.axis, m.nbytes) for m in moves if m.kind is not None]
+def flatten_all_reduces(moves: Sequence[Move]) -> tuple[Move, ...]:
+    """``moves`` with each run of consecutive all-reduces on distinct axes made one all-reduce over
+    the flattened group of those axes (as DistributedDataParallel reduces a gradient over all its
+    ranks at once: data parallel over several mesh axes is one all-reduce, not one per axis).
+    Summing over axes 0 then 1 is summing over their flattened group, and every all-reduce of a run
+    has the same M (an all-reduce changes no split), so the result is the same with one collective:
+    a ring over n = n0*n1 ranks moves 2(n-1)/n*M per rank, the chain 2(n0-1)/n0*M + 2(n1-1)/n1*M."""
+    out: list[Move] = []
+    for m in moves:
+        prev = out[-1] if out else None
+        if (prev is not None and m.kind is CollectiveKind.ALL_REDUCE and prev.kind is CollectiveKind.ALL_REDUCE
+                and not set(m.axes) & set(prev.axes)):
+            out[-1] = Move(tuple(sorted(prev.axes + m.axes)), prev.before, m.after, m.kind, prev.nbytes)
+        else:
+            out.append(m)
+    return tuple(out)
+
+
+def collectives_of(moves: Sequence[Move]) -> list[tuple[CollectiveKind, Group, int]]:
+    """``(kind, group, M bytes)`` of the collective moves (kinds before backend emulation)."""
+    return [(m.kind, m.group, m.nbytes) for m in moves if m.kind is not None]

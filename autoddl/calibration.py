@@ -17,7 +17,14 @@ into a ``Cluster``:
 - ``links.intra_node``: per collective kind, ``costmodel.collectives.fit_collective``
   fits latency and bandwidth so that the cost model's formula reproduces the timings;
   the link gets the median over kinds (``efficiency.network`` is 1), and when a kind
-  differs from it by more than 20% every kind's fit goes into ``collectives``.
+  differs from it by more than 20% every kind's fit goes into ``collectives``;
+- ``collectives.send_recv``: the same fit of one point-to-point send (half an isend / irecv
+  ping-pong between two ranks; ``M/b + a``), always written: it prices a send inside a node
+  (``costmodel.collectives.send_recv_time_s``); it is not part of the link's median.
+
+``--only KINDS`` (``Settings.comm_only``) times those communication kinds alone and writes
+``--base`` with their fits put into ``collectives`` (:func:`calibrate_fits`), to be merged into a
+calibrated file.
 
 Fields not measured (name, device name and kind, nodes, inter-node link) come from
 ``--base``; every measured number gets a comment saying what was measured.
@@ -38,7 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from autoddl.cluster import CONFIG_DIR, Backend, Cluster, CollectiveFits, Efficiency, LinkSpec, RecomputeCost
+from autoddl.cluster import (COLLECTIVE_KINDS, CONFIG_DIR, Backend, Cluster, CollectiveFits, Efficiency, LinkSpec,
+                            RecomputeCost)
 from costmodel.collectives import CollectiveFit, CollectiveKind, fit_collective
 from executor.calibrate import (LARGE_MATMUL_FLOPS, CollectiveTiming, ComputeSummary, Measurements, Settings,
                                 compute_summary, executor_glue_us, measure, with_executor_overheads)
@@ -119,7 +127,7 @@ class Calibration:
     comments: dict[str, str]
     header: str
     fits: dict[str, CollectiveFit]
-    compute: ComputeSummary
+    compute: ComputeSummary | None          # None: only communication was timed (calibrate_fits)
 
     def write(self, path: str | os.PathLike) -> None:
         self.cluster.to_yaml(path, comments=self.comments, header=self.header)
@@ -154,61 +162,83 @@ def cpu_host(base: Cluster, meas: "Measurements", ram_gb: float, mem_gbps: float
             "host_memory_bandwidth_gbps": _sig(mem_gbps * nproc)}
 
 
-def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int | None = None,
-                      command: str = "", min_r2: float = MIN_R2) -> Calibration:
-    """Turn ``meas`` into a cluster: measured fields replaced, the rest from ``base`` (module docstring)."""
-    s = meas.settings
-    backend = Backend(s.backend)
-    if backend is Backend.NCCL and base.device.kind != "cuda":
+def _require_cuda_base(base: Cluster) -> None:
+    if base.device.kind != "cuda":
         raise ValueError(f"calibrate --backend nccl: the base cluster {base.source or base.name} has a "
                          f"{base.device.kind} device; pass --base with a cuda device (e.g. configs/dgx-a100-8.yaml)")
-    dpn = devices_per_node or max(base.devices_per_node, s.nproc)
-    if dpn < s.nproc:
-        raise ValueError(f"calibrate: --devices-per-node {dpn} is less than --nproc {s.nproc}")
-    ranks = f"{s.nproc} ranks at once, {s.threads} thread{'s' * (s.threads > 1)} each"
 
-    comp = compute_summary(meas.matmuls, meas.dispatch_us * 1e-6, meas.dtype_matmuls)
+
+@dataclass(frozen=True)
+class CommFits:
+    """What the communication timings give: every kind's fit, the kinds that could not be fitted (why),
+    the intra-node link (median over the collectives; a send is no collective), the collectives that
+    disagree with it, and the ``collectives`` entries to write (every collective's when one disagrees,
+    send_recv's always: it is the only price of a point-to-point send)."""
+
+    fits: dict[str, CollectiveFit]
+    failed: dict[str, str]
+    link: LinkSpec | None
+    odd: list[str]
+    per_kind: dict[str, LinkSpec]
+
+    @classmethod
+    def of(cls, meas: Measurements, backend: Backend, min_r2: float) -> "CommFits":
+        failed: dict[str, str] = {}
+        fits = fit_collectives(meas.collectives, backend, failed, min_r2)
+        colls = {k: f for k, f in fits.items() if k in COLLECTIVE_KINDS}
+        link = _rounded_link(combined_link(colls)) if colls else None
+        odd = disagreeing_kinds(colls, link) if link else []
+        per_kind = {k: _rounded_link(f.link) for k, f in colls.items()} if odd else {}
+        per_kind.update({k: _rounded_link(f.link) for k, f in fits.items() if k not in COLLECTIVE_KINDS})
+        return cls(fits, failed, link, odd, per_kind)
+
+
+def _rounded_link(link: LinkSpec) -> LinkSpec:
+    return LinkSpec(bandwidth_gbps=_sig(link.bandwidth_gbps), latency_us=_sig(link.latency_us))
+
+
+def _ranks_text(s: Settings) -> str:
+    return f"{s.nproc} ranks at once, {s.threads} thread{'s' * (s.threads > 1)} each"
+
+
+def _header(meas: Measurements, comm: CommFits, command: str, notes: Sequence[str] = ()) -> str:
+    """The YAML's header: the command, machine, time per benchmark, one line per fit or failed kind."""
+    s = meas.settings
+    lines = [f"Measured by `{command or 'autoddl calibrate'}` on {time.strftime('%Y-%m-%d %H:%M')}",
+             f"on {meas.machine}; {_ranks_text(s)}; {meas.seconds.get('total', 0):.0f} s ("
+             + ", ".join(f"{k} {v:.0f} s" for k, v in meas.seconds.items() if k != "total") + ").",
+             "Units are in the field names: *_gbps = GB/s (1e9 bytes/s, per device, one direction), "
+             "*_us = microseconds.",
+             f"Collective fits ({s.backend}; t = formula of costmodel.collectives with latency a, bandwidth b):"]
+    lines += [f"  {k}: {_fit_text(f, meas)}" for k, f in comm.fits.items()]
+    lines += [f"  {k}: not fitted, left to links.intra_node: {why}" for k, why in comm.failed.items()]
+    return "\n".join(lines + list(notes))
+
+
+def _measured_comments(meas: Measurements, base: Cluster, comp: ComputeSummary, comm: CommFits, dpn: int,
+                       memory_gb: float, mem_kind: str) -> dict[str, str]:
+    """Each measured field's comment (what was measured, how)."""
+    s = meas.settings
     largest = comp.points[-1][0]
     n_large = sum(1 for mt, _ in comp.points if mt.flops >= LARGE_MATMUL_FLOPS)
-    mem_kind, mem_gbps = max(meas.memory_gbps.items(), key=lambda kv: kv[1])
-    memory_gb = base.device.memory_gb
-    if base.device.kind == "cpu" and _total_memory_gb() > 0:
-        memory_gb = _sig(_total_memory_gb() / dpn, 3)
-
-    failed: dict[str, str] = {}
-    fits = fit_collectives(meas.collectives, backend, failed, min_r2)
-    link = combined_link(fits)
-    link = LinkSpec(bandwidth_gbps=_sig(link.bandwidth_gbps), latency_us=_sig(link.latency_us))
-    odd = disagreeing_kinds(fits, link)
-    per_kind = {k: LinkSpec(_sig(f.bandwidth_gbps), _sig(f.latency_us)) for k, f in fits.items()} if odd else {}
-    inter = link if base.nodes == 1 else base.inter_node
-
-    cluster = dataclasses.replace(
-        base, devices_per_node=dpn, backend=backend,
-        device=dataclasses.replace(base.device, peak_tflops={d: _sig(p) for d, p in comp.peaks.items()},
-                                   memory_gb=memory_gb, memory_bandwidth_gbps=_sig(mem_gbps)),
-        intra_node=link, inter_node=inter,
-        efficiency=Efficiency(compute=_sig(min(1.0, comp.large_efficiency), 3), memory=1.0, network=1.0),
-        op_overhead_us=_sig(meas.op_overhead_us, 3), collectives=CollectiveFits(**per_kind),
-        compute_curve=comp.curve, source="", **cpu_host(base, meas, _total_memory_gb() or memory_gb * dpn, mem_gbps, s.nproc))
-
     sizes = sorted({t.nbytes for t in meas.collectives})
     axes = sorted({t.n_devices for t in meas.collectives})
     span = f"{sizes[0] / 1024:g} KB .. {sizes[-1] / 2**20:g} MB, axis size{'s' * (len(axes) > 1)} " \
            f"{', '.join(map(str, axes))}, median of {s.repeats}"
+    colls = [k for k in comm.fits if k in COLLECTIVE_KINDS]
     comments = {
         "devices_per_node": (f"ranks on this machine; calibrated with {s.nproc}"
                              + (f"; above {s.nproc} ranks they share cores (slower compute and collectives "
                                 f"than measured)" if dpn > s.nproc else "")),
         "device.peak_tflops": (f"measured: best matmul rate per dtype over the same {len(comp.points)} shapes "
-                               f"(per-op dispatch {meas.dispatch_us:.1f} us taken out), {ranks}"
+                               f"(per-op dispatch {meas.dispatch_us:.1f} us taken out), {_ranks_text(s)}"
                                + "".join(f"; no {d} peak: {why}" for d, why in meas.dropped_dtypes.items())),
         "device.memory_gb": (f"measured: {_total_memory_gb():.1f} GB RAM / {dpn} devices"
                              if memory_gb != base.device.memory_gb or base.device.kind == "cpu" else "from base"),
         "device.memory_bandwidth_gbps": (
             f"measured: {mem_kind} over {s.memory_bytes >> 20} MB arrays (bytes read + written), per rank with "
-            f"{ranks}; " + ", ".join(f"{k} {v:.2f}" for k, v in meas.memory_gbps.items())),
-        "links.intra_node": (f"fitted: median over the {len(fits)} kinds of the per-kind fits below "
+            f"{_ranks_text(s)}; " + ", ".join(f"{k} {v:.2f}" for k, v in meas.memory_gbps.items())),
+        "links.intra_node": (f"fitted: median over the {len(colls)} collective kinds of the per-kind fits below "
                              f"({s.backend}, {span})"),
         "efficiency.compute": ((f"measured: median efficiency of the {n_large} matmuls of >= "
                                 f"{LARGE_MATMUL_FLOPS / 1e9:g} GFLOP" if n_large else
@@ -218,37 +248,84 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
         "efficiency.network": "1: the link and collectives numbers are achieved (fitted) values",
         "op_overhead_us": f"measured: add of 1-element tensors needing grad {meas.tiny_op_us:.1f} us, per rank",
         "compute_curve": "measured: matmul efficiency (of peak_tflops) by GFLOPs per matmul",
+        "links.inter_node": ("not measured (one node): same as intra_node, for resized()"
+                             if base.nodes == 1 else "from base: not measured on one machine"),
     }
     if base.device.kind == "cpu":
         comments.update(CPU_HOST_COMMENTS)
-    comments["links.inter_node"] = ("not measured (one node): same as intra_node, for resized()"
-                                    if base.nodes == 1 else "from base: not measured on one machine")
-    if per_kind:
-        comments["collectives"] = (f"per-kind fits ({', '.join(odd)} differ from the link by > "
-                                   f"{DISAGREEMENT:.0%}); used instead of links.intra_node")
-        for kind, f in fits.items():
-            comments[f"collectives.{kind}"] = _fit_text(f, meas)
+    if comm.per_kind:
+        comments["collectives"] = ((f"per-kind fits ({', '.join(comm.odd)} differ from the link by > "
+                                    f"{DISAGREEMENT:.0%}); " if comm.odd else "")
+                                   + "used instead of links.intra_node (send_recv: for a send inside a node)")
+        comments.update({f"collectives.{k}": _fit_text(comm.fits[k], meas) for k in comm.per_kind})
     for dtype, _, mt in comp.dtype_peaks:
         comments[f"device.peak_tflops.{dtype}"] = (f"measured: best {dtype} matmul rate, {mt.m}x{mt.k} @ "
                                                    f"{mt.k}x{mt.n}")
     for i, group in enumerate(comp.groups):
         comments[f"compute_curve.{i}"] = "M x K x N: " + ", ".join(f"{mt.m}x{mt.k}x{mt.n}" for mt in group)
+    return comments
 
-    stamp = time.strftime("%Y-%m-%d %H:%M")
-    lines = [f"Measured by `{command or 'autoddl calibrate'}` on {stamp}",
-             f"on {meas.machine}; {ranks}; {meas.seconds.get('total', 0):.0f} s ("
-             + ", ".join(f"{k} {v:.0f} s" for k, v in meas.seconds.items() if k != "total") + ").",
-             "Units are in the field names: *_gbps = GB/s (1e9 bytes/s, per device, one direction), "
-             "*_us = microseconds.",
-             f"Collective fits ({s.backend}; t = formula of costmodel.collectives with latency a, bandwidth b):"]
-    lines += [f"  {k}: {_fit_text(f, meas)}" for k, f in fits.items()]
-    lines += [f"  {k}: not fitted, left to links.intra_node: {why}" for k, why in failed.items()]
-    if dpn > s.nproc:
-        lines.append(f"devices_per_node {dpn} > {s.nproc} calibrated ranks: with more ranks than "
-                     f"{s.nproc} they share cores, so compute and collectives run slower than these numbers.")
+
+def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int | None = None,
+                      command: str = "", min_r2: float = MIN_R2) -> Calibration:
+    """Turn ``meas`` into a cluster: measured fields replaced, the rest from ``base`` (module docstring).
+    Timings of the communication kinds alone (``Settings.comm_only``): :func:`calibrate_fits`."""
+    s = meas.settings
+    if s.comm_only:
+        return calibrate_fits(meas, base, devices_per_node, command, min_r2)
+    backend = Backend(s.backend)
+    if backend is Backend.NCCL:
+        _require_cuda_base(base)
+    dpn = devices_per_node or max(base.devices_per_node, s.nproc)
+    if dpn < s.nproc:
+        raise ValueError(f"calibrate: --devices-per-node {dpn} is less than --nproc {s.nproc}")
+    comp = compute_summary(meas.matmuls, meas.dispatch_us * 1e-6, meas.dtype_matmuls)
+    mem_kind, mem_gbps = max(meas.memory_gbps.items(), key=lambda kv: kv[1])
+    memory_gb = base.device.memory_gb
+    if base.device.kind == "cpu" and _total_memory_gb() > 0:
+        memory_gb = _sig(_total_memory_gb() / dpn, 3)
+    comm = CommFits.of(meas, backend, min_r2)
+    if comm.link is None:
+        raise ValueError("calibrate: no collective could be fitted (only " + ", ".join(comm.fits)
+                         + "): the link needs one; run again when the machine is idle")
+    cluster = dataclasses.replace(
+        base, devices_per_node=dpn, backend=backend,
+        device=dataclasses.replace(base.device, peak_tflops={d: _sig(p) for d, p in comp.peaks.items()},
+                                   memory_gb=memory_gb, memory_bandwidth_gbps=_sig(mem_gbps)),
+        intra_node=comm.link, inter_node=comm.link if base.nodes == 1 else base.inter_node,
+        efficiency=Efficiency(compute=_sig(min(1.0, comp.large_efficiency), 3), memory=1.0, network=1.0),
+        op_overhead_us=_sig(meas.op_overhead_us, 3), collectives=CollectiveFits(**comm.per_kind),
+        compute_curve=comp.curve, source="", **cpu_host(base, meas, _total_memory_gb() or memory_gb * dpn, mem_gbps, s.nproc))
+    comments = _measured_comments(meas, base, comp, comm, dpn, memory_gb, mem_kind)
+    notes = [f"devices_per_node {dpn} > {s.nproc} calibrated ranks: with more ranks than {s.nproc} they share "
+             "cores, so compute and collectives run slower than these numbers."] if dpn > s.nproc else []
     cluster, comments = with_executor_overheads(cluster, comments, meas)
     cluster, comments = with_op_families(cluster, comments, meas)
-    return Calibration(cluster=cluster, comments=comments, header="\n".join(lines), fits=fits, compute=comp)
+    return Calibration(cluster=cluster, comments=comments, header=_header(meas, comm, command, notes),
+                       fits=comm.fits, compute=comp)
+
+
+def calibrate_fits(meas: Measurements, base: Cluster, devices_per_node: int | None = None, command: str = "",
+                   min_r2: float = MIN_R2) -> Calibration:
+    """``autoddl calibrate --only KINDS``: ``base`` with the fits of the timed kinds written into
+    ``collectives`` (replacing the base's entries for those kinds) and ``devices_per_node`` when given;
+    every other field, the links included, is the base's (its comments are not carried: copy the new
+    entries into the base file)."""
+    s = meas.settings
+    if Backend(s.backend) is not base.backend:
+        raise ValueError(f"calibrate --only: timed on {s.backend} but the base cluster {base.source or base.name} "
+                         f"uses {base.backend.value}; pass --backend {base.backend.value} or another --base")
+    failed: dict[str, str] = {}
+    fits = fit_collectives(meas.collectives, s.backend, failed, min_r2)
+    entries = {**dict(base.collectives.items()), **{k: _rounded_link(f.link) for k, f in fits.items()}}
+    cluster = dataclasses.replace(base, collectives=CollectiveFits(**entries), source="",
+                                  devices_per_node=devices_per_node or base.devices_per_node)
+    comments = {f"collectives.{k}": f"measured: {_fit_text(f, meas)}" for k, f in fits.items()}
+    comm = CommFits(fits, failed, None, [], {})
+    note = (f"Only {', '.join(s.kinds)} timed (--only); every other field is from "
+            f"{base.source or base.name}, whose comments are not copied here.")
+    return Calibration(cluster=cluster, comments=comments, header=_header(meas, comm, command, [note]),
+                       fits=fits, compute=None)
 
 
 # -- op families and recompute: what the executor's ops really cost ---------------------------------
@@ -384,8 +461,9 @@ def write_raw(meas: Measurements, path: str | os.PathLike) -> None:
             w.writerow(["collective", f"{t.kind}: {t.how}", t.n_devices, t.nbytes, t.time_s])
         for k, v in meas.memory_gbps.items():
             w.writerow(["memory_gbps", k, 1, meas.settings.memory_bytes, v])
-        w.writerow(["overhead_us", "tiny add", 1, 0, meas.dispatch_us])
-        w.writerow(["overhead_us", "tiny add with grad", 1, 0, meas.tiny_op_us])
+        if not meas.settings.comm_only:
+            w.writerow(["overhead_us", "tiny add", 1, 0, meas.dispatch_us])
+            w.writerow(["overhead_us", "tiny add with grad", 1, 0, meas.tiny_op_us])
         for ft in meas.families:            # one row per direction; bytes_or_flops: the op's FLOPs
             w.writerow(["family", f"{ft.dtype} {ft.family} {ft.size} forward", 1, ft.flops, ft.forward_s])
             w.writerow(["family", f"{ft.dtype} {ft.family} {ft.size} backward", 1, ft.flops, ft.backward_s])
@@ -402,9 +480,7 @@ def calibrate(base: Cluster, settings: Settings, devices_per_node: int | None = 
     if settings.backend == Backend.NCCL.value:
         import torch
 
-        if base.device.kind != "cuda":
-            raise ValueError(f"calibrate --backend nccl: the base cluster {base.source or base.name} has a "
-                             f"{base.device.kind} device; pass --base with a cuda device (e.g. configs/dgx-a100-8.yaml)")
+        _require_cuda_base(base)
         if torch.cuda.device_count() < settings.nproc:
             raise ValueError(f"calibrate --backend nccl needs one GPU per rank: --nproc {settings.nproc}, "
                              f"{torch.cuda.device_count()} GPUs visible; use --backend gloo or a smaller --nproc")

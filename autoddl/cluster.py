@@ -77,6 +77,9 @@ DEFAULT_CLUSTER = DEFAULT_CLUSTER_PATH          # alias used in the shared inter
 DEVICE_KINDS = ("cuda", "cpu")
 # The values of autoddl.collective_kinds.CollectiveKind (which imports this module's Backend).
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+# The kinds ``collectives`` may hold a fit for: the collectives, and point-to-point sends (``send_recv``:
+# one rank's isend matched by another's irecv, as pipeline stages and shard transfers run them).
+FITTED_KINDS = COLLECTIVE_KINDS + ("send_recv",)
 # The dtypes device.peak_tflops may give a peak for (torch names), in the order written; aliases in DTYPES.
 PEAK_DTYPES = tuple(DTYPES.values())            # float32, bfloat16, float16
 
@@ -223,13 +226,14 @@ class CollectiveFits:
     reduce_scatter: LinkSpec | None = None
     all_to_all: LinkSpec | None = None
     broadcast: LinkSpec | None = None
+    send_recv: LinkSpec | None = None       # point to point (costmodel.collectives.send_recv_time_s)
 
     def get(self, kind: Any) -> LinkSpec | None:
         name = getattr(kind, "value", kind)
-        return getattr(self, name) if name in COLLECTIVE_KINDS else None
+        return getattr(self, name) if name in FITTED_KINDS else None
 
     def items(self) -> list[tuple[str, LinkSpec]]:
-        return [(k, getattr(self, k)) for k in COLLECTIVE_KINDS if getattr(self, k) is not None]
+        return [(k, getattr(self, k)) for k in FITTED_KINDS if getattr(self, k) is not None]
 
     def __bool__(self) -> bool:
         return bool(self.items())
@@ -545,14 +549,14 @@ def _peaks(src: str, dotted: str, value: Any, expected: str, errors: list[str]) 
 def _collectives(src: str, value: Any, errors: list[str]) -> CollectiveFits | None:
     """``collectives: {kind: {latency_us, bandwidth_gbps}, ...}`` -> CollectiveFits (None on error)."""
     if not isinstance(value, dict):
-        errors.append(f"{src}: collectives: expected a mapping from collective kind ({', '.join(COLLECTIVE_KINDS)}) "
+        errors.append(f"{src}: collectives: expected a mapping from collective kind ({', '.join(FITTED_KINDS)}) "
                       f"to {{latency_us: microseconds, bandwidth_gbps: GB/s}}, got {value!r}")
         return None
     n_before = len(errors)
     fits: dict[str, LinkSpec] = {}
     for kind, spec in value.items():
-        if kind not in COLLECTIVE_KINDS:
-            errors.append(_unknown_key(src, "collectives.", kind, COLLECTIVE_KINDS))
+        if kind not in FITTED_KINDS:
+            errors.append(_unknown_key(src, "collectives.", kind, FITTED_KINDS))
             continue
         link = _section(src, f"collectives.{kind}", spec, _LINK_FIELDS, errors)
         if link:
@@ -859,10 +863,10 @@ class Cluster:
             object.__setattr__(self, "device", dataclasses.replace(self.device, source=src))
         if isinstance(self.collectives, dict):          # {kind: LinkSpec | {latency_us, bandwidth_gbps}}
             fits = {k: LinkSpec(**v) if isinstance(v, dict) else v for k, v in self.collectives.items()}
-            bad = [k for k in fits if k not in COLLECTIVE_KINDS]
+            bad = [k for k in fits if k not in FITTED_KINDS]
             if bad:
                 raise ClusterConfigError(f"{self.source or self.name}: collectives: unknown kinds {bad}; "
-                                         f"known kinds: {', '.join(COLLECTIVE_KINDS)}")
+                                         f"known kinds: {', '.join(FITTED_KINDS)}")
             object.__setattr__(self, "collectives", CollectiveFits(**fits))
         if self.compute_curve is None:
             object.__setattr__(self, "compute_curve", ())

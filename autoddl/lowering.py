@@ -34,8 +34,8 @@ Mixed precision: gradients cross the network in ``Training.grad_reduce_dtype``; 
 under the policy) already holds activations and parameter working copies in ``param_dtype``.
 
 Spilling to host memory (``Training.offload``, autoddl/offload.py): the host copies are emitted by
-autoddl/offload_program.py at four points (before an op's forward and backward, after an op's
-backward, around the optimizer, which then runs on the host); a compute task waits for the copies
+autoddl/offload_program.py at five points (before an op's forward and backward, after an op's
+forward and backward, around the optimizer, which then runs on the host); a compute task waits for the copies
 it needs (``wait_for``).
 
 ZeRO-3 / FSDP gathers: the parameter uses whose move is one all-gather are grouped by layer
@@ -57,7 +57,7 @@ import math
 from dataclasses import replace
 from typing import Sequence
 
-from autoddl.boxing import Move, boxing_moves, gradient_moves, grad_ndsbp, needed_grad_ndsbp
+from autoddl.boxing import Group, Move, boxing_moves, gradient_moves, grad_ndsbp, needed_grad_ndsbp
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
 from autoddl.offload import check_offload
@@ -201,8 +201,8 @@ class _Lowering:
     def emit_moves(self, moves: Sequence[Move], phase: str, tensor: str, op: str, host: bool = True) -> None:
         for m in moves:
             if m.kind is not None:
-                task = self.emit(host=host, phase=phase, stream=comm_stream(m.axis), op=op, collective=m.kind,
-                                 axis=m.axis, nbytes=m.nbytes, tensor=tensor)
+                task = self.emit(host=host, phase=phase, stream=comm_stream(m.group), op=op, collective=m.kind,
+                                 axis=m.group, nbytes=m.nbytes, tensor=tensor)
                 if not host:
                     self.async_tasks.append(task.id)
 
@@ -218,6 +218,7 @@ class _Lowering:
         self.emit(deps=deps, phase="forward", stream=COMPUTE, op=node.name, local_flops=node.flops / share,
                   local_bytes=(node.bytes_read + node.bytes_written) / share)
         self.inner(node, sig, "forward")
+        self.spill.after_forward(node)
 
     def inner(self, node: OpNode, sig: Signature, phase: str) -> None:
         """The collectives the op's local kernel runs itself (autoddl.ops.inner_collectives), synchronous;
@@ -363,8 +364,8 @@ class _Lowering:
 
     # -- gradient sync buckets ----------------------------------------------------------------------
     def pack_buckets(self, ops: list[OpNode]) -> None:
-        """Bucket the uses whose sync is one reduction (or all-reduces on several axes, one after
-        another), in the order backward makes them ready
+        """Bucket the uses whose sync is one reduction (an all-reduce or reduce-scatter on one axis, or
+        an all-reduce over several axes' flattened group), in the order backward makes them ready
         (the reverse of their first consumer's forward position); one open bucket per (kind, axis),
         closed at ``bucket_mb`` (the first at 1 MB, as DDP does). Buckets are numbered by when
         their last gradient is ready: the order every rank launches them in."""
@@ -372,12 +373,12 @@ class _Lowering:
         ready = sorted((u for u in self.prog.param_uses if u.grad is not None),
                        key=lambda u: (-position[self.first_consumer[u.index]], u.index))
         cap = self.plan.training.bucket_bytes
-        open_: dict[tuple[CollectiveKind, int, int], list[ParamUse]] = {}
+        open_: dict[tuple[CollectiveKind, Group, int], list[ParamUse]] = {}
         closed: list[list[ParamUse]] = []
         for use in ready:
             if cap <= 0 or not _bucketable(use.grad_sync):
                 continue
-            key = (tuple((m.kind, m.axis) for m in use.grad_sync), self.stage(self.first_consumer[use.index]))
+            key = (use.grad_sync[0].kind, use.grad_sync[0].group, self.stage(self.first_consumer[use.index]))
             members = open_.setdefault(key, [])
             members.append(use)
             limit = min(cap, FIRST_BUCKET_BYTES) if not closed else cap
@@ -388,9 +389,8 @@ class _Lowering:
         closed.sort(key=lambda members: max(rank[u.index] for u in members))
         for index, members in enumerate(closed):
             move = members[0].grad_sync[0]
-            self.prog.buckets.append(Bucket(index, move.kind, move.axis, tuple(u.index for u in members),
-                                            sum(u.grad_sync[0].nbytes for u in members),
-                                            tuple(m.axis for m in members[0].grad_sync[1:])))
+            self.prog.buckets.append(Bucket(index, move.kind, move.group, tuple(u.index for u in members),
+                                            sum(u.grad_sync[0].nbytes for u in members)))
             for u in members:
                 self.prog.param_uses[u.index] = _with_bucket(u, index)
 
@@ -436,7 +436,6 @@ class _Lowering:
                         remaining[bucket] -= 1
                         self.launch_ready_buckets(remaining, node.name)
             self.spill.after_backward(node.name)
-        self.launch_then_axes()
         for use in self.prog.param_uses:              # the rest, at the end of backward
             if use.grad is not None and use.bucket < 0:
                 first = len(self.prog.tasks)
@@ -474,20 +473,6 @@ class _Lowering:
             if not self.syncs_every_micro_step([self.prog.param_uses[i] for i in b.uses]):
                 self.deferred_syncs.add(task.id)
             self.bucket_tasks.append(task.id)
-
-    def launch_then_axes(self) -> None:
-        """At the end of backward, in bucket order, each bucket's all-reduces on its further axes
-        (data parallel over several mesh axes), each after the one before on the same buffer: the
-        executor launches them there (executor/gradsync.py), so that no backward hook waits."""
-        for b, first in zip(self.prog.buckets, self.bucket_tasks):
-            deps = (first, self.last)
-            for axis in b.then_axes:
-                task = self.emit(host=False, deps=deps, phase="grad_sync", stream=comm_stream(axis),
-                                 op=self.prog.tasks[first].op, collective=CollectiveKind.ALL_REDUCE, axis=axis,
-                                 nbytes=b.nbytes, tensor=f"bucket{b.index}")
-                deps = (task.id,)
-                if first in self.deferred_syncs:
-                    self.deferred_syncs.add(task.id)
 
     # -- pipeline stages ----------------------------------------------------------------------------
     def pipeline(self) -> None:
@@ -568,13 +553,9 @@ def param_syncs(graph: OpGraph, plan: Plan, only: frozenset[str] | None = None) 
 
 
 def _bucketable(sync: Sequence[Move]) -> bool:
-    """A gradient sync a bucket can carry: one reduction (all-reduce or reduce-scatter), or
-    all-reduces on distinct axes one after another (P on each data-parallel axis -> B)."""
-    if len(sync) == 1:
-        return sync[0].kind in BUCKETED_KINDS
-    axes = [m.axis for m in sync]
-    return (bool(sync) and all(m.kind is CollectiveKind.ALL_REDUCE and len(m.axes) == 1 for m in sync)
-            and len(set(axes)) == len(axes))
+    """A gradient sync a bucket can carry: one reduction (all-reduce or reduce-scatter; an all-reduce
+    over several axes is one, over their flattened group: autoddl.boxing.flatten_all_reduces)."""
+    return len(sync) == 1 and sync[0].kind in BUCKETED_KINDS
 
 
 def _with_bucket(use: ParamUse, bucket: int) -> ParamUse:

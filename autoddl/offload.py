@@ -18,7 +18,10 @@ the cost model (their prices, memory on both sides) and the executor (the copies
   done (with several micro-steps, on one device only: every micro-step copies its gradients out and
   the host adds them up, which is not priced). Its updated parameters stay on the host.
 
-Saved activations are not spilled (the issue's "if needed to fit" is not built).
+- ``activations``: as ``params``, and the same groups' saved activations (autoddl/activations.py's
+  rule, per micro-step) too: copied out (device -> host, on the ``copy_d2h`` stream) when the
+  group's forward is done, and in again before its backward, one group ahead (double buffering as
+  for parameters); the last spilled group's stay on the device (backward starts with them).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from autoddl.activations import block_activation_bytes
 from autoddl.graph import NodeKind, OpGraph, TensorMeta
 from autoddl.pipeline import pipeline_degree
 from autoddl.plan import Plan
@@ -34,6 +38,7 @@ from autoddl.program import grad_storage_of, layer_group, storage_of, used_param
 
 HOST = "host"           # the host CPU's stream: the optimizer step under offload
 H2D, D2H = "h2d", "d2h"
+SPILL_LEVELS = ("params", "activations")      # the levels that spill layer groups (spill_groups)
 
 
 def copy_stream(direction: str) -> str:
@@ -46,13 +51,15 @@ def copy_stream(direction: str) -> str:
 class SpillGroup:
     """One layer group whose working parameters live on the host (module docstring), with the bytes
     one rank copies: its parameters' local pieces in ``param_dtype`` (in) and their gradients' in the
-    reduce dtype (out)."""
+    reduce dtype (out); under ``activations``, its saved activations of one micro-step (out after
+    forward, in before backward; 0 under ``params``)."""
 
     index: int
     group: str                       # "transformer.h.3"
     fqns: tuple[str, ...]
     param_bytes: int
     grad_bytes: int
+    act_bytes: int = 0
 
 
 def offload_level(plan: Plan) -> str:
@@ -83,10 +90,10 @@ def check_offload(graph: OpGraph, plan: Plan) -> None:
     if pipeline_degree(plan) > 1:
         raise ValueError(f"plan {plan.name!r}: offload {level} with pipeline stages is not supported; "
                          "use --offload none with a pp degree")
-    if level != "params":
+    if level not in SPILL_LEVELS:
         return
     if plan.training.micro_batches > 1 and plan.mesh.size > 1:
-        raise ValueError(f"plan {plan.name!r}: offload params with {plan.training.micro_batches} micro-steps on "
+        raise ValueError(f"plan {plan.name!r}: offload {level} with {plan.training.micro_batches} micro-steps on "
                          f"{plan.mesh.size} devices is not supported (each micro-step copies its gradients out, "
                          "before a deferred gradient sync); use one micro-step, one device or --offload optimizer")
     groups = spill_groups(graph, plan)
@@ -98,16 +105,30 @@ def check_offload(graph: OpGraph, plan: Plan) -> None:
         for fqn in group.fqns:
             storage = storage_of(plan, fqn)
             if any(s.is_split() and n > 1 for s, n in zip(storage, plan.mesh.shape)):
-                raise ValueError(f"plan {plan.name!r}: offload params copies each spilled parameter whole to its "
+                raise ValueError(f"plan {plan.name!r}: offload {level} copies each spilled parameter whole to its "
                                  f"rank, but {fqn} is stored {storage} (sharded: ZeRO-3 / FSDP / tensor parallel); "
                                  "use --offload optimizer with this plan, or a plan that replicates it")
 
 
+def check_runnable_offload(graph: OpGraph, plan: Plan) -> None:
+    """Refuse what the executor does not run though the cost model prices it: offload activations of a
+    block that is also recomputed (a checkpointed block's saved tensors bypass the spill hooks)."""
+    if offload_level(plan) != "activations":
+        return
+    recomputed = [g.group for g in spill_groups(graph, plan) if plan.training.recompute_of(g.group) != "none"]
+    if recomputed:
+        raise ValueError(f"plan {plan.name!r}: offload activations of recomputed blocks ({', '.join(recomputed[:3])}"
+                         f"{', ...' if len(recomputed) > 3 else ''}) is not run by the executor (a checkpointed "
+                         "block's saved tensors bypass the spill hooks); use --recompute none for the spilled "
+                         "blocks, or --offload params")
+
+
 def spill_groups(graph: OpGraph, plan: Plan) -> list[SpillGroup]:
-    """The layer groups spilled under ``offload params``, in the order forward first uses them
-    (empty under any other level): ``Training.spill_blocks``, or every one when it names none.
-    Parameters outside every repeated block (``root``) stay."""
-    if offload_level(plan) != "params":
+    """The layer groups spilled under ``offload params`` / ``activations``, in the order forward first
+    uses them (empty under any other level): ``Training.spill_blocks``, or every one when it names
+    none. Parameters outside every repeated block (``root``) stay."""
+    level = offload_level(plan)
+    if level not in SPILL_LEVELS:
         return []
     chosen = set(plan.training.spill_blocks)
     order: dict[str, list[str]] = {}
@@ -121,8 +142,9 @@ def spill_groups(graph: OpGraph, plan: Plan) -> list[SpillGroup]:
                 if p.target not in fqns:
                     fqns.append(p.target)
     meta = {f: n.outputs[0] for f, n in used.items()}
+    saved = block_activation_bytes(graph, plan) if level == "activations" else {}
     return [SpillGroup(i, g, tuple(fqns), sum(working_bytes(plan, f, meta[f]) for f in fqns),
-                       sum(grad_bytes(plan, f, meta[f]) for f in fqns))
+                       sum(grad_bytes(plan, f, meta[f]) for f in fqns), saved.get(g, 0))
             for i, (g, fqns) in enumerate(order.items())]
 
 

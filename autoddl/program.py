@@ -7,12 +7,13 @@
   and the backward moves of its gradient), or a parameter use (a ``ParamUse``:
   storage -> use layout forward, gradient -> storage as the gradient sync);
 - the gradient-sync buckets: parameter uses whose sync is one collective of one
-  kind on one mesh axis, packed in the order their gradients become ready in
-  backward, up to ``plan.training.bucket_mb``, launched asynchronously as each
+  kind on one mesh axis (or one all-reduce over several axes' flattened group), packed
+  in the order their gradients become ready in backward, up to ``plan.training.bucket_mb``, launched asynchronously as each
   fills (as DistributedDataParallel's Reducer does);
 - the ordered ``tasks`` with dependencies, each on a stream (``compute``, or
-  ``comm<axis>`` for the collectives of a mesh axis, ``p2p`` for pipeline sends, ``copy_h2d`` /
-  ``copy_d2h`` for host copies and ``host`` for an optimizer step on the host: autoddl/offload.py)
+  ``comm<axis>`` for the collectives of a mesh axis, ``comm0+1`` for those over axes 0 and 1
+  flattened, ``p2p`` for pipeline sends, ``copy_h2d`` / ``copy_d2h`` for host copies and
+  ``host`` for an optimizer step on the host: autoddl/offload.py)
   of one pipeline rank (``pp_rank``; autoddl/pipeline_program.py): forward ops and the
   collectives boxing their inputs, backward ops in reverse with their gradients'
   collectives, the buckets, the remaining syncs, the optimizer (and, spilling, the host copies).
@@ -35,7 +36,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence, Union
 
-from autoddl.boxing import Move
+from autoddl.boxing import Group, Move, group_axes, group_name
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
 from autoddl.op_families import MATMUL_LIKE, ZERO_COST
@@ -50,8 +51,11 @@ COMPUTE = "compute"
 PHASES = ("forward", "recompute", "backward", "grad_sync", "optimizer", "offload")   # offload: host copies
 
 
-def comm_stream(axis: int) -> str:
-    return f"comm{axis}"
+def comm_stream(group: Group) -> str:
+    """The stream of a collective's group: ``comm1`` for mesh axis 1, ``comm0+1`` for axes 0 and 1
+    flattened (a process group of its own, so a queue of its own: gloo and NCCL run each group's
+    collectives in order on that group's own thread / communicator)."""
+    return f"comm{group_name(group)}"
 
 
 # -- layouts of a plan ----------------------------------------------------------------------------
@@ -244,20 +248,19 @@ class GatherGroup:
 
 @dataclass(frozen=True)
 class Bucket:
-    """Gradients synced together: one collective of ``kind`` on ``axis`` over their flat buffer, then
-    (data parallel over several mesh axes: P on each -> B) an all-reduce of that buffer on each of
-    ``then_axes`` in turn."""
+    """Gradients synced together: one collective of ``kind`` over their flat buffer, on mesh axis
+    ``axis`` or (data parallel over several mesh axes: P on each -> B) one all-reduce over the
+    flattened group of a tuple of axes (autoddl.boxing.flatten_all_reduces)."""
 
     index: int
     kind: CollectiveKind
-    axis: int
+    axis: Group
     uses: tuple[int, ...]            # ParamUse indices, in the order their gradients become ready
-    nbytes: int                      # M of each collective: the uses' M added up
-    then_axes: tuple[int, ...] = ()  # further all-reduces of the reduced buffer, in order
+    nbytes: int                      # M of the collective: the uses' M added up
 
     @property
     def axes(self) -> tuple[int, ...]:
-        return (self.axis,) + self.then_axes
+        return group_axes(self.axis)
 
 
 @dataclass(frozen=True)
@@ -277,11 +280,11 @@ InputSource = Union[BoxKey, int]     # an edge, or a ParamUse index
 class Task:
     id: int
     phase: str                       # one of PHASES
-    stream: str                      # COMPUTE or comm_stream(axis)
+    stream: str                      # COMPUTE or comm_stream(axis or group)
     deps: tuple[int, ...]
     op: str = ""                     # graph node whose work or input this is
     collective: CollectiveKind | None = None   # before backend emulation
-    axis: int = -1
+    axis: Group = -1                 # a mesh axis, or a tuple of axes flattened into one group
     nbytes: int = 0                  # M of the collective
     tensor: str = ""                 # what a collective moves: "producer->consumer", a fqn, "bucket3"
     local_flops: float = 0.0         # compute: this rank's share of the op's forward FLOPs

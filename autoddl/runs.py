@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
+from autoddl.boxing import Group, group_axes
 from autoddl.cluster import DEFAULT_CLUSTER_PATH, Backend, Cluster
 from autoddl.loader import load_for_plan
 from autoddl.plan import Plan
@@ -146,22 +147,25 @@ def check_worst(errors: dict[str, float]) -> dict[str, tuple[float, str]]:
             for kind in ("loss", "grad", "param")}
 
 
-def group_collectives(items) -> dict[tuple[str, str, int], tuple[int, int]]:
-    """(phase, kind, axis) -> (count, bytes) for audit records (dicts) or costmodel Collectives."""
+def group_collectives(items) -> dict[tuple[str, str, Group], tuple[int, int]]:
+    """(phase, kind, axis) -> (count, bytes) for audit records (dicts) or costmodel Collectives; the
+    axis of a collective over several axes' flattened group is their tuple (a list in JSON)."""
     out: dict[tuple[str, str, int], list[int]] = defaultdict(lambda: [0, 0])
     for c in items:
         get = c.get if isinstance(c, dict) else lambda k: getattr(c, k)
         kind = get("kind")
-        key = (get("phase"), getattr(kind, "value", kind), int(get("axis")))
+        axis = get("axis")
+        axis = tuple(axis) if isinstance(axis, (list, tuple)) else int(axis)
+        key = (get("phase"), getattr(kind, "value", kind), axis)
         out[key][0] += 1
         out[key][1] += int(get("bytes"))
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def compare_collectives(predicted, measured) -> list[tuple[tuple[str, str, int], tuple[int, int], tuple[int, int]]]:
+def compare_collectives(predicted, measured) -> list[tuple[tuple[str, str, Group], tuple[int, int], tuple[int, int]]]:
     """``(key, predicted (count, bytes), measured (count, bytes))`` per (phase, kind, axis), in step order."""
     p, m = group_collectives(predicted), group_collectives(measured)
-    keys = sorted(set(p) | set(m), key=lambda k: (PHASE_ORDER.get(k[0], 9), k[1], k[2]))
+    keys = sorted(set(p) | set(m), key=lambda k: (PHASE_ORDER.get(k[0], 9), k[1], group_axes(k[2])))
     return [(key, p.get(key, (0, 0)), m.get(key, (0, 0))) for key in keys]
 
 

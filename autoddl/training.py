@@ -25,9 +25,10 @@ tasks of the step program, which the cost model prices and the executor runs.
   block of each virtual stage after the first (empty: equal block counts): autoddl/pipeline.py.
 - ``offload``: spilling to host memory (autoddl/offload.py): ``none``; ``optimizer`` (float32
   masters, optimizer states and the optimizer step on the host, ZeRO-Offload); ``params`` (also
-  each layer group's working parameters, copied in one group ahead of use). ``auto`` is a
-  request: the planner tries none, then optimizer, then params, and writes the level it chose.
-- ``spill_blocks``: under ``offload params``, the repeated blocks spilled (empty: every one); the
+  each layer group's working parameters, copied in one group ahead of use); ``activations`` (also
+  those groups' saved activations, out after their forward, in before their backward). ``auto`` is
+  a request: the planner tries none, then each level in this order, and writes the level it chose.
+- ``spill_blocks``: under ``offload params`` / ``activations``, the repeated blocks spilled (empty: every one); the
   planner spills the fewest, in block order, with which the plan fits.
 """
 
@@ -42,7 +43,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}   # --precis
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 RECOMPUTE_CHOICES = RECOMPUTE_POLICIES + ("auto",)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")   # pipeline schedules (autoddl/pipeline.py)
-OFFLOAD_LEVELS = ("none", "optimizer", "params")   # what lives in host memory (autoddl/offload.py), least first
+OFFLOAD_LEVELS = ("none", "optimizer", "params", "activations")   # what lives in host memory (autoddl/offload.py), least first
 OFFLOAD_CHOICES = OFFLOAD_LEVELS + ("auto",)
 
 

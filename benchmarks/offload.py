@@ -8,6 +8,8 @@ configs/a10-24gb.yaml (8 x A10 24 GB, PCIe 4.0 x16 to the host):
   alone are 23.4 GB), so the planner spills (the first level with which a plan fits); once with one
   micro-step of 8 sequences (each block copied in twice per step), once with 8 micro-steps of 1
   (each block copied in twice per micro-step);
+- ``1 x A10, --offload activations``: the same, spilling the blocks' saved activations as well as
+  their parameters (the fewest blocks with which it fits), whether or not ``auto`` chose it;
 - ``1 x A10, --offload none``: the plan on the device alone, priced without the memory limit: what
   it would need;
 - ``8 x A10, --offload none``: the same model and global batch on the whole server, no spilling.
@@ -38,6 +40,8 @@ COMMON = ["examples/gpt.py", "--preset", "gpt-6b", "--cluster", CLUSTER, "--prec
 RUNS = (   # (label, devices, offload, extra flags): every row a global batch of 8 sequences of 2048
     ("1 x A10, offload auto, 1 micro-step of 8", 1, "auto", ["--micro-batch-size", "8"]),
     ("1 x A10, offload auto, 8 micro-steps of 1", 1, "auto", ["--micro-batch-size", "1"]),
+    ("1 x A10, offload activations, 1 micro-step of 8", 1, "activations", ["--micro-batch-size", "8"]),
+    ("1 x A10, offload activations, 8 micro-steps of 1", 1, "activations", ["--micro-batch-size", "1"]),
     ("1 x A10, no offload (priced without the memory limit)", 1, "none", ["--micro-batch-size", "8",
                                                                           "--memory-gb", "1000"]),
     ("8 x A10, no offload", 8, "none", ["--micro-batch-size", "1"]),
@@ -79,7 +83,7 @@ def main_() -> None:
     print(f"wrote {path.relative_to(ROOT)} in {time.perf_counter() - t0:.0f} s "
           f"(1-minute load average {load:.1f} before, {os.getloadavg()[0]:.1f} after)")
     for r in rows:
-        print(f"{r['setting']:>48}: mesh {r['mesh']:>4}, offload {r['offload']:>9}, step {float(r['step_s']):.3f} s, "
+        print(f"{r['setting']:>52}: mesh {r['mesh']:>4}, offload {r['offload']:>9}, step {float(r['step_s']):.3f} s, "
               f"{r['memory_gb_per_device']} GB per device (fits 24 GB: {r['fits']}), host "
               f"{r['host_memory_gb_per_device']} GB, {r['tokens_per_s']} tokens/s")
 

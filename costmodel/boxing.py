@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from autoddl.boxing import (boxing_moves, collectives_of, gradient_moves, grad_ndsbp, grad_sbp,  # noqa: F401
+from autoddl.boxing import (Group, boxing_moves, collectives_of, gradient_moves, grad_ndsbp, grad_sbp,  # noqa: F401
                             needed_grad_ndsbp, needed_grad_sbp, transition_kind)
 from autoddl.cluster import Cluster
 from autoddl.graph import TensorMeta
 from autoddl.sbp import NdSbp
 from costmodel.collectives import CollectiveKind, cluster_collective_time_s
 
-Transition = tuple[CollectiveKind, int, int]   # (kind, mesh axis, M bytes)
+Transition = tuple[CollectiveKind, Group, int]   # (kind, mesh axis or tuple of flattened axes, M bytes)
 
 
 def boxing_collectives(meta: TensorMeta, src: NdSbp, dst: NdSbp,
@@ -67,7 +67,7 @@ def backward_boxing_collectives(meta: TensorMeta, src: NdSbp, dst: NdSbp, mesh_s
 
 
 def transitions_time_s(transitions: Sequence[Transition], mesh_shape: Sequence[int], cluster: Cluster) -> float:
-    """Sum of the collectives' times, each on the link of its mesh axis, as the backend runs it."""
+    """Sum of the collectives' times, each on the link of its mesh axis (or group), as the backend runs it."""
     mesh = tuple(mesh_shape)
     return sum(cluster_collective_time_s(kind, nbytes, mesh, axis, cluster) for kind, axis, nbytes in transitions)
 

@@ -1,4 +1,4 @@
-"""Alpha-beta time of one collective on one mesh axis, per backend.
+"""Alpha-beta time of one collective on one mesh axis (or several flattened into one group), per backend.
 
 ``M`` is always the bytes of the *full* tensor the collective is about (as seen
 on this axis, i.e. already divided by the splits of the other mesh axes), never
@@ -16,7 +16,7 @@ all_to_all      the logical tensor (piece = M/n)       (n-1)/n * (M/n)/b + (n-1)
 broadcast       the broadcast tensor                   M/b + (n-1) * a
                 (pipelined ring: bandwidth term ~M/b for large M, n-1 hops of latency)
 send_recv       the tensor one rank sends another      M/b + a
-                (pipeline stages: one hop on the link the two stages cross; n is the pp degree)
+                (one hop between two devices: :func:`send_recv_time_s`)
 ==============  =====================================  ===========================================
 
 ``n == 1`` costs 0 for every kind. The backend table says how each kind is
@@ -32,6 +32,9 @@ DTensor's redistribute around the backend call), which is not part of ``a``; on 
 CPU cluster whose nodes hold more of the mesh's ranks than ``cores_per_node`` the
 whole time is multiplied by ``Cluster.comm_time_sharing`` (the ranks time-share the cores,
 beyond the sharing the fits were measured under).
+
+A point-to-point send (a pipeline stage's activations or gradients, a shard's transfer) is
+priced by :func:`send_recv_time_s` alone, from the two devices it joins, with the same rules.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import Sequence
 
 import numpy as np
 
+from autoddl.boxing import Group, group_axes
 from autoddl.cluster import Backend, Cluster, LinkSpec
 from autoddl.collective_kinds import BACKENDS, BackendCollectives, CollectiveKind, carried_out_as  # noqa: F401
 from autoddl.program import PHASES
@@ -49,10 +53,11 @@ from autoddl.program import PHASES
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective a training step runs: kind (as carried out), mesh axis, M bytes, phase."""
+    """One collective a training step runs: kind (as carried out), mesh axis (or tuple of axes
+    flattened into one group), M bytes, phase."""
 
     kind: CollectiveKind
-    axis: int
+    axis: Group
     bytes: int            # M: full tensor bytes on this axis (see module docstring)
     phase: str            # "forward" | "backward" | "grad_sync"
     tensor: str = ""      # the graph edge "producer->consumer" or parameter fqn it moves
@@ -62,7 +67,8 @@ class Collective:
             raise ValueError(f"Collective.phase must be one of {PHASES}, got {self.phase!r}")
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind.value, "axis": self.axis, "bytes": int(self.bytes),
+        return {"kind": self.kind.value, "axis": list(self.axis) if isinstance(self.axis, tuple) else self.axis,
+                "bytes": int(self.bytes),
                 "phase": self.phase, "tensor": self.tensor}
 
 
@@ -100,25 +106,72 @@ def collective_time_s(kind: CollectiveKind, nbytes: float, n_devices: int, link:
     return native_time_s(carried_out_as(kind, backend), nbytes, n_devices, bandwidth, link.latency_us * 1e-6)
 
 
-def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: Sequence[int], axis: int,
+def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: Sequence[int], axis: Group,
                               cluster: Cluster) -> float:
-    """Seconds for ``kind`` on mesh axis ``axis`` of ``mesh_shape`` on ``cluster``.
+    """Seconds for ``kind`` on mesh axis ``axis`` of ``mesh_shape`` on ``cluster``, or over the
+    flattened group of a tuple of axes (one collective over all their ranks: ``n`` is the product
+    of their sizes, and the link is that of the outermost, the slowest the group crosses).
 
-    Same as ``collective_time_s(kind, nbytes, mesh[axis], cluster.link_for_axis(mesh, axis),
-    cluster.backend, cluster.efficiency.network)``, except that on an intra-node axis a
+    Same as ``collective_time_s(kind, nbytes, n, cluster.link_for_axis(mesh, outermost axis),
+    cluster.backend, cluster.efficiency.network)``, except that on an intra-node group a
     per-kind fit in ``cluster.collectives`` replaces the link: the fit of ``kind`` itself,
-    else that of the kind the backend carries it out as (gloo's reduce-scatter is an all-reduce).
-    Plus ``cluster.executor.collective_us`` when the axis has more than one device; all of it
-    times ``cluster.comm_time_sharing(mesh_shape)``.
+    else that of the kind the backend carries it out as (gloo's reduce-scatter is an all-reduce);
+    ``n`` enters the fit's formula as it enters the link's (a fit taken on groups of 2 prices a
+    group of 4 as a ring of 4 with the fitted latency and bandwidth). A group across nodes takes
+    ``links.inter_node`` as measured: configs/two-hosts.yaml's was fitted with 2 groups sharing the
+    hosts' one link, so one ring over all 4 ranks (alone on it) is overpriced there (8 MB: 199 ms
+    against 105.7 ms measured; its one-pair fit, in that file's comments, gives 98.5 ms). Plus
+    ``cluster.executor.collective_us`` when the group has more than one device; all of it
+    times ``cluster.comm_time_sharing(mesh_shape)``. A ``send_recv`` joins two devices, not an
+    axis: it is :func:`send_recv_time_s` from the first device to the next one along ``axis``.
     """
     mesh = tuple(mesh_shape)
-    link = cluster.link_for_axis(mesh, axis)             # validates mesh and axis
-    if math.prod(mesh[axis % len(mesh):]) <= cluster.devices_per_node:
+    links = [cluster.link_for_axis(mesh, a) for a in group_axes(axis)]      # validates mesh and axes
+    axes = {a % len(mesh) for a in group_axes(axis)}
+    if len(axes) != len(links):
+        raise ValueError(f"a collective's group must be distinct mesh axes, got {axis!r} on mesh {mesh}")
+    outer = min(axes)
+    link = cluster.link_for_axis(mesh, outer)
+    n = math.prod(mesh[a] for a in axes)
+    if CollectiveKind(kind) is CollectiveKind.SEND_RECV:
+        if len(axes) > 1:
+            raise ValueError(f"a send_recv is between two ranks along one mesh axis, got the group {axis!r}")
+        next_s = math.prod(mesh[outer + 1:])             # row-major: the next rank along the axis
+        return send_recv_time_s(nbytes, 0, next_s, cluster, mesh) if n > 1 else 0.0
+    if math.prod(mesh[outer:]) <= cluster.devices_per_node:
         fit = cluster.collectives.get(kind) or cluster.collectives.get(carried_out_as(kind, cluster.backend))
         link = fit or link
-    fixed_s = cluster.executor.collective_us * 1e-6 if mesh[axis] > 1 else 0.0
-    return (collective_time_s(kind, nbytes, mesh[axis], link, cluster.backend, cluster.efficiency.network)
+    fixed_s = cluster.executor.collective_us * 1e-6 if n > 1 else 0.0
+    return (collective_time_s(kind, nbytes, n, link, cluster.backend, cluster.efficiency.network)
             + fixed_s) * cluster.comm_time_sharing(mesh)
+
+
+def send_recv_time_s(nbytes: float, src: int, dst: int, cluster: Cluster, busy_mesh: Sequence[int]) -> float:
+    """Seconds to send ``nbytes`` from device ``src`` to device ``dst`` of ``cluster`` (numbered node-major)
+    while every rank of ``busy_mesh`` runs; 0 when ``src == dst``.
+
+    The ``send_recv`` formula (``M/b + a``) on the link the two devices share: inside a node the
+    calibrated ``cluster.collectives.send_recv`` fit when there is one (``autoddl calibrate``: half a
+    gloo isend / irecv ping-pong), else ``cluster.intra_node``; across nodes ``cluster.inter_node``.
+    Plus ``cluster.executor.collective_us``, all times ``cluster.comm_time_sharing(busy_mesh)``, as
+    :func:`cluster_collective_time_s` does for a collective.
+    """
+    if src == dst:
+        return 0.0
+    dpn = cluster.devices_per_node
+    if not (0 <= src < cluster.num_devices and 0 <= dst < cluster.num_devices):
+        raise ValueError(f"send_recv_time_s: devices {src} -> {dst} outside {cluster.name}'s "
+                         f"{cluster.num_devices} devices (0..{cluster.num_devices - 1})")
+    same_node = src // dpn == dst // dpn
+    link = (cluster.collectives.get(CollectiveKind.SEND_RECV) or cluster.intra_node) if same_node else cluster.inter_node
+    return ((collective_time_s(CollectiveKind.SEND_RECV, nbytes, 2, link, cluster.backend, cluster.efficiency.network)
+             + cluster.executor.collective_us * 1e-6) * cluster.comm_time_sharing(tuple(busy_mesh)))
+
+
+def stage_device(pp_rank: int, mesh_shape: Sequence[int]) -> int:
+    """The first device of pipeline rank ``pp_rank`` on a mesh whose outermost axis (0) is pp: the
+    peer a send from another stage's first device reaches (devices numbered row-major, node-major)."""
+    return pp_rank * math.prod(tuple(mesh_shape)[1:])
 
 
 # -- fitting latency and bandwidth to timings ------------------------------------------------------

@@ -13,12 +13,9 @@
   of the parameters not gathered for use (those are in ``gathered_params``), at their storage size;
 - ``buffers``: module buffers, local by their signature's output NdSbp;
 - ``activations``: what autograd saves for backward (with pipeline stages, for every micro-batch
-  the rank's schedule holds at once: :func:`pipeline_rank_bytes`), taken as the user inputs plus
-  every output of a non-view op that some op consumes, each at its local size under
-  the producing signature's output NdSbp (views alias their source and add nothing),
-  in the traced (working) dtype. An op recomputed in backward (``recomputed_ops``) saves
-  nothing unless an op outside its block reads it (the block's output, which the next block
-  keeps as its checkpoint input);
+  the rank's schedule holds at once: :func:`pipeline_rank_bytes`), by autoddl/activations.py's
+  rule (user inputs and consumed outputs of non-view ops, at their local size, in the traced
+  dtype; a recomputed op's only when read outside its block);
 - ``recomputed``: the activations one recomputed block holds again during its backward: the
   largest block's recomputed outputs (one block is recomputed at a time);
 - ``gathered_params``: parameters materialised larger than stored for a use (ZeRO-3 /
@@ -33,16 +30,19 @@ Spilling to host memory (``Training.offload``, autoddl/offload.py) moves some of
 device, and ``host`` (not in ``total``: host memory per device, checked against the node's
 ``host_memory_gb`` shared by its devices) counts them there: the float32 masters, their float32
 gradients and the optimizer states of every parameter, and under ``params`` the spilled groups'
-working copies. The device keeps the other parameters' working copies (``parameters`` in float32,
-or ``working_params``) and their gradients in the reduce dtype until copied out (``gradients``), and
-``spilled_params`` / ``spilled_grads``: two consecutive spilled groups' working copies and gradients
-at once (the one computing and the one in flight: double buffering).
+working copies, under ``activations`` also those groups' saved activations of one micro-step (but
+the last group's, which stay). The device keeps the other parameters' working copies (``parameters``
+in float32, or ``working_params``) and their gradients in the reduce dtype until copied out
+(``gradients``), the other saved activations (``activations``), and ``spilled_params`` /
+``spilled_grads`` / ``spilled_acts``: two consecutive spilled groups' working copies, gradients and
+saved activations at once (the one computing and the one in flight: double buffering).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from autoddl.activations import activation_bytes, local_bytes  # noqa: F401  (read from here too)
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.offload import grad_bytes, kept_parameters, spill_groups
 from autoddl.pipeline import Boundary, in_flight_peak, input_stage
@@ -56,12 +56,7 @@ from costmodel.collectives import Collective, CollectiveKind
 from costmodel.compute import ZERO_COST, optimizer_state_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "working_params", "buffers", "activations",
-              "recomputed", "gathered_params", "boxing_buffer", "spilled_params", "spilled_grads")
-
-
-def local_bytes(nbytes: int, nd: NdSbp, mesh_shape: Sequence[int]) -> int:
-    """Bytes of one device's piece of a tensor of ``nbytes`` held as ``nd``."""
-    return int(round(nbytes * nd.shard_fraction(mesh_shape)))
+              "recomputed", "gathered_params", "boxing_buffer", "spilled_params", "spilled_grads", "spilled_acts")
 
 
 def local_parameters(graph: OpGraph, plan: Plan, layout: Callable[[Plan, str], NdSbp] = storage_of,
@@ -138,21 +133,6 @@ def working_param_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None 
     return sum(local_bytes(n.outputs[0].nbytes, storage_of(plan, fqn), plan.mesh.shape)
                for fqn, n in used_parameters(graph).items()
                if fqn not in grouped and n.outputs[0].is_floating and (only is None or fqn in only))
-
-
-def activation_bytes(graph: OpGraph, plan: Plan) -> dict[str, int]:
-    """Saved-activation bytes per node (inputs and non-view ops), per the module docstring's rule."""
-    mesh = plan.mesh.shape
-    recomputed = {n.name for block in recomputed_ops(graph, plan).values() for n in block}
-    out: dict[str, int] = {}
-    for node in graph.topo():
-        if node.kind is NodeKind.INPUT or (node.is_op and node.op_name not in ZERO_COST):
-            sig = signature_of(plan, node)
-            used = {i for c, i, _ in graph.uses(node.name) if c.is_op
-                    and not (node.name in recomputed and block_of(c) == block_of(node))}
-            out[node.name] = sum(local_bytes(node.outputs[i].nbytes, sig.outputs[i], mesh)
-                                 for i in used if node.outputs[i].dtype != "none")
-    return out
 
 
 def recomputed_bytes(graph: OpGraph, plan: Plan) -> int:
@@ -242,22 +222,24 @@ def _rank_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective], p
         "recomputed": recomputed_bytes(graph, plan),
         "gathered_params": gathered_param_bytes(graph, plan, program, only),
         "boxing_buffer": boxing_buffer_bytes(collectives, graph, mesh),
-        "spilled_params": 0, "spilled_grads": 0,
+        "spilled_params": 0, "spilled_grads": 0, "spilled_acts": 0,
     }
     if plan.training.offload_level != "none":
-        mem.update(offloaded_bytes(graph, plan, program))
+        mem.update(offloaded_bytes(graph, plan, program, activations))
     mem["total"] = sum(mem[k] for k in CATEGORIES)
     return mem
 
 
-def offloaded_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None) -> dict[str, int]:
-    """The categories spilling changes (module docstring), ``host`` included."""
+def offloaded_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None, activations: int) -> dict[str, int]:
+    """The categories spilling changes (module docstring), ``host`` included; ``activations``: the
+    saved activations without spilling."""
     groups = spill_groups(graph, plan)
     kept_metas = kept_parameters(graph, plan)
     kept = frozenset(kept_metas)
     master_bytes, master_numel = master_parameters(graph, plan)
     host_grads = local_parameters(graph, plan, grad_storage_of)[0]
     spilled_working = sum(g.param_bytes for g in groups) if plan.training.mixed else 0
+    acts = [g.act_bytes for g in groups if g.act_bytes]      # offload activations; the last never leaves
 
     def pair(sizes: list[int]) -> int:        # the largest two consecutive groups
         return max((a + b for a, b in zip(sizes, sizes[1:] + [0])), default=0)
@@ -268,7 +250,10 @@ def offloaded_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None) -> 
         "working_params": working_param_bytes(graph, plan, program, kept),
         "spilled_params": pair([g.param_bytes for g in groups]),
         "spilled_grads": pair([g.grad_bytes for g in groups]),
-        "host": master_bytes + host_grads + int(optimizer_state_bytes(master_numel, plan.optimizer)) + spilled_working,
+        "activations": activations - sum(acts),
+        "spilled_acts": pair(acts),
+        "host": (master_bytes + host_grads + int(optimizer_state_bytes(master_numel, plan.optimizer)) + spilled_working
+                 + sum(acts[:-1])),
     }
 
 

@@ -3,7 +3,8 @@
 One pass over the tasks in issue order (every dependency is issued earlier):
 ``start = max(end of every dependency, end of the stream's previous task)``,
 ``end = start + duration``. Streams are the compute stream and one
-communication stream per mesh axis, so an asynchronous gradient bucket runs
+communication stream per mesh axis (and per group of axes flattened into one: a process group
+has a queue of its own), so an asynchronous gradient bucket runs
 while backward goes on, and is exposed only where the optimizer (or the next
 bucket) has to wait for it. With pipeline stages every pp rank has its own streams (and a
 ``p2p`` stream for its sends), so a rank idles where its schedule waits for another's
@@ -13,7 +14,8 @@ activations: the bubble, priced as the schedule runs. Durations:
   recomputed in backward) or backward; an op of a checkpointed block also pays what the
   checkpoint adds per op (``costmodel.compute.recompute_overhead_s``);
 - collective: alpha-beta on the link of its mesh axis, as the backend carries it out
-  (costmodel.collectives);
+  (costmodel.collectives); a pipeline send (``send_recv``, forward to the next pp rank, backward
+  to the previous one) on the link between the two stages (``send_recv_time_s``);
 - optimizer: the memory-bound step over the local parameters (a pp rank's own), plus the
   executor's fixed per-step cost (``cluster.executor.step_us``); on the ``host`` stream (offload) at
   the host's memory bandwidth (costmodel/host.py);
@@ -30,7 +32,8 @@ from autoddl.offload import HOST
 from autoddl.plan import Plan
 from autoddl.pipeline import schedule_makespan
 from autoddl.program import COMPUTE, StepProgram, Task, block_of, recomputed_ops, signature_of
-from costmodel.collectives import cluster_collective_time_s
+from autoddl.collective_kinds import CollectiveKind
+from costmodel.collectives import cluster_collective_time_s, send_recv_time_s, stage_device
 from costmodel.compute import op_backward_time_s, op_forward_time_s, optimizer_time_s, recompute_overhead_s
 from costmodel.host import host_copy_time_s, host_optimizer_time_s
 from costmodel.memory import master_parameters
@@ -106,6 +109,9 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
     """Duration of one task (module docstring); ``recompute``: :meth:`RecomputeInfo.of` the plan
     (found when not given); ``params``: the parameters an optimizer task updates (None: all)."""
     mesh = tuple(plan.mesh.shape)
+    if task.collective is CollectiveKind.SEND_RECV:
+        peer = (task.pp_rank + (1 if task.phase == "forward" else -1)) % mesh[0]
+        return send_recv_time_s(task.nbytes, stage_device(task.pp_rank, mesh), stage_device(peer, mesh), cluster, mesh)
     if task.is_collective:
         return cluster_collective_time_s(task.collective, task.nbytes, mesh, task.axis, cluster)
     if task.is_copy:

@@ -4,7 +4,8 @@
 buckets and layer-group gathers (forward and in autograd's backward) issue c10d
 functional ops (``_c10d_functional.*``) on plain local tensors; the mode sees each
 one with its process-group name, which maps to a mesh axis through
-``mesh.get_group(axis).group_name``. What is recorded is what was dispatched (an
+``mesh.get_group(axis).group_name`` (or to a tuple of axes, for a group the executor flattened
+them into: executor.runtime.mesh_groups). What is recorded is what was dispatched (an
 S(i)->S(j) all-to-all is ``all_to_all_single`` on every backend). What the process group does inside
 a dispatched op is invisible to the mode and is stated here (``CARRIED_AS``): gloo
 carries a reduce-scatter out as an all-reduce of the whole input plus a local chunk (the
@@ -19,12 +20,15 @@ all-gather, the (unscattered) input for reduce-scatter and all-to-all.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from autoddl.boxing import Group, group_axes, group_name
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 PHASES = ("setup", "forward", "recompute", "backward", "grad_sync", "optimizer")
@@ -33,7 +37,7 @@ PHASES = ("setup", "forward", "recompute", "backward", "grad_sync", "optimizer")
 @dataclass(frozen=True)
 class CommRecord:
     kind: str        # one of KINDS (CollectiveKind values of costmodel)
-    axis: int        # mesh axis the process group belongs to; -1 when it is no mesh axis
+    axis: Group      # mesh axis (or tuple of flattened axes) of the process group; -1 when none
     bytes: int       # M of the alpha-beta formula (see module docstring)
     phase: str       # one of PHASES
     tensor: str = "" # graph edge / parameter fqn being moved, when known
@@ -80,16 +84,19 @@ class CommRecorder(TorchDispatchMode):
     Set ``phase`` (and optionally ``tensor``) from the caller to label records.
     """
 
-    def __init__(self, mesh) -> None:
+    def __init__(self, mesh, groups: Mapping[Group, str] | None = None) -> None:
+        """``groups``: process-group names by mesh axis or tuple of flattened axes (the executor's
+        Boxer.groups); the mesh's own axes when not given."""
         super().__init__()
         self.records: list[CommRecord] = []
         self.phase = "forward"
         self.tensor = ""
         self._ops = _functional_ops()
-        self._axis_of_group = {mesh.get_group(i).group_name: i for i in range(mesh.ndim)}
-        self._carried_as = {mesh.get_group(i).group_name: CARRIED_AS.get(_backend_name(mesh.get_group(i)), {})
-                            for i in range(mesh.ndim)}
-        self._axis_size = {i: mesh.size(i) for i in range(mesh.ndim)}
+        groups = groups or {i: mesh.get_group(i).group_name for i in range(mesh.ndim)}
+        self._axis_of_group = {name: axis for axis, name in groups.items()}
+        backend = _backend_name(mesh.get_group(0)) if mesh.ndim else ""
+        self._carried_as = {name: CARRIED_AS.get(backend, {}) for name in groups.values()}
+        self._axis_size = {axis: math.prod(mesh.size(a) for a in group_axes(axis)) for axis in groups}
 
     def note(self, kind: str, axis: int, nbytes: int, phase: str, tensor: str = "", dtype: str = "") -> None:
         """Record a communication the mode does not see: a pipeline stage's send (``send_recv``, issued
@@ -133,7 +140,7 @@ def summarize(records: list[CommRecord]) -> dict[str, dict[str, int]]:
     counts: Counter = Counter()
     nbytes: Counter = Counter()
     for r in records:
-        key = f"{r.phase}/{r.kind}/axis{r.axis}"
+        key = f"{r.phase}/{r.kind}/axis{group_name(r.axis)}"
         counts[key] += 1
         nbytes[key] += r.bytes
     return {k: {"count": counts[k], "bytes": nbytes[k]} for k in sorted(counts)}

@@ -24,7 +24,15 @@ on all ranks at once, so each rank sees the contention it sees in training:
 - each collective kind on every mesh-axis size that divides ``nproc`` (subgroups of
   consecutive ranks, all running at once, as the axes of a 2-D mesh do), over message
   sizes ``M`` defined as in ``costmodel.collectives``, carried out the way the
-  executor's backend runs it (gloo: reduce-scatter is gloo's all-reduce + chunk).
+  executor's backend runs it (gloo: reduce-scatter is gloo's all-reduce + chunk);
+- point-to-point sends (``send_recv``) between the ranks of each pair (0-1, 2-3, ...; every pair at
+  once, as pipeline stages run), as torch.distributed.pipelining's stages send (its ``_batch_p2p``
+  issues a batch of sends as ``dist.isend`` and the matching receives as ``dist.irecv``, then waits):
+  a ping-pong of ``isend`` + wait and ``irecv`` + wait of M bytes each way; the time of one send is
+  half a round trip.
+
+``Settings.kinds`` picks the communication kinds to time and ``comm_only`` skips everything else
+(``autoddl calibrate --only send_recv``).
 
 Small messages run back to back in batches after a barrier, so a rank's exit skew
 from the barrier does not count; a point's time is the median over repetitions of
@@ -45,7 +53,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from autoddl.cluster import COLLECTIVE_KINDS, PEAK_DTYPES, ExecutorOverheads, RecomputeCost
+from autoddl.cluster import COLLECTIVE_KINDS, FITTED_KINDS, PEAK_DTYPES, ExecutorOverheads, RecomputeCost
 from executor.calibrate_models import (CHAIN_KINDS, CHAIN_WIDTH, PROBE_SIZES, block_model, broadcast_plan, chain_loss,
                                        chain_model, probe_ops)
 from executor.local_ranks import run_ranks
@@ -59,6 +67,7 @@ LARGE_MATMUL_FLOPS = 1e9            # matmuls at least this big give efficiency.
 MATMUL_DTYPES = ("float32", "bfloat16", "float16")   # timed on the same shapes; float32 gives the curve
 SLOW_DTYPE_FACTOR = 8.0             # a dtype this many times slower than float32 on a shape gets no peak
 SLOW_CALL_S = 0.05                  # an op family's call this slow is timed in two passes only
+MESSAGES_PER_CALL = {"send_recv": 2}  # a timed send_recv call is a ping-pong: two one-way messages
 
 
 
@@ -97,8 +106,16 @@ class Settings:
     family_passes: int = 25           # timed passes over the op families of one size and dtype (median)
     recompute_chains: tuple[int, int] = (8, 24)   # ops per block (short, long) of the recompute benchmark
     matmul_dtypes: tuple[str, ...] = MATMUL_DTYPES   # float32 first; the others get a peak each
+    kinds: tuple[str, ...] = FITTED_KINDS   # communication kinds timed (send_recv: on pairs of ranks)
+    comm_only: bool = False           # time the communication kinds only (no compute, memory or executor)
 
     def __post_init__(self) -> None:
+        bad_kinds = [k for k in self.kinds if k not in FITTED_KINDS]
+        if bad_kinds or not self.kinds:
+            raise ValueError(f"calibrate: --only: unknown communication kinds {bad_kinds or '(none given)'}; "
+                             f"known: {', '.join(FITTED_KINDS)}")
+        if self.comm_only and "send_recv" in self.kinds and self.nproc % 2:
+            raise ValueError(f"calibrate: send_recv is timed on pairs of ranks: --nproc must be even, got {self.nproc}")
         if not self.matmul_dtypes or self.matmul_dtypes[0] != "float32" or len(set(self.matmul_dtypes)) != len(
                 self.matmul_dtypes) or not set(self.matmul_dtypes) <= set(PEAK_DTYPES):
             raise ValueError(f"calibrate: matmul_dtypes must start with float32 and name each of {PEAK_DTYPES} at "
@@ -399,7 +416,7 @@ def measure(settings: Settings, start_method: str = "fork") -> Measurements:
         import torch.distributed.device_mesh  # noqa: F401
         import torch.distributed.tensor  # noqa: F401
     start = time.perf_counter()
-    probes = probe_ops(settings)           # traced once here; ranks get them (fork) or a pickled copy
+    probes = {} if settings.comm_only else probe_ops(settings)   # traced once here; ranks get them (fork) or a copy
     try:
         results = run_ranks(_bench_rank, settings.nproc, settings, probes, timeout_s=settings.timeout_s,
                             start_method=start_method, threads=settings.threads)
@@ -414,7 +431,7 @@ def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measuremen
     """Compute: mean over ranks of each rank's median. Collectives: median over reps of the max over ranks."""
     mean = statistics.fmean
     matmuls = tuple(MatmulTiming(m, n, k, mean(r["matmul"][i] for r in ranks))
-                    for i, (m, n, k) in enumerate(settings.matmul_shapes))
+                    for i, (m, n, k) in enumerate(settings.matmul_shapes if "matmul" in ranks[0] else ()))
     dropped = dict(ranks[0].get("matmul_dropped", {}))
     dtype_matmuls = {dtype: tuple(MatmulTiming(m, n, k, mean(r["matmul_dtypes"][dtype][i] for r in ranks), dtype)
                                   for i, (m, n, k) in enumerate(settings.matmul_shapes))
@@ -435,8 +452,8 @@ def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measuremen
                                    {k: max(r["raw_us"][k] for r in ranks) for k in ranks[0]["raw_us"]})
     return Measurements(
         settings=settings, matmuls=matmuls,
-        memory_gbps={k: mean(r["memory_gbps"][k] for r in ranks) for k in ranks[0]["memory_gbps"]},
-        dispatch_us=mean(r["dispatch_us"] for r in ranks), tiny_op_us=mean(r["tiny_op_us"] for r in ranks),
+        memory_gbps={k: mean(r["memory_gbps"][k] for r in ranks) for k in ranks[0].get("memory_gbps", {})},
+        dispatch_us=mean(r.get("dispatch_us", 0.0) for r in ranks), tiny_op_us=mean(r.get("tiny_op_us", 0.0) for r in ranks),
         collectives=tuple(colls), seconds=seconds, machine=ranks[0]["machine"], executor=executor,
         dtype_matmuls=dtype_matmuls, dropped_dtypes=dropped, **_combine_families(ranks))
 
@@ -501,9 +518,10 @@ class Bench:
     def run(self) -> dict[str, Any]:
         out: dict[str, Any] = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                                           f"{os.cpu_count()} cores, torch {self.torch.__version__}"}
-        for name, fn in (("overhead", self.overhead), ("executor", self.executor), ("families", self.families),
-                         ("recompute", self.recompute), ("memory", self.memory), ("matmul", self.matmuls),
-                         ("collectives", self.collectives)):
+        benchmarks = (("overhead", self.overhead), ("executor", self.executor), ("families", self.families),
+                      ("recompute", self.recompute), ("memory", self.memory), ("matmul", self.matmuls),
+                      ("collectives", self.collectives))
+        for name, fn in benchmarks[-1:] if self.s.comm_only else benchmarks:
             self.dist.barrier()
             t0 = time.perf_counter()
             out.update(fn())
@@ -559,7 +577,7 @@ class Bench:
                          f"step {step * 1e3:.2f} ms (rank 0)")
         t = torch.ones(1024, device=self.device)                                 # 4 KB
         gathered = torch.empty(1024 * self.s.nproc, device=self.device)
-        boxer = Boxer((self.s.nproc,), (self.rank,), [dist.group.WORLD.group_name], self.s.backend)
+        boxer = Boxer((self.s.nproc,), (self.rank,), {0: dist.group.WORLD.group_name}, self.s.backend)
         calls = 10 if self.s.quick else 40
         moves = {kind: (boxing_moves(4096, NdSbp.parse(src), NdSbp.parse("[B]"), (self.s.nproc,)),)
                  for kind, src in (("all_reduce", "[P]"), ("all_gather", "[S(0)]"))}
@@ -760,7 +778,9 @@ class Bench:
             group = None
             if n < self.s.nproc:
                 group, _ = self.dist.new_subgroups(group_size=n)
-            for kind in COLLECTIVE_KINDS:
+            for kind in self.s.kinds:
+                if kind == "send_recv" and n != 2:            # one sender, one receiver
+                    continue
                 reps, texts = self.time_kind(kind, self.s.message_bytes, n, group)
                 results.update(reps)
                 how.update(texts)
@@ -787,7 +807,7 @@ class Bench:
             reps = []
             for _ in range(self.s.repeats):
                 self.dist.barrier(group=sync)
-                reps.append(self.time_calls(op, calls))
+                reps.append(self.time_calls(op, calls) / MESSAGES_PER_CALL.get(kind, 1))
             results[(kind, n, real_bytes)], how[(kind, n, real_bytes)] = reps, text
         return results, how
 
@@ -820,7 +840,15 @@ class Bench:
         if kind == "broadcast":
             src = ranks[0]                                 # the group's first global rank
             return (lambda: dist.broadcast(full, src=src, group=group)), numel * 4, f"{backend} broadcast"
-        raise ValueError(f"calibrate: no benchmark for collective kind {kind!r}; known: {COLLECTIVE_KINDS}")
+        if kind == "send_recv":                            # the pair's first rank sends first
+            peer = ranks[1] if self.rank == ranks[0] else ranks[0]
+            order = (True, False) if self.rank == ranks[0] else (False, True)
+
+            def ping_pong() -> None:
+                for send in order:
+                    (dist.isend(full, dst=peer) if send else dist.irecv(full, src=peer)).wait()
+            return ping_pong, numel * 4, f"{backend} isend/irecv + wait, half a ping-pong"
+        raise ValueError(f"calibrate: no benchmark for communication kind {kind!r}; known: {FITTED_KINDS}")
 
 
 def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measurements) -> tuple[Any, dict[str, str]]:

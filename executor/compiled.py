@@ -190,6 +190,7 @@ class ProgramCompiler:
         self.env: dict[str, torch.fx.Node] = {}
         self.sources: dict[Any, torch.fx.Node] = {}
         self.received: dict[TensorRef, torch.fx.Node] = {}
+        self.block: str | None = None          # the block forward is in (offload activations: enter_block)
 
     def compile(self) -> torch.fx.GraphModule:
         stage = self.stage
@@ -200,6 +201,7 @@ class ProgramCompiler:
                 if stage is None or node.name in stage.reads:
                     self.env[node.name] = self.fx.placeholder(node.name)
             elif node.kind is NodeKind.OP and (stage is None or node.name in stage.ops):
+                self.enter_block(node)
                 self.env[node.name] = self.op(node)
                 self.tag(node.name)
                 done = tuple(g.index for g in self.step.program.gathers if g.reshard and g.last_consumer == node.name)
@@ -220,6 +222,15 @@ class ProgramCompiler:
             value = self.source_node(TensorRef(loss.node, loss.index), loss)
         self.fx.output(value)
         return self.module()
+
+    def enter_block(self, node: OpNode) -> None:
+        """Offload activations: tell the host copies where forward enters another block
+        (executor/offload.py), before the op's inputs are made."""
+        spill = self.step.spill
+        if spill is None or not spill.act_group or block_of(node) == self.block:
+            return
+        self.block = block_of(node)
+        self.fx.call_function(spill.enter_block, (self.block,)).meta[OP_META] = ""
 
     def module(self) -> torch.fx.GraphModule:
         """The GraphModule of the fx graph built, recomputed blocks outlined."""

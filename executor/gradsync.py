@@ -6,10 +6,10 @@ it to ``GradSync``: a bucketed use counts down its bucket, and every bucket
 whose gradients are all there is launched, in bucket order (every rank must
 issue the same collectives in the same order), as one asynchronous functional
 collective over a flat buffer, while backward goes on, as DistributedDataParallel's Reducer
-does (data parallel over several mesh axes: an all-reduce on each in turn; the later axes' are
-launched at the end of backward, each once the one before is done, so that no hook waits). At the end of backward (``finish``) the buckets are waited for and
-unpacked, the uses synced on their own run their moves, and each parameter's
-gradient, in its storage layout, is added to its local ``.grad``.
+does (data parallel over several mesh axes: one all-reduce over their flattened group, as DDP's
+over all its ranks). At the end of backward (``finish``) the buckets are waited for and unpacked,
+the uses synced on their own run their moves, and each parameter's gradient, in its storage
+layout, is added to its local ``.grad``.
 
 A reduce-scatter bucket lays its gradients out as FSDP2 does: each gradient's
 scatter dim first, cut into one row per rank, the rows of all gradients side by
@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from autoddl.boxing import Group
 from autoddl.collective_kinds import CollectiveKind, carried_out_as
 from autoddl.program import Bucket, ParamUse, StepProgram, syncs_every_micro_step
 from autoddl.precision import torch_dtype
@@ -94,7 +95,7 @@ class GradSync:
         try:
             self._tell(bucket.kind, bucket.axis, bucket)
             group = self.boxer.groups[bucket.axis]
-            if bucket.kind is CollectiveKind.ALL_REDUCE:       # its then_axes are launched by finish()
+            if bucket.kind is CollectiveKind.ALL_REDUCE:       # on one axis or over a flattened group
                 return funcol.all_reduce(torch.cat([g.reshape(-1) for g in grads]), "sum", group)
             n = self.boxer.mesh_shape[bucket.axis]
             rows = [g.movedim(u.grad_sync[0].after[bucket.axis].dim, 0).reshape(n, -1) for u, g in zip(uses, grads)]
@@ -102,7 +103,7 @@ class GradSync:
         finally:
             self.set_phase("backward")
 
-    def _tell(self, kind: CollectiveKind, axis: int, bucket: Bucket) -> None:
+    def _tell(self, kind: CollectiveKind, axis: Group, bucket: Bucket) -> None:
         """The audit's hook, told of one of the bucket's collectives before it is issued."""
         if self.boxer.on_collective is not None:
             self.boxer.on_collective(carried_out_as(kind, self.boxer.backend), axis, bucket.nbytes,
@@ -127,7 +128,6 @@ class GradSync:
         for b in self.program.buckets:
             self.remaining[b.index] = 0
         self._launch_ready()
-        self._launch_then_axes()
         synced: dict[str, torch.Tensor] = {}
         for bucket, result in zip(self.program.buckets, self.in_flight):
             uses = [self.program.param_uses[i] for i in bucket.uses]
@@ -153,20 +153,6 @@ class GradSync:
             g = g.to(local.dtype).reshape(local.shape)
             local.grad = g if local.grad is None else local.grad + g
         self.start_step()
-
-    def _launch_then_axes(self) -> None:
-        """Each bucket's all-reduces on its later axes, in bucket order: each waits for the one before
-        on the same buffer. Launched here, after backward, and not from the hook that launched the
-        first (which would stall backward until it is done); the first axes' all-reduces of later
-        buckets are still in flight meanwhile."""
-        for i, bucket in enumerate(self.program.buckets):
-            flat = self.in_flight[i]
-            if flat is None:
-                continue
-            for axis in bucket.then_axes:
-                self._tell(CollectiveKind.ALL_REDUCE, axis, bucket)
-                flat = funcol.all_reduce(flat, "sum", self.boxer.groups[axis])
-            self.in_flight[i] = flat
 
     def _carry(self, uses: list[ParamUse]) -> None:
         """Keep the uses' gradients, in float32, for the last micro-step's sync."""

@@ -14,12 +14,12 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from autoddl.boxing import Move, boxing_moves
+from autoddl.boxing import Group, Move, boxing_moves
 from autoddl.collective_kinds import CollectiveKind, carried_out_as
 from autoddl.ops.registry import piece_offset
 from autoddl.sbp import NdSbp
@@ -29,20 +29,21 @@ def wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-# (kind carried out, mesh axis, M bytes, label) -> None; the phase is the caller's
-CollectiveHook = Callable[[CollectiveKind, int, int, str], None]
+# (kind carried out, mesh axis or tuple of flattened axes, M bytes, label) -> None; the phase is the caller's
+CollectiveHook = Callable[[CollectiveKind, Group, int, str], None]
 
 
 @dataclass
 class Boxer:
-    """What a rank needs to run moves: its mesh coordinate, one process group per mesh axis (by name:
-    functional collectives resolve it, and holding no group object lets destroy_process_group free it),
+    """What a rank needs to run moves: its mesh coordinate, one process group per mesh axis and per
+    tuple of axes the program flattens into one group (by name: functional collectives resolve it, and
+    holding no group object lets destroy_process_group free it; executor.runtime.mesh_groups),
     the backend (which decides how a kind is carried out) and an optional hook told of every
     collective before it is issued (the audit labels records with it)."""
 
     mesh_shape: tuple[int, ...]
     coord: tuple[int, ...]
-    groups: Sequence[str]
+    groups: Mapping[Group, str]
     backend: str
     on_collective: CollectiveHook | None = None
 
@@ -57,15 +58,15 @@ class Boxer:
         if move.kind is not CollectiveKind.ALL_REDUCE:
             raise ValueError(f"only an all-reduce move is launched asynchronously, got {move}")
         if self.on_collective is not None:
-            self.on_collective(carried_out_as(move.kind, self.backend), move.axis, move.nbytes, label)
-        return funcol.all_reduce(x, "sum", self.groups[move.axis])
+            self.on_collective(carried_out_as(move.kind, self.backend), move.group, move.nbytes, label)
+        return funcol.all_reduce(x, "sum", self.groups[move.group])
 
     # -- collectives --------------------------------------------------------------------------------
     def _collective(self, move: Move, x: torch.Tensor, label: str) -> torch.Tensor:
         kind = carried_out_as(move.kind, self.backend)
         if self.on_collective is not None:
-            self.on_collective(kind, move.axis, move.nbytes, label)
-        group, src, dst = self.groups[move.axis], move.before[move.axis], move.after[move.axis]
+            self.on_collective(kind, move.group, move.nbytes, label)
+        group, src, dst = self.groups[move.group], move.before[move.axis], move.after[move.axis]
         if move.kind is CollectiveKind.ALL_REDUCE:
             return wait(funcol.all_reduce(x, "sum", group))
         if move.kind is CollectiveKind.ALL_GATHER:

@@ -39,13 +39,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from autoddl.boxing import boxing_moves
+from autoddl.boxing import Group, boxing_moves
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph
+from autoddl.offload import check_runnable_offload
 from autoddl.pipeline import pipeline_degree
 from autoddl.plan import Plan
 from autoddl.precision import cast_forward_inputs, torch_dtype, working_copy
-from autoddl.program import grad_storage_of, lower, optimizer_storage_of
+from autoddl.program import StepProgram, grad_storage_of, lower, optimizer_storage_of
 from autoddl.sbp import NdSbp
 from executor.audit import CommRecord, CommRecorder
 from executor.compiled import LocalStep, ProgramCompiler
@@ -71,6 +72,23 @@ def init_mesh(plan: Plan, device: str = "cpu", timeout_s: float = 120.0) -> Devi
         raise PlanExecutionError(f"plan {plan.name!r} is for mesh {plan.mesh} ({plan.mesh.size} devices) but "
                                  f"{world} processes were launched; run with --nproc {plan.mesh.size}")
     return init_device_mesh("cuda" if use_cuda else "cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.axis_names)
+
+
+def mesh_groups(mesh: DeviceMesh, program: StepProgram) -> dict[Group, str]:
+    """The process group (by name) of every mesh axis, and of every tuple of axes ``program`` runs a
+    collective over (a gradient all-reduce over several data-parallel axes): the sub-mesh of those
+    axes flattened with ``DeviceMesh._flatten`` (torch 2.13; every rank builds the same ones in the
+    same order, as ``new_group`` needs; flattening every axis gives the world group back)."""
+    groups: dict[Group, str] = {a: mesh.get_group(a).group_name for a in range(mesh.ndim)}
+    names = mesh.mesh_dim_names
+    for task in program.collectives():
+        if isinstance(task.axis, tuple) and task.axis not in groups:
+            if names is None:
+                raise PlanExecutionError(f"plan {program.plan_name!r} runs a collective over mesh axes {task.axis} "
+                                         "flattened, which needs a DeviceMesh with mesh_dim_names; build it with "
+                                         "executor.runtime.init_mesh")
+            groups[task.axis] = mesh[tuple(names[a] for a in task.axis)]._flatten().get_group().group_name
+    return groups
 
 
 def validate_plan(graph: OpGraph, plan: Plan) -> None:
@@ -113,6 +131,10 @@ def validate_plan(graph: OpGraph, plan: Plan) -> None:
             problems.append(f"parameter {fqn}: storage {nd} has P; store parameters as S or B")
         elif len(nd) != len(mesh) or not nd.divides(node.outputs[0].shape, mesh):
             problems.append(f"parameter {fqn}: storage {nd} does not fit {node.outputs[0]} on mesh {plan.mesh}")
+    try:
+        check_runnable_offload(graph, plan)
+    except ValueError as exc:
+        problems.append(str(exc))
     if problems:
         more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
         raise PlanExecutionError(f"plan {plan.name!r} does not fit the traced graph of "
@@ -137,11 +159,13 @@ class DistributedModel(nn.Module):
         self.device = torch.device(mesh.device_type)
         self.module = copy.deepcopy(model)  # the caller's model stays a plain single-device reference
         self.program = lower(graph, plan)
-        boxer = Boxer(tuple(plan.mesh.shape), tuple(mesh.get_coordinate()),
-                      [mesh.get_group(a).group_name for a in range(mesh.ndim)], dist.get_backend(), self._on_collective)
+        boxer = Boxer(tuple(plan.mesh.shape), tuple(mesh.get_coordinate()), mesh_groups(mesh, self.program),
+                      dist.get_backend(), self._on_collective)
         self.boxer = boxer
         self.local_params = self._place_parameters(boxer)
         self.host_copies = HostCopies(self.program, self.local_params, plan.training.param_dtype, self.device)
+        if plan.training.offload_level != "none":          # the optimizer on the host (executor/offload.py)
+            self._keep_masters_on_host()
         ep = graph.exported
         self._user_inputs = list(ep.graph_signature.user_inputs)
         self._constants = dict(getattr(ep.graph_signature, "inputs_to_lifted_tensor_constants", {}))
@@ -161,9 +185,20 @@ class DistributedModel(nn.Module):
         self.run_program: Callable[..., torch.Tensor] = self.local_program
 
     def _grad_sync(self, program, spill: "HostCopies | None" = None) -> GradSync:
+        host = spill is not None or self.plan.training.offload_level != "none"
         return GradSync(program, self.boxer, self.local_params, self._set_phase,
                         reduce_dtype=self.plan.training.grad_reduce_dtype, grad_targets=self._grad_targets(),
-                        copy_out=spill.copy_out if spill is not None else None)
+                        copy_out=self.host_copies.copy_out if host else None)
+
+    def _keep_masters_on_host(self) -> None:
+        """Offload: the kept parameters' masters to host buffers, where the optimizer steps them."""
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        sharded = sorted(f for f in self.local_params if hasattr(params.get(f), "_autoddl_opt_layout"))
+        if sharded:
+            raise PlanExecutionError(f"plan {self.plan.name!r}: offload {self.plan.training.offload_level} with the "
+                                     f"optimizer sharded (ZeRO-1/2: {sharded[0]} ...) is priced but not run; run a plan "
+                                     "whose optimizer storage is its parameters' storage, or --offload none")
+        self.host_copies.keep_masters({f: params[f] for f in self.local_params if f in params})
 
     def _place_parameters(self, boxer: Boxer) -> dict[str, torch.Tensor]:
         """Every parameter as a DTensor of its storage layout (tied weights stay tied); returns the
@@ -204,6 +239,7 @@ class DistributedModel(nn.Module):
     def sync_parameters(self) -> None:
         """ZeRO-1/2, after the optimizer step: per ``program.param_syncs``, one all-gather of the
         updated shards (in the working dtype) rebuilds every parameter in its storage."""
+        self.host_copies.copy_back()        # offload: the host's updated working copies to the device
         params = dict(self.module.named_parameters(remove_duplicate=False))
         dtype = self.plan.training.param_dtype
         with torch.no_grad():
@@ -224,7 +260,7 @@ class DistributedModel(nn.Module):
         if self.recorder is not None:
             self.recorder.phase = phase
 
-    def _on_collective(self, kind, axis: int, nbytes: int, label: str) -> None:
+    def _on_collective(self, kind, axis: Group, nbytes: int, label: str) -> None:
         if self.recorder is not None:
             self.recorder.tensor = label
 
@@ -273,7 +309,12 @@ class DistributedModel(nn.Module):
         self._set_phase("forward")
         self.step.start_step()
         self.host_copies.start_step()
-        loss = self.run_program(*self._local_inputs(inputs))
+        if self.host_copies.act_group:             # offload activations: saved tensors to the host
+            with self.host_copies.hooks():
+                loss = self.run_program(*self._local_inputs(inputs))
+            self.host_copies.end_forward()
+        else:
+            loss = self.run_program(*self._local_inputs(inputs))
         if loss.requires_grad:
             loss.register_hook(self._queue_finish)
         return loss
@@ -435,7 +476,7 @@ def train_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor], optimiz
 def audit_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor],
                optimizer: torch.optim.Optimizer) -> list[CommRecord]:
     """Run one training step with a CommRecorder; return the collectives it ran."""
-    rec = CommRecorder(dmodel.mesh)
+    rec = CommRecorder(dmodel.mesh, dmodel.boxer.groups)
     old, dmodel.recorder = dmodel.recorder, rec
     try:
         with rec:

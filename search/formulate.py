@@ -52,7 +52,7 @@ from autoddl.precision import MASTER_ITEMSIZE, itemsize
 from autoddl.program import block_of, recomputed_ops, requires_grad
 from autoddl.sbp import NdSbp, Signature
 from autoddl.training import Training
-from costmodel.boxing import (edge_backward_transitions, grad_ndsbp, needed_grad_ndsbp, transitions_of,
+from costmodel.boxing import (Group, edge_backward_transitions, grad_ndsbp, needed_grad_ndsbp, transitions_of,
                               transitions_time_s)
 from costmodel.compute import op_compute_time_s, op_forward_time_s, optimizer_time_s
 from costmodel.memory import param_state_bytes
@@ -275,7 +275,7 @@ def _pair_pricer(mesh: tuple[int, ...], cluster: Cluster):
         return forward, backward
 
     @lru_cache(maxsize=None)
-    def line(kind, axis: int) -> tuple[float, float]:
+    def line(kind, axis: Group) -> tuple[float, float]:
         """(seconds, seconds per byte): every collective's time is alpha + bytes * beta."""
         alpha = transitions_time_s([(kind, axis, 0)], mesh, cluster)
         return alpha, (transitions_time_s([(kind, axis, 2**30)], mesh, cluster) - alpha) / 2**30

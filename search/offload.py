@@ -2,8 +2,9 @@
 autoddl/offload.py).
 
 ``auto`` plans without offload first; only when nothing fits does it try ``optimizer``, then
-``params``, and keeps the first level at which some plan fits, its fastest plan; under ``params``
-each plan spills the fewest repeated blocks, in block order, with which it fits
+``params`` and ``activations`` together (block spilling: each plan at both, the faster that fits),
+and keeps the first tier at which some plan fits, its fastest plan; under ``params`` /
+``activations`` each plan spills the fewest repeated blocks, in block order, with which it fits
 (``Training.spill_blocks``). A given level is applied to every plan. The plans offered are those of the search without the memory limit (the
 fastest plans, memory aside: spilling changes what fits, not what is fast on the device), each
 priced again with the level under the real limit (and, with ``recompute auto``, the fewest
@@ -19,13 +20,13 @@ from typing import Callable
 
 from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph
-from autoddl.offload import check_offload, spill_groups
+from autoddl.offload import SPILL_LEVELS, check_offload, check_runnable_offload, spill_groups
 from autoddl.plan import Plan
 from autoddl.training import Training
 from search.problem import NoFeasiblePlanError
 
 UNLIMITED_GB = 1e9          # the memory limit of the search whose plans are offered for spilling
-AUTO_LEVELS = ("optimizer", "params")
+AUTO_TIERS = (("optimizer",), SPILL_LEVELS)   # tried in turn; within a tier the fastest plan that fits
 
 
 def offload_search(graph: OpGraph, cluster: Cluster, search_fn: Callable, *, training: Training,
@@ -57,22 +58,30 @@ def offload_search(graph: OpGraph, cluster: Cluster, search_fn: Callable, *, tra
             check_offload(graph, plan)
         except ValueError as exc:
             return Scheme(scheme.name, None, None, str(exc))
-        if level == "params":
+        if level in SPILL_LEVELS:
             plan = fewest_blocks(graph, plan, cluster, limit)
         if training.recompute == "auto":
             plan, bd = fit_recompute(graph, plan, cluster, limit, recompute_levels(graph, training))
+            try:
+                check_runnable_offload(graph, plan)
+            except ValueError as exc:
+                return Scheme(scheme.name, None, None, str(exc))
         else:
             bd = price(graph, plan, cluster, limit)
         plain_bd = scheme.breakdown
         return Scheme(scheme.name, plan, bd, no_offload_s=plain_bd.step_time_s,
                       no_offload_fits=plain_bd.memory_bytes_per_device <= limit)
 
-    levels = AUTO_LEVELS if request == "auto" else (request,)
-    for level in levels:
-        schemes = [spilled(s, level) for s in free.schemes if s.name != "found"]
-        found = spilled(next(s for s in free.schemes if s.name == "found"), level)
+    def fastest(variants: list) -> Scheme:          # one scheme's plans at a tier's levels
+        fits = [v for v in variants if v.plan is not None and v.breakdown.fits_memory]
+        return min(fits, key=lambda v: v.step_time_s) if fits else variants[0]
+
+    tiers = AUTO_TIERS if request == "auto" else ((request,),)
+    for tier in tiers:
+        schemes = [fastest([spilled(s, level) for level in tier]) for s in free.schemes if s.name != "found"]
+        found = fastest([spilled(s, level) for s in free.schemes if s.name == "found" for level in tier])
         fitting = [s for s in schemes + [found] if s.plan is not None and s.breakdown.fits_memory]
-        say(f"offload {level}: {len(fitting)} of {sum(s.plan is not None for s in schemes + [found])} plans fit "
+        say(f"offload {' / '.join(tier)}: {len(fitting)} of {sum(s.plan is not None for s in schemes + [found])} plans fit "
             f"{gb(limit)} per device")
         if fitting:
             break
@@ -89,7 +98,7 @@ def offload_search(graph: OpGraph, cluster: Cluster, search_fn: Callable, *, tra
 
 
 def fewest_blocks(graph: OpGraph, plan: Plan, cluster: Cluster, limit: float) -> Plan:
-    """``plan`` (offload params) spilling the fewest repeated blocks, in block order, with which it fits
+    """``plan`` (offload params / activations) spilling the fewest repeated blocks, in block order, with which it fits
     ``limit`` per device (memory falls block by block: bisection); every block when none does."""
     from search.planner import first_level, plan_memory
 
@@ -113,7 +122,7 @@ def offload_note(scheme, request: str, limit: float) -> str:
     """plan.notes's line on the level spilled and what it costs against the plan without it."""
     training = scheme.plan.training
     level = training.offload
-    if level == "params":
+    if level in SPILL_LEVELS:
         blocks = training.spill_blocks
         level += (f" ({len(blocks)} blocks spilled: {blocks[0]} .. {blocks[-1]})" if blocks else " (every block spilled)")
     why = ("nothing fits " + f"{limit / 1e9:.3g} GB per device without offload" if request == "auto"

@@ -11,14 +11,14 @@ Each candidate is first estimated fast, from the plan of one stage's inside: the
 the dp degree: a rank's compute and tp collectives depend on its own batch only), whose one
 micro-batch is simulated once (search/stages.py ``block_costs``: per block forward and backward
 seconds, saved and parameter bytes). The stages are cut where they balance, the schedule's step
-time is :func:`autoddl.pipeline.schedule_makespan` of the stages' times with the sends on the pp
-axis's link (fsdp: a chunk's first forward takes at least the all-gather of its parameters and its
+time is :func:`autoddl.pipeline.schedule_makespan` of the stages' times with every send priced as
+the slowest hop between consecutive stages (``costmodel.collectives.send_recv_time_s``; fsdp: a chunk's first forward takes at least the all-gather of its parameters and its
 last backward at least the reduce-scatter of their gradients: the program gathers each chunk's
 groups once per step and reduce-scatters once, as torchtitan runs FSDP under pp,
 autoddl/lowering.py), plus each rank's gradient all-reduce over dp and its optimizer share. Memory counts what
 costmodel/memory.py counts for the pipelined program, with its functions: the rank's parameter
-state (``param_state_bytes``; fsdp: / dp for the parameters whose local dim 0 dp divides, as the
-baseline shards them), those parameters gathered for the step with their unsharded gradients
+state (``param_state_bytes``; fsdp: / dp for the parameters with a dim the inner plan leaves
+whole that dp divides, as the baseline shards them), those parameters gathered for the step with their unsharded gradients
 (``step_gathered_bytes``), its micro-batches in flight (``in_flight_peak`` of the chunks' saved
 activations plus what they receive, ``received_bytes``), and the one-micro-batch inner program's
 recomputed block, buffers and boxing buffer (or the largest gradient bucket over dp). The best
@@ -41,7 +41,7 @@ from autoddl.pipeline import (boundary_tensors, in_flight_peak, repeated_blocks,
 from autoddl.program import requires_grad
 from autoddl.training import Training
 from autoddl.precision import itemsize
-from costmodel.collectives import cluster_collective_time_s
+from costmodel.collectives import cluster_collective_time_s, send_recv_time_s, stage_device
 from costmodel.memory import param_state_bytes, received_bytes, step_gathered_bytes
 from search.meshes import role_splits
 from search.stages import BlockCosts, block_costs, cuts_of
@@ -77,7 +77,8 @@ def factorisations(cluster: Cluster, blocks: int, min_pp: int = 2) -> list[tuple
 def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int, dp: int, tp: int, role: str,
              schedule: str, v: int, m: int, sent_memo: dict | None = None) -> tuple[float, float]:
     """(step seconds, bytes per device) of one candidate (module docstring). ``sent_memo``: a dict
-    kept for one ``inner`` plan, the bytes each stage receives per stage count (graph walks)."""
+    kept for one ``inner`` plan, per stage count: the bytes each stage receives and the largest boundary
+    tensor (graph walks)."""
     n = pp * v
     cuts = cuts_of(costs, n)
     index = {b: i for i, b in enumerate(costs.blocks)}
@@ -87,11 +88,14 @@ def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int
     bwd = [sum(costs.backward_s[i] for i in r) for r in runs]
     memo = {} if sent_memo is None else sent_memo
     if n not in memo:
-        memo[n] = received_bytes(boundary_tensors(graph, inner, stages_from_cuts(graph, cuts), requires_grad(graph)), n)
-    received = memo[n]
+        boundaries = boundary_tensors(graph, inner, stages_from_cuts(graph, cuts), requires_grad(graph))
+        memo[n] = (received_bytes(boundaries, n), max((b.nbytes for b in boundaries), default=0))
+    received, sent = memo[n]
     saved = [sum(costs.activation_bytes[i] for i in r) + got for r, got in zip(runs, received)]
     mesh = (pp, dp, tp)
-    p2p = cluster_collective_time_s(CollectiveKind.SEND_RECV, max(received), mesh, 0, cluster)
+    hops = range(pp if v > 1 else pp - 1)                      # interleaved: the last rank sends to the first too
+    p2p = max((send_recv_time_s(sent, stage_device(r, mesh), stage_device((r + 1) % pp, mesh), cluster, mesh)
+               for r in hops), default=0.0)                     # the slowest hop between stages
     actions = schedule_actions(schedule, pp, m, v)
     tail_s, peak = 0.0, 0.0
     gather_s, scatter_s = [0.0] * n, [0.0] * n       # fsdp: per chunk, its step's all-gather and reduce-scatter

@@ -208,8 +208,9 @@ def memory_at_levels(graph: OpGraph, plan: Plan, cluster: Cluster) -> Callable[[
     ``activations`` and ``recomputed`` depend on what is recomputed (the parameters and their gathers
     do not, and a recomputed forward boxes no larger tensor than forward did), so the program is
     lowered once and only those two are counted again. With pipeline stages the activations are
-    those of the micro-batches in flight on the rank that needs the most: counted in full."""
-    if pipeline_degree(plan) > 1:
+    those of the micro-batches in flight on the rank that needs the most, and with saved activations
+    spilled (``offload activations``) what stays on the device: counted in full."""
+    if pipeline_degree(plan) > 1 or plan.training.offload_level == "activations":
         return lambda training: plan_memory(graph, dataclasses.replace(plan, training=training), cluster)
     program = lower(graph, plan)
     mem = memory_bytes(graph, plan, predicted_collectives(graph, plan, cluster, program), program)

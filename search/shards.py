@@ -9,7 +9,8 @@ of the optimizer step (the model's optimizer seconds split by parameter bytes, a
 per shard after its backward). K is given, or the smallest count whose largest shard (its saved
 activations and its parameters' state) fits one device's memory. All the cluster's devices work at
 once, so on a CPU node with fewer cores than devices every time is multiplied by
-``Cluster.time_sharing`` of that many ranks (as the cost model does for a mesh of them).
+``Cluster.time_sharing`` of that many ranks (as the cost model does for a mesh of them); a transfer
+between two devices is ``costmodel.collectives.send_recv_time_s`` with all of them busy.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from autoddl.cluster import Cluster
-from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import OpGraph
 from autoddl.pipeline import stages_from_cuts
 from autoddl.shard_program import ShardedJob, param_homes, shard_flows
 from autoddl.training import Training
 from costmodel.breakdown import plan_cost
-from costmodel.collectives import collective_time_s
+from costmodel.collectives import send_recv_time_s
 from search.planner import inner_tp_plan
 from search.stages import BlockCosts, balanced_cuts, block_costs
 
@@ -80,16 +80,7 @@ def shard_job(name: str, graph: OpGraph, cluster: Cluster, steps: int, shards: i
 
 
 def transfer_fn(cluster: Cluster) -> Callable[[int, int, int], float]:
-    """Seconds to send ``nbytes`` from device ``src`` to ``dst`` of ``cluster`` (numbered node-major):
-    the send_recv formula of costmodel/collectives.py on the link the two devices share (inside a node
-    or between nodes), plus the executor's fixed cost per message, times the time sharing of the
-    module docstring; 0 on the same device."""
-    def seconds(src: int, dst: int, nbytes: int) -> float:
-        if src == dst or not nbytes:
-            return 0.0
-        same_node = src // cluster.devices_per_node == dst // cluster.devices_per_node
-        link = cluster.intra_node if same_node else cluster.inter_node
-        return (collective_time_s(CollectiveKind.SEND_RECV, nbytes, 2, link, cluster.backend,
-                                  cluster.efficiency.network) + cluster.executor.collective_us * 1e-6) * share
-    share = cluster.time_sharing((cluster.num_devices,))
-    return seconds
+    """Seconds to send ``nbytes`` from device ``src`` to ``dst`` of ``cluster`` (numbered node-major),
+    every device busy: ``costmodel.collectives.send_recv_time_s``; nothing to send costs 0."""
+    busy = (cluster.num_devices,)
+    return lambda src, dst, nbytes: send_recv_time_s(nbytes, src, dst, cluster, busy) if nbytes else 0.0

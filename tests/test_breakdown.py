@@ -123,11 +123,11 @@ def test_data_parallel_mlp(a100):
     json.dumps(cost.op_rows())
 
 
-def test_data_parallel_over_two_axes_buckets_both_all_reduces(a100):
-    """Data parallel on a 2x2 mesh: each gradient is P on both axes and syncs by an all-reduce on
-    each; they travel in one bucket, all-reduced on axis 0 and then on axis 1 (once each, not once
-    per parameter), back to back at the end of backward; the axis-1 all-reduce is issued when backward
-    is done (executor/gradsync.py launches it there, so that no backward hook waits)."""
+def test_data_parallel_over_two_axes_is_one_all_reduce_over_the_flattened_group(a100):
+    """Data parallel on a 2x2 mesh: each gradient is P on both axes; they travel in one bucket,
+    all-reduced once over the 4 ranks of axes 0 and 1 flattened (as DDP over all its ranks), on a
+    stream of its own, launched when backward has made the last gradient: a ring over n = 4,
+    2*3/4*M/b + 2*3*a (the chain on axis 0 then axis 1 it replaces was 2 * (2*1/2*M/b + 2*a))."""
     from search.baselines import baseline_specs, build_baseline
     from search.formulate import formulate
     from search.planner import assignment_plan
@@ -139,15 +139,20 @@ def test_data_parallel_over_two_axes_buckets_both_all_reduces(a100):
                            "adamw", Training())
     program = lower(g, plan)
     total = sum(p.outputs[0].nbytes for p in g.parameters().values())
-    assert [(b.kind, b.axes, b.nbytes) for b in program.buckets] == [(K.ALL_REDUCE, (0, 1), total)]
+    assert [(b.kind, b.axis, b.axes, b.nbytes) for b in program.buckets] == [(K.ALL_REDUCE, (0, 1), (0, 1), total)]
     assert sorted(program.param_uses[i].fqn for i in program.buckets[0].uses) == sorted(g.parameters())
-    first, then = [t for t in program.tasks if t.tensor == "bucket0"]
+    [sync] = [t for t in program.tasks if t.tensor == "bucket0"]
     last_backward = max(t.id for t in program.tasks if t.phase == "backward" and t.collective is None)
-    assert (first.axis, then.axis) == (0, 1) and set(then.deps) == {first.id, last_backward}   # as GradSync runs it
+    assert (sync.axis, sync.stream, sync.deps) == ((0, 1), "comm0+1", (last_backward,))   # as GradSync runs it
     syncs = [(c.kind, c.axis, c.bytes) for c in predicted_collectives(g, plan, cluster) if c.phase == "grad_sync"]
-    assert syncs == [(K.ALL_REDUCE, 0, total), (K.ALL_REDUCE, 1, total)]
-    one = _ar(total, 2, cluster.intra_node, cluster.efficiency.network)
-    assert plan_cost(g, plan, cluster).grad_sync_s == pytest.approx(2 * one, rel=1e-12)
+    assert syncs == [(K.ALL_REDUCE, (0, 1), total)]
+    b, a = cluster.intra_node.bandwidth_gbps * 1e9 * cluster.efficiency.network, cluster.intra_node.latency_us * 1e-6
+    flat = 2 * 3 / 4 * total / b + 2 * 3 * a
+    assert plan_cost(g, plan, cluster).grad_sync_s == pytest.approx(flat, rel=1e-12)
+    # the search's per-edge price of a parameter's gradient sync is that same one all-reduce
+    from search.formulate import _pair_pricer
+    bb, pp = NdSbp.parse("[B, B]"), NdSbp.parse("[P, P]")
+    assert _pair_pricer((2, 2), cluster)(0, total, bb, bb, pp, True) == pytest.approx(flat, rel=1e-9)
 
 
 def test_data_parallel_sgd_optimizer_and_compute_split(a100):

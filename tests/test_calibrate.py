@@ -344,7 +344,7 @@ def test_quick_calibration_on_two_gloo_ranks(tmp_path, capfd):
     assert f"bfloat16 {c.device.peaks['bfloat16']:g}" in printed              # the summary calibrate prints
     n_shapes = len(Settings.default(2, quick=True).matmul_shapes)
     assert err.count("calibrate: matmul") == err.count("calibrate: bfloat16 matmul") == n_shapes
-    assert all(f"calibrate: {k} on 2 of 2 ranks" in err for k in GLOO_FORMULA)
+    assert all(f"calibrate: {k} on 2 of 2 ranks" in err for k in [*GLOO_FORMULA, "send_recv"])
     rows = raw.read_text().splitlines()
     assert rows[0] == "benchmark,what,n_devices,bytes_or_flops,time_s" and len(rows) > 25
     # each op family timed per dtype on synthetic inputs: a fixed cost and a work scale each; recompute's costs
@@ -506,3 +506,72 @@ def test_op_family_fit_recovers_fixed_costs_and_work_scales_and_adds_the_executo
     assert comments["executor.op_us.float32.gelu"].startswith("sizes tiny, small, medium: ")
     cluster.to_yaml(tmp_path / "c.yaml", comments=comments, header="h")
     assert Cluster.from_yaml(tmp_path / "c.yaml") == cluster
+
+
+# -- point-to-point sends ----------------------------------------------------------------------------
+def send_recv_timings(a: float, b: float) -> tuple[CollectiveTiming, ...]:
+    """One-way send times of the send_recv formula, M/b + a (costmodel.collectives), at the quick sizes."""
+    return tuple(CollectiveTiming("send_recv", 2, m, m / b + a, "synthetic")
+                 for m in Settings.default(2, quick=True).message_bytes)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_send_recv_fit_recovers_known_alpha_beta_exactly(backend):
+    fit = fit_collective(K.SEND_RECV, backend, [(t.n_devices, t.nbytes, t.time_s)
+                                                for t in send_recv_timings(85e-6, 2.5e9)])
+    assert fit.carried_as is K.SEND_RECV and fit.points == 5
+    assert fit.latency_us == pytest.approx(85.0, rel=1e-9) and fit.bandwidth_gbps == pytest.approx(2.5, rel=1e-9)
+
+
+def test_calibrate_cluster_writes_the_send_recv_fit_apart_from_the_link(tmp_path):
+    """Collectives that agree leave no per-kind entries, but send_recv's fit is always written, and the
+    link is the median over the collectives alone (a send at 10x their bandwidth does not move it)."""
+    meas = synthetic_measurements({k: (50e-6, 1.2e9) for k in GLOO_FORMULA})
+    meas = dataclasses.replace(meas, collectives=meas.collectives + send_recv_timings(80e-6, 12e9))
+    cal = calibrate_cluster(meas, base_cluster(), command="x")
+    c = cal.cluster
+    assert c.intra_node == LinkSpec(1.2, 50.0) and c.collectives.items() == [("send_recv", LinkSpec(12.0, 80.0))]
+    out = tmp_path / "cal.yaml"
+    cal.write(out)
+    assert Cluster.from_yaml(out) == c and "  send_recv:  # a 80.0 us, b 12.000 GB/s, send_recv formula" in out.read_text()
+
+
+def test_calibrate_only_send_recv_adds_its_fit_to_the_base(tmp_path):
+    """--only send_recv: the base cluster with collectives.send_recv set, every other field (the base's
+    own per-kind fits included) unchanged."""
+    from autoddl.calibration import calibrate_fits
+
+    base = Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml")
+    settings = Settings.default(2, quick=True, kinds=("send_recv",), comm_only=True)
+    meas = Measurements(settings=settings, matmuls=(), memory_gbps={}, dispatch_us=0.0, tiny_op_us=0.0,
+                        collectives=send_recv_timings(120e-6, 3e9), seconds={"total": 1.0}, machine="test")
+    cal = calibrate_cluster(meas, base, command="autoddl calibrate --only send_recv")
+    assert cal.cluster == dataclasses.replace(base, collectives=dataclasses.replace(
+        base.collectives, send_recv=LinkSpec(3.0, 120.0)))
+    assert calibrate_fits(meas, base).cluster == cal.cluster
+    out = tmp_path / "sr.yaml"
+    cal.write(out)
+    assert Cluster.from_yaml(out) == cal.cluster
+    assert "Only send_recv timed (--only); every other field is from" in out.read_text()
+    with pytest.raises(ValueError, match="timed on gloo but the base cluster .* uses nccl"):
+        calibrate_fits(meas, Cluster.from_yaml(CONFIG_DIR / "dgx-a100-8.yaml"))
+    with pytest.raises(ValueError, match="--only: unknown communication kinds \\['send'\\]"):
+        Settings.default(2, kinds=("send",), comm_only=True)
+
+
+def test_quick_send_recv_calibration_on_two_gloo_ranks(tmp_path, capfd):
+    """A real --only send_recv run: half a gloo isend / irecv ping-pong between 2 ranks, fitted and
+    written over --base. R^2 is not asserted here (the test machine is shared; the synthetic tests
+    check the fit), so --min-r2 lets any fit through."""
+    out, raw = tmp_path / "sr.yaml", tmp_path / "sr.csv"
+    assert cli.main(["calibrate", "--nproc", "2", "--quick", "--only", "send_recv", "--min-r2=-1e9",
+                     "--out", str(out), "--raw", str(raw)]) == 0
+    c = Cluster.from_yaml(out)
+    base = Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml")
+    fit = c.collectives.get("send_recv")
+    assert fit.bandwidth_gbps > 0 and fit.latency_us >= 0 and math.isfinite(fit.bandwidth_gbps + fit.latency_us)
+    assert dataclasses.replace(c, collectives=base.collectives) == base
+    rows = raw.read_text().splitlines()[1:]
+    sizes = Settings.default(2, quick=True).message_bytes
+    assert [r.split(",")[-3:-1] for r in rows] == [["2", str(m)] for m in sizes]      # one row per size, no other
+    assert "calibrate: send_recv on 2 of 2 ranks (gloo isend/irecv + wait, half a ping-pong)" in capfd.readouterr().err

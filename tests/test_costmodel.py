@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from autoddl.boxing import boxing_moves
 from autoddl.cluster import DEFAULT_CLUSTER_PATH, Backend, Cluster, Efficiency, LinkSpec
 from autoddl.graph import NodeKind, OpNode, TensorMeta, TensorRef
 from autoddl.sbp import B, P, S, NdSbp, Signature
@@ -145,6 +146,24 @@ def test_boxing_nd_follows_dtensor_step_order():
         [(K.ALL_GATHER, 1, meta.nbytes // 2), (K.ALL_GATHER, 0, meta.nbytes)]
     # a size-1 axis never communicates
     assert boxing_collectives(meta, nd(S(0), P), nd(B, B), (1, 4)) == [(K.ALL_REDUCE, 1, meta.nbytes)]
+
+
+def test_all_reduces_on_several_axes_are_one_over_their_flattened_group():
+    """P -> B on several axes (a data-parallel gradient over two axes) is one all-reduce over the
+    group of those axes flattened, on the tensor as the other axes' splits leave it; an all-reduce
+    that another collective separates from the next stays on its own axis."""
+    meta = TensorMeta((16, 32), "float32")
+    assert boxing_collectives(meta, nd(P, P), nd(B, B), (2, 4)) == [(K.ALL_REDUCE, (0, 1), meta.nbytes)]
+    assert boxing_collectives(meta, nd(S(0), P, P), nd(S(0), B, B), (2, 2, 2)) == \
+        [(K.ALL_REDUCE, (1, 2), meta.nbytes // 2)]
+    assert boxing_collectives(meta, nd(P, S(1), P), nd(B, S(1), B), (2, 2, 2)) == \
+        [(K.ALL_REDUCE, (0, 2), meta.nbytes // 2)]
+    assert boxing_collectives(meta, nd(P, P, S(0)), nd(B, B, B), (2, 2, 2)) == \
+        [(K.ALL_GATHER, 2, meta.nbytes), (K.ALL_REDUCE, (0, 1), meta.nbytes)]
+    assert boxing_collectives(meta, nd(P, P), nd(B, S(1)), (2, 4)) == \
+        [(K.ALL_REDUCE, 0, meta.nbytes), (K.REDUCE_SCATTER, 1, meta.nbytes)]
+    [move] = boxing_moves(meta.nbytes, nd(P, P), nd(B, B), (2, 4))
+    assert (move.axes, move.group, move.before, move.after) == ((0, 1), (0, 1), nd(P, P), nd(B, B))
 
 
 def test_boxing_to_partial_is_local_unless_nested():
@@ -504,3 +523,73 @@ def test_collectives_measured_with_every_rank_busy_are_not_slowed_twice(a100):
     assert cluster_collective_time_s(K.ALL_REDUCE, M, (2, 2), 0, hosts) == pytest.approx(2 * bare, rel=1e-12)
     assert measured_busy.comm_time_sharing((2, 2)) == 1.0 and measured_busy.comm_time_sharing((1,)) == 0.5
     assert cluster_collective_time_s(K.ALL_REDUCE, M, (2, 2), 0, measured_busy) == pytest.approx(bare, rel=1e-12)
+
+
+def test_a_collective_over_flattened_axes_is_one_ring_over_their_product_on_the_slowest_link(two_nodes):
+    """An all-reduce over mesh axes (0, 1) of a 2x8 mesh on 2 nodes of 8: one ring over n = 16 ranks,
+    on the inter-node link (axis 0 crosses nodes), 2*15/16*M/b + 2*15*a; over (1, 2) of a 2x4x2
+    mesh (inside a node): n = 8 on NVLink. Calibrated per-kind fits replace the link inside a node,
+    with n = the group's size in the fit's formula; the executor's per-collective cost is paid once."""
+    from autoddl.cluster import ExecutorOverheads
+    from costmodel.collectives import cluster_collective_time_s
+
+    eff = two_nodes.efficiency.network
+    b, a = _b_a(two_nodes.inter_node, eff)
+    assert cluster_collective_time_s(K.ALL_REDUCE, M, (2, 8), (0, 1), two_nodes) == pytest.approx(
+        2 * 15 / 16 * M / b + 2 * 15 * a, rel=1e-12)
+    b, a = _b_a(two_nodes.intra_node, eff)
+    assert cluster_collective_time_s(K.ALL_REDUCE, M, (2, 4, 2), (1, 2), two_nodes) == pytest.approx(
+        2 * 7 / 8 * M / b + 2 * 7 * a, rel=1e-12)
+    fit = LinkSpec(bandwidth_gbps=0.5, latency_us=300.0)
+    from autoddl.cluster import CollectiveFits
+    fitted = dataclasses.replace(two_nodes, collectives=CollectiveFits(all_reduce=fit),
+                                 executor=ExecutorOverheads(collective_us=250.0))
+    b, a = _b_a(fit, eff)
+    assert cluster_collective_time_s(K.ALL_REDUCE, M, (2, 4, 2), (1, 2), fitted) == pytest.approx(
+        2 * 7 / 8 * M / b + 2 * 7 * a + 250e-6, rel=1e-12)
+    assert cluster_collective_time_s(K.ALL_REDUCE, M, (2, 4, 2), (0, 1), fitted) == pytest.approx(
+        cluster_collective_time_s(K.ALL_REDUCE, M, (8, 2), 0, fitted), rel=1e-12)   # crosses nodes: the link
+    with pytest.raises(ValueError, match="distinct mesh axes"):
+        cluster_collective_time_s(K.ALL_REDUCE, M, (2, 8), (1, -1), two_nodes)
+
+
+def test_a_send_between_two_devices_uses_their_link_and_the_send_recv_fit(a100):
+    """send_recv_time_s: M/b + a on the link two devices share, the calibrated send_recv fit inside a
+    node (not across), plus the executor's cost per message, times the comm time sharing."""
+    from costmodel.collectives import cluster_collective_time_s, send_recv_time_s
+
+    base = dataclasses.replace(a100.resized(16), executor=dataclasses.replace(a100.executor, collective_us=7.0))
+    nbytes, eff = 3 * 2**20, base.efficiency.network
+    assert base.intra_node != base.inter_node
+
+    def hand(link):
+        return nbytes / (link.bandwidth_gbps * 1e9 * eff) + link.latency_us * 1e-6 + 7e-6
+    assert send_recv_time_s(nbytes, 1, 6, base, (16,)) == pytest.approx(hand(base.intra_node), rel=1e-12)
+    assert send_recv_time_s(nbytes, 7, 8, base, (16,)) == pytest.approx(hand(base.inter_node), rel=1e-12)
+    assert send_recv_time_s(nbytes, 3, 3, base, (16,)) == 0.0
+    fit = LinkSpec(bandwidth_gbps=12.5, latency_us=40.0)
+    fitted = dataclasses.replace(base, collectives={"send_recv": fit})
+    assert send_recv_time_s(nbytes, 1, 6, fitted, (16,)) == pytest.approx(hand(fit), rel=1e-12)
+    assert send_recv_time_s(nbytes, 7, 8, fitted, (16,)) == pytest.approx(hand(base.inter_node), rel=1e-12)
+    with pytest.raises(ValueError, match="outside .* 16 devices"):
+        send_recv_time_s(nbytes, 0, 16, base, (16,))
+    # on a mesh axis: a send from the first device to the next one along it (axis 0 of (2, 8): 0 -> 8)
+    assert cluster_collective_time_s(K.SEND_RECV, nbytes, (2, 8), 0, base) == pytest.approx(
+        hand(base.inter_node), rel=1e-12)
+    assert cluster_collective_time_s(K.SEND_RECV, nbytes, (2, 8), 1, fitted) == pytest.approx(hand(fit), rel=1e-12)
+    assert cluster_collective_time_s(K.SEND_RECV, nbytes, (1, 16), 0, base) == 0.0
+
+
+def test_sends_measured_with_every_rank_busy_are_not_slowed_twice(a100):
+    """As for collectives: two hosts of 2 ranks on 1 core each; a link measured with both ranks of each
+    host busy (comm_measured_ranks_per_node 2) prices a send with all 4 ranks running at the bare
+    formula, and slows it 2x when measured at full speed."""
+    from costmodel.collectives import send_recv_time_s
+
+    hosts = dataclasses.replace(a100.resized(4), nodes=2, devices_per_node=2, cores_per_node=1)
+    measured_busy = dataclasses.replace(hosts, comm_measured_ranks_per_node=2)
+    nbytes = 2**20
+    for src, dst in ((0, 1), (1, 2)):                      # inside a host, across the hosts
+        bare = send_recv_time_s(nbytes, src, dst, dataclasses.replace(hosts, cores_per_node=None), (4,))
+        assert send_recv_time_s(nbytes, src, dst, hosts, (4,)) == pytest.approx(2 * bare, rel=1e-12)
+        assert send_recv_time_s(nbytes, src, dst, measured_busy, (4,)) == pytest.approx(bare, rel=1e-12)

@@ -81,6 +81,15 @@ PLANS = {
         "sub": "[S(0), P], [S(0), P] -> [S(0), P]",
         "pow_1": "[S(0), B] -> [S(0), B]", "mean": "[S(0), B] -> [P, B]",
     }, {"fc1.weight": "[B, S(0)]", "fc1.bias": "[B, S(0)]", "fc2.weight": "[B, S(1)]", "fc2.bias": "[B, B]"}),
+    # 2x2 mesh, data parallel on both axes: the batch split over all 4 ranks, weights replicated;
+    # each gradient is P on both axes, all-reduced once over the axes' flattened group (as DDP).
+    "dp_2x2": ((2, 2), {
+        "x": "-> [S(0), S(0)]", "y": "-> [S(0), S(0)]",
+        "linear": "[S(0), S(0)], [B, B], [B, B] -> [S(0), S(0)]", "gelu": "[S(0), S(0)] -> [S(0), S(0)]",
+        "linear_1": "[S(0), S(0)], [B, B], [B, B] -> [S(0), S(0)]",
+        "sub": "[S(0), S(0)], [S(0), S(0)] -> [S(0), S(0)]",
+        "pow_1": "[S(0), S(0)] -> [S(0), S(0)]", "mean": "[S(0), S(0)] -> [P, P]",
+    }, {"fc1.weight": "[B, B]", "fc1.bias": "[B, B]", "fc2.weight": "[B, B]", "fc2.bias": "[B, B]"}),
     # data parallel, but gelu on B: an S(0)->B all-gather forward, its dual (B->S(0) slice)
     # backward, and S(0) from B (a local slice) whose backward is an all-gather.
     "dp_gather": ((2,), {
@@ -160,7 +169,7 @@ def traced_for(name: str):
     return traced(MLP, f_mse) if name == "dp_mse" else traced()
 
 
-OPTIMIZER = {"dp": "sgd", "tp": "adamw", "zero3": "adamw", "dp_tp": "sgd", "dp_gather": "sgd",
+OPTIMIZER = {"dp": "sgd", "tp": "adamw", "zero3": "adamw", "dp_tp": "sgd", "dp_2x2": "adamw", "dp_gather": "sgd",
              "tp_sp": "adamw", "mixed": "adamw", "dp_no_rule": "sgd", "reshape_dp": "adamw",
              "reshape_tp": "sgd", "dp_mse": "adamw"}
 
@@ -210,7 +219,7 @@ def two_rank_results():
 @pytest.fixture(scope="module")
 def four_rank_results():
     traced()
-    return run_ranks(_check_plans, 4, ["dp_tp"], timeout_s=60)
+    return run_ranks(_check_plans, 4, ["dp_tp", "dp_2x2"], timeout_s=60)
 
 
 def _assert_matches(results, name):
@@ -246,6 +255,25 @@ def test_dp_tp_2x2_matches_single_process(four_rank_results):
                        ("grad_sync", "all_reduce", 0, sum((8 * 8, 8, 8 * 8, 8)) * F32)])
     for res in four_rank_results:
         assert _comms(res["dp_tp"][1]) == expected
+
+
+@pytest.mark.distributed
+def test_dp_on_both_axes_of_2x2_syncs_each_bucket_with_one_all_reduce_over_all_4_ranks(four_rank_results):
+    """The parameters are B on both axes: their gradients travel in one bucket, all-reduced once over
+    axes (0, 1) flattened (M = every parameter's bytes), and match one process; the scalar loss, P on
+    both axes, is one all-reduce over the same group (and, one all-reduce away from B, asynchronous)."""
+    from autoddl.program import lower
+
+    _assert_matches(four_rank_results, "dp_2x2")
+    _, _, graph = traced()
+    program = lower(graph, make_plan(graph, "dp_2x2"))
+    params = sum(PARAM_NUMEL.values()) * F32
+    assert [(b.axis, b.nbytes) for b in program.buckets] == [((0, 1), params)]
+    assert program.loss_async
+    expected = [("forward", "all_reduce", (0, 1), F32), ("grad_sync", "all_reduce", (0, 1), params)]
+    assert sorted((t.phase, t.collective.value, t.axis, t.nbytes) for t in program.collectives()) == expected
+    for res in four_rank_results:
+        assert _comms(res["dp_2x2"][1]) == expected
 
 
 @pytest.mark.distributed

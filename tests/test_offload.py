@@ -12,6 +12,7 @@ import torch
 from autoddl.cli import main
 from autoddl.cluster import Cluster, ClusterConfigError, LinkSpec
 from autoddl.loader import load_model_file
+from autoddl.offload import spill_groups
 from autoddl.program import block_of, lower
 from autoddl.training import Training
 from costmodel.breakdown import plan_cost
@@ -44,12 +45,12 @@ BLOCKS = """
         return Net()
 
     def example_inputs():
-        return (torch.randn(8, {d}),)
+        return (torch.randn({batch}, {d}),)
 """
 
 
-def model(write_model, n: int, root: bool = True, name: str = "blocks.py", **kw):
-    src = BLOCKS.format(d=D, n=n, root=f"self.inp = nn.Linear({D}, {D})" if root else "pass",
+def model(write_model, n: int, root: bool = True, name: str = "blocks.py", batch: int = 8, **kw):
+    src = BLOCKS.format(d=D, n=n, batch=batch, root=f"self.inp = nn.Linear({D}, {D})" if root else "pass",
                         root_use="x = self.inp(x)" if root else "")
     return load_model_file(write_model(src, name), **kw)
 
@@ -176,13 +177,15 @@ def test_a_plan_whose_host_memory_exceeds_the_hosts_does_not_fit(write_model):
 
 def test_auto_offloads_only_when_nothing_fits_and_takes_the_first_level_that_does(write_model):
     """Root + 6 blocks on one device: with room, auto keeps everything on the device; with a limit
-    between each level's memory it takes optimizer, then params; below that, nothing fits."""
+    between each level's memory it takes optimizer, then params; between params' and activations',
+    activations (params and activations are one tier: the faster that fits); below that, nothing
+    fits."""
     mf = model(write_model, 6)
     graph = mf.trace("float32")
     cluster = one_device()
     need = {level: plan_cost(graph, plan_at(graph, cluster, level), cluster).memory_bytes_per_device
-            for level in ("none", "optimizer", "params")}
-    assert need["none"] > need["optimizer"] > need["params"]
+            for level in ("none", "optimizer", "params", "activations")}
+    assert need["none"] > need["optimizer"] > need["params"] > need["activations"]
 
     def chosen(limit_bytes: float) -> str:
         out = search(graph, cluster, training=Training(offload="auto"), memory_gb=limit_bytes / 1e9,
@@ -193,8 +196,9 @@ def test_auto_offloads_only_when_nothing_fits_and_takes_the_first_level_that_doe
     assert chosen(need["none"] * 1.01) == "none"
     assert chosen((need["none"] + need["optimizer"]) / 2) == "optimizer"
     assert chosen((need["optimizer"] + need["params"]) / 2) == "params"
+    assert chosen((need["params"] + need["activations"]) / 2) == "activations"
     with pytest.raises(NoFeasiblePlanError):
-        chosen(need["params"] * 0.9)
+        chosen(need["activations"] * 0.99)
 
 
 def test_auto_plan_records_the_slowdown_against_the_plan_without_offload(write_model):
@@ -212,8 +216,9 @@ def test_auto_plan_records_the_slowdown_against_the_plan_without_offload(write_m
 
 
 def test_auto_with_recompute_auto_recomputes_the_fewest_blocks_after_spilling(write_model):
-    """With both autos and a limit that params offload meets only with some blocks recomputed, the
-    plan spills params and recomputes some blocks, not all, and fits."""
+    """With recompute auto and a limit that params offload meets only with some blocks recomputed, an
+    offload params plan recomputes some blocks, not all, and fits; offload auto takes the faster of
+    that and spilling activations too (one tier), which fits as well."""
     mf = model(write_model, 6)
     graph = mf.trace("float32")
     cluster = one_device()
@@ -223,13 +228,18 @@ def test_auto_with_recompute_auto_recomputes_the_fewest_blocks_after_spilling(wr
     least = plan_cost(graph, full, cluster).memory_bytes_per_device
     assert least < plain
     limit = (least + plain) / 2
-    out = search(graph, cluster, training=Training(offload="auto", recompute="auto"), memory_gb=limit / 1e9,
+    out = search(graph, cluster, training=Training(offload="params", recompute="auto"), memory_gb=limit / 1e9,
                  cd_time_limit_s=0.05)
     training = out.found.training
     recomputed = [b for b, p in training.recompute_blocks.items() if p != "none"]
     assert training.offload == "params" and 0 < len(recomputed) <= 2 * 6
     assert out.found_breakdown.memory_bytes_per_device <= limit
     assert not all(p == "full" for p in training.recompute_blocks.values())
+    auto = search(graph, cluster, training=Training(offload="auto", recompute="auto"), memory_gb=limit / 1e9,
+                  cd_time_limit_s=0.05)
+    assert auto.found.training.offload in ("params", "activations")
+    assert auto.found_breakdown.memory_bytes_per_device <= limit
+    assert auto.found_breakdown.step_time_s <= out.found_breakdown.step_time_s
 
 
 def with_blocks(plan, k: int):
@@ -294,7 +304,7 @@ def test_offload_needs_the_host_fields_and_params_refuses_sharded_storage(write_
 
 
 def test_cli_offload_auto_shows_the_level_and_the_slowdown(write_model, capsys, tmp_path):
-    path = write_model(BLOCKS.format(d=D, n=6, root="self.inp = nn.Linear(256, 256)", root_use="x = self.inp(x)"))
+    path = write_model(BLOCKS.format(d=D, n=6, batch=8, root="self.inp = nn.Linear(256, 256)", root_use="x = self.inp(x)"))
     mf = load_model_file(path)
     graph = mf.trace("float32")
     cluster = one_device()
@@ -327,13 +337,17 @@ def _run_offloaded(mf, graph, plan):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("ranks,precision", [(2, "fp32"), (1, "bf16")])
-def test_executor_runs_the_programs_copies_and_matches_one_process(write_model, ranks, precision):
-    """A params-offload plan (data parallel on 2 ranks; one rank in bf16) runs with each block's
-    parameters living in host buffers, copied in and out at the program's copy tasks: loss,
-    gradients and parameters after 2 steps match one process, and the copies that ran are the
-    program's (all but the kept parameters' copies around the optimizer, which the executor does
-    not run)."""
+@pytest.mark.parametrize("level,ranks,precision", [("params", 2, "fp32"), ("params", 1, "bf16"),
+                                                   ("activations", 2, "fp32"), ("optimizer", 2, "fp32")])
+def test_executor_runs_the_programs_copies_and_matches_one_process(write_model, level, ranks, precision):
+    """An offloaded plan (data parallel on 2 ranks; one rank in bf16) runs as its program says:
+    ``params``: each block's parameters live in host buffers, copied in and out at the program's copy
+    tasks; ``activations``: also what autograd saves in blocks 0 and 1 (block 2's stay), out after
+    their forward and back before their backward; every level: the root's (all, under ``optimizer``)
+    masters live on the host, their gradients copied out and updated working copies back around
+    the optimizer there. Loss, gradients and parameters after 2 steps match one process, and the
+    copies that ran are the program's, bytes included (a Linear+ReLU block saves its input and its
+    ReLU output, as the rule counts its Linear and ReLU outputs)."""
     from autoddl.precision import check_rtol
     from dist_utils import run_ranks
 
@@ -344,10 +358,16 @@ def test_executor_runs_the_programs_copies_and_matches_one_process(write_model, 
     cluster = Cluster.from_yaml(DGX).resized(ranks)
     dp = next(s for s in search(graph, cluster, training=training, mesh=(ranks,), cd_time_limit_s=0.05).schemes
               if s.name == "dp").plan
-    plan = dataclasses.replace(dp, training=dataclasses.replace(dp.training, offload="params"))
+    plan = dataclasses.replace(dp, training=dataclasses.replace(dp.training, offload=level))
     program = lower(graph, plan)
-    expected = sorted((t.copy, t.nbytes, t.tensor) for t in program.copies() if t.op != "optimizer")
-    assert len(expected) == 3 + 2 + 3
+    expected = sorted((t.copy, t.nbytes, t.tensor) for t in program.copies())
+    size = {"fp32": 4, "bf16": 2}[precision]
+    act = 2 * (8 // ranks) * D * size
+    assert len(expected) == {"params": 3 + 2 + 3 + 2, "activations": 3 + 2 + 3 + 2 + 2 + 2, "optimizer": 2}[level]
+    assert [r for r in expected if r[2].endswith("activations")] == (
+        [("d2h", act, "d2h blocks.0 activations"), ("d2h", act, "d2h blocks.1 activations"),
+         ("h2d", act, "h2d blocks.0 activations"), ("h2d", act, "h2d blocks.1 activations")]
+        if level == "activations" else [])
     for rank, (errors, ran) in enumerate(run_ranks(_run_offloaded, ranks, mf, graph, plan, timeout_s=120)):
         bad = {k: v for k, v in errors.items() if not v <= check_rtol(training.param_dtype)}
         assert not bad, f"rank {rank}: relative errors above the bound: {bad}"
@@ -356,32 +376,38 @@ def test_executor_runs_the_programs_copies_and_matches_one_process(write_model, 
 
 
 def test_run_summary_audits_the_copies_against_the_programs(write_model, capsys):
-    """``autoddl run``'s summary compares the copies one step ran with the program's (the kept
-    parameters' copies around the optimizer are named as not run) and counts a difference."""
+    """``autoddl run``'s summary compares the copies one step ran with the program's and counts a
+    difference; saved activations' copies are matched by label, their bytes reported beside."""
     from autoddl.cli.run import _copies_audit
 
     mf = model(write_model, 3)
     graph = mf.trace("float32")
     program = lower(graph, plan_at(graph, one_device(), "params"))
-    ran = [[t.copy, t.nbytes, t.tensor] for t in program.copies() if t.op != "optimizer"]
+    ran = [[t.copy, t.nbytes, t.tensor] for t in program.copies()]
     assert _copies_audit(program.copies(), ran) == 0
-    assert "8 ran" in capsys.readouterr().out
+    assert "10 ran" in capsys.readouterr().out
     assert _copies_audit(program.copies(), ran[:-1]) == 1
     out = capsys.readouterr().out
-    assert "7 ran" in out and "the program's 8" in out and "2 copies around the optimizer are not run" in out \
-        and "DIFFER" in out
+    assert "9 ran" in out and "the program's 10" in out and "DIFFER" in out
+    program = lower(graph, plan_at(graph, one_device(), "activations"))
+    ran = [[t.copy, t.nbytes * (2 if t.tensor.endswith("activations") else 1), t.tensor] for t in program.copies()]
+    a = 2 * 8 * D * 4
+    assert _copies_audit(program.copies(), ran) == 0
+    assert f"saved activations {8 * a / 1e6:.3f} MB ran, {4 * a / 1e6:.3f} MB by the program's rule" \
+        in capsys.readouterr().out
+    assert _copies_audit(program.copies(), [r for r in ran if r[2] != "h2d blocks.0 activations"]) == 1
 
 
-def test_gradients_leave_after_every_axis_of_their_buckets_all_reduce(write_model):
-    """Data parallel on both axes of a 2x2 mesh: a bucket is all-reduced on axis 0, then (at the end of
-    backward) on axis 1; a spilled block's gradients are copied out only after both, for every bucket
-    holding one of them."""
+def test_gradients_leave_after_their_buckets_all_reduce_over_both_axes(write_model):
+    """Data parallel on both axes of a 2x2 mesh: a bucket is all-reduced once over axes 0 and 1
+    flattened; a spilled block's gradients are copied out only after that, for every bucket holding
+    one of them."""
     mf = model(write_model, 6)
     graph = mf.trace("float32")
     cluster = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml")
     dp = next(s for s in search(graph, cluster, mesh=(2, 2), cd_time_limit_s=0.05).schemes if s.name == "dp").plan
     program = lower(graph, dataclasses.replace(dp, training=dataclasses.replace(dp.training, offload="params")))
-    assert any(b.then_axes for b in program.buckets)
+    assert program.buckets and all(b.axis == (0, 1) for b in program.buckets)
     tasks = {t.id: t for t in program.tasks}
     bucket_of = {program.param_uses[i].fqn: b.index for b in program.buckets for i in b.uses}
     outs = [t for t in program.copies() if t.copy == "d2h" and "blocks" in t.tensor]
@@ -390,4 +416,126 @@ def test_gradients_leave_after_every_axis_of_their_buckets_all_reduce(write_mode
         group = t.tensor.split()[1]
         buckets = {bucket_of[u.fqn] for u in program.param_uses if u.fqn.startswith(group + ".")}
         waited = {(tasks[d].tensor, tasks[d].axis) for d in t.deps if tasks[d].phase == "grad_sync"}
-        assert waited >= {(f"bucket{b}", axis) for b in buckets for axis in (0, 1)}, t.tensor
+        assert waited >= {(f"bucket{b}", (0, 1)) for b in buckets}, t.tensor
+
+
+# -- spilling saved activations (offload activations) ----------------------------------------------------
+
+GPT = ROOT / "examples" / "gpt.py"
+
+
+def tiny_gpt(n_layer: int = 3, **kw):
+    """The tiny gpt (examples/gpt.py: B 4, T 32, C 64, 4 heads) with ``n_layer`` blocks."""
+    return load_model_file(GPT, preset="tiny", n_layer=n_layer, **kw)
+
+
+def gpt_block_saved_bytes(b: int = 4, t: int = 32, c: int = 64, size: int = 4) -> int:
+    """One gpt block's saved activations by autoddl/activations.py's rule, per token: ln_1 (C), c_attn (3C),
+    attention (C), its contiguous copy (C), c_proj (C), add (C), ln_2 (C), c_fc (4C), gelu (4C),
+    c_proj (C), add (C) = 19C (views, and outputs no op reads, save nothing)."""
+    return 19 * c * b * t * size
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_activation_copies_bytes_and_count_match_the_hand_formula(micro):
+    """3 gpt blocks, one device: per micro-step, blocks 0 and 1 send their saved activations out after
+    their forward and take them back before their backward (block 1 first, prefetched while block 2's
+    backward runs); block 2's stay. Parameters are copied as under ``params``."""
+    mf = tiny_gpt(3)
+    graph = mf.trace("float32")
+    plan = plan_at(graph, one_device(), "activations")
+    plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, micro_batches=micro))
+    program = lower(graph, plan)
+    acts = [(t.copy, t.nbytes, t.tensor, t.micro_step) for t in program.copies() if t.tensor.endswith("activations")]
+    a = gpt_block_saved_bytes()
+    assert acts == [row for m in range(micro) for row in [
+        ("d2h", a, "d2h transformer.h.0 activations", m), ("d2h", a, "d2h transformer.h.1 activations", m),
+        ("h2d", a, "h2d transformer.h.1 activations", m), ("h2d", a, "h2d transformer.h.0 activations", m)]]
+    params = [(t.copy, t.tensor) for t in program.copies() if not t.tensor.endswith("activations")]
+    plain = dataclasses.replace(plan, training=dataclasses.replace(plan.training, offload="params"))
+    assert params == [(t.copy, t.tensor) for t in lower(graph, plain).copies()]
+    tasks = {t.id: t for t in program.tasks}
+    for t in program.copies():           # each copy in waits for its copy out
+        if t.tensor.endswith("activations") and t.copy == "h2d":
+            assert any(tasks[d].tensor == t.tensor.replace("h2d", "d2h") for d in t.deps)
+
+
+def test_activation_spilling_memory_matches_hand_figures():
+    """fp32, 3 gpt blocks of A saved bytes each: the device keeps the rest of the activations and two
+    blocks' at once (the one computing and the one in flight); the host the two that leave."""
+    mf = tiny_gpt(3)
+    graph = mf.trace("float32")
+    cluster = one_device()
+    mem = {level: plan_cost(graph, plan_at(graph, cluster, level), cluster).memory for level in ("params", "activations")}
+    a = gpt_block_saved_bytes()
+    p, s = mem["params"], mem["activations"]
+    assert (s["activations"], s["spilled_acts"], s["host"]) == (p["activations"] - 3 * a, 2 * a, p["host"] + 2 * a)
+    assert s["total"] == p["total"] - a
+    assert all(s[k] == p[k] for k in ("parameters", "gradients", "spilled_params", "spilled_grads"))
+
+
+def test_activation_spilling_step_in_the_copy_bound_regime_is_the_closed_form(write_model):
+    """n Linear+ReLU blocks on a batch of 4096 (saved activations a copy each, parameters c), a slow
+    host link: the copies out run back to back from the end of block 0's forward; the copies back
+    (activations then parameters, per block below the last) run back to back from the last copy
+    out; then block 0's weight gradient, its gradients out and the host optimizer:
+    c + F_0 + (n-1) a + (n-1)(a + c) + B_lin0 + c + T_opt."""
+    from costmodel.host import host_copy_time_s
+
+    n = 4
+    mf = model(write_model, n, root=False, batch=4096)
+    graph = mf.trace("float32")
+    cluster = dataclasses.replace(one_device(), host_link=LinkSpec(0.05, 10.0))
+    plan = plan_at(graph, cluster, "activations")
+    timeline = simulate(lower(graph, plan), graph, plan, cluster)
+    a, c = host_copy_time_s(2 * 4096 * D * 4, cluster), host_copy_time_s(N_BLOCK * 4, cluster)
+    compute = [t for t in timeline.tasks if t.task.stream == "compute"]
+    f0 = sum(t.duration_s for t in compute if t.task.phase == "forward" and block_of(graph[t.task.op]) == "blocks.0")
+    (b_lin0,) = [t.duration_s for t in compute if t.task.phase == "backward" and t.task.op == "linear"]
+    (opt,) = [t.duration_s for t in timeline.tasks if t.task.phase == "optimizer"]
+    assert a > 10 * (c + sum(t.duration_s for t in compute))        # copy-bound
+    step = max(t.end_s for t in timeline.tasks)
+    assert step == pytest.approx(c + f0 + (n - 1) * a + (n - 1) * (a + c) + b_lin0 + c + opt, rel=1e-9)
+    assert timeline.busy_s(phase="offload") == pytest.approx(2 * (n - 1) * a + (n + (n - 1) + n) * c, rel=1e-9)
+
+
+def test_recompute_levels_are_counted_with_the_activations_spilled():
+    """``recompute auto``'s per-level memory (search.planner.memory_at_levels) under offload
+    activations is the full count (only the blocks that stay keep their activations on the device),
+    not the activations rule's sum."""
+    from search.planner import memory_at_levels, plan_memory, recompute_levels
+
+    mf = tiny_gpt(3)
+    graph = mf.trace("float32")
+    cluster = one_device()
+    plan = plan_at(graph, cluster, "activations")
+    at = memory_at_levels(graph, plan, cluster)
+    for level in recompute_levels(graph, Training(recompute="auto"))[::2]:
+        training = dataclasses.replace(plan.training, recompute_blocks=level)
+        assert at(training) == plan_memory(graph, dataclasses.replace(plan, training=training), cluster)
+
+
+def test_spilled_activations_of_recomputed_blocks_are_refused_by_the_executor_and_never_chosen(write_model):
+    """The executor does not run offload activations on a checkpointed block: validate_plan names the
+    blocks and what to use instead, and offload auto with recompute auto never returns such a plan."""
+    from executor.runtime import PlanExecutionError, validate_plan
+
+    mf = model(write_model, 6)
+    graph = mf.trace("float32")
+    cluster = one_device()
+    plan = plan_at(graph, cluster, "activations")
+    full = dataclasses.replace(plan, training=dataclasses.replace(plan.training, recompute="full"))
+    with pytest.raises(PlanExecutionError, match=r"offload activations of recomputed blocks \(blocks\.0, blocks\.1, "
+                                                 r"blocks\.2, \.\.\.\) is not run by the executor.*--offload params"):
+        validate_plan(graph, full)
+    validate_plan(graph, plan)                       # without recompute it runs
+    spilled = plan_cost(graph, plan_at(graph, cluster, "params"), cluster).memory_bytes_per_device
+    least = plan_cost(graph, dataclasses.replace(full, training=dataclasses.replace(
+        full.training, offload="params")), cluster).memory_bytes_per_device
+    out = search(graph, cluster, training=Training(offload="auto", recompute="auto"),
+                 memory_gb=(least + spilled) / 2e9, cd_time_limit_s=0.05)
+    training = out.found.training
+    if training.offload == "activations":
+        blocks = [g.group for g in spill_groups(graph, out.found)]
+        assert all(training.recompute_of(b) == "none" for b in blocks)
+    assert out.found_breakdown.memory_bytes_per_device <= (least + spilled) / 2

@@ -191,6 +191,25 @@ def test_send_recv_tasks_move_the_residual_stream_across_the_inter_node_link(gpt
     assert [t.duration_s for t in timed] == pytest.approx([hand] * (2 * m), rel=1e-12)
 
 
+def test_each_send_is_priced_on_the_link_between_its_two_stages(gpt):
+    """pp=4 over 2 nodes of 2 devices: stages 0-1 and 2-3 share a node, 1-2 cross; each send (forward to
+    the next rank, gradients back to the previous) costs send_recv_time_s between its two stages."""
+    from costmodel.collectives import send_recv_time_s
+
+    _, graph = gpt
+    cluster = dataclasses.replace(Cluster.from_yaml(H100).resized(4), nodes=2, devices_per_node=2)
+    plan = _pp(graph, cluster, 4, Training(micro_batches=2))
+    bd = plan_cost(graph, plan, cluster)
+    timed = [t for t in bd.timeline.tasks if t.task.stream == P2P]
+    assert len(timed) == 2 * 3 * 2                           # forward and backward over 3 boundaries, 2 micro-batches
+    for t in timed:
+        peer = t.task.pp_rank + (1 if t.task.phase == "forward" else -1)
+        assert t.duration_s == pytest.approx(send_recv_time_s(t.task.nbytes, t.task.pp_rank, peer, cluster, (4,)))
+        link = cluster.intra_node if {t.task.pp_rank, peer} != {1, 2} else cluster.inter_node
+        assert t.duration_s == pytest.approx(t.task.nbytes / (link.bandwidth_gbps * 1e9 * cluster.efficiency.network)
+                                             + link.latency_us * 1e-6 + cluster.executor.collective_us * 1e-6)
+
+
 def test_data_parallel_gradients_sync_once_per_step_on_each_rank(gpt):
     _, graph = gpt
     cluster = Cluster.from_yaml(H100).resized(8)

@@ -121,6 +121,7 @@ def test_a_tiny_gpt_cut_in_two_prices_its_shards_from_the_one_device_timeline():
     from autoddl.cluster import Cluster
     from autoddl.loader import load_model_file
     from search.planner import inner_tp_plan
+    from costmodel.collectives import send_recv_time_s
     from search.shards import shard_job, transfer_fn
     from autoddl.training import Training
     from search.stages import block_costs
@@ -146,6 +147,7 @@ def test_a_tiny_gpt_cut_in_two_prices_its_shards_from_the_one_device_timeline():
     assert transfer_fn(cluster)(0, 1, 10**6) == pytest.approx(
         10**6 / (link.bandwidth_gbps * 1e9) + link.latency_us * 1e-6 + cluster.executor.collective_us * 1e-6)
     assert transfer_fn(cluster)(1, 1, 10**6) == 0.0
+    assert transfer_fn(cluster)(0, 1, 10**6) == send_recv_time_s(10**6, 0, 1, cluster, (2,))
     # four ranks on this 2-core machine's node (cores_per_node 2) share the cores: every time doubles
     four = Cluster.from_yaml("configs/local-cpu.yaml").resized(4)
     assert four.time_sharing((4,)) == 2.0

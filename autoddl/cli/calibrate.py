@@ -1,6 +1,7 @@
 """``autoddl calibrate``: measure this machine and write a cluster YAML whose numbers come from it.
 
     autoddl calibrate --nproc 2 --out configs/local-cpu.yaml [--base YAML] [--backend gloo] [--quick]
+    autoddl calibrate --nproc 2 --only send_recv --out /tmp/send_recv.yaml   # one kind's fit over --base
 
 The measuring and fitting are ``autoddl.calibration``'s (its docstring says what each
 field is made of); this module parses the options, writes the files and prints.
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from autoddl.calibration import DEFAULT_BASE, MIN_R2, calibrate, write_raw
 from autoddl.cli import common_options, register
-from autoddl.cluster import Backend, Cluster
+from autoddl.cluster import FITTED_KINDS, Backend, Cluster
 from executor.calibrate import Settings
 
 
@@ -41,6 +42,9 @@ def add_calibrate(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--raw", metavar="CSV", help="also write every timing to this CSV file")
     p.add_argument("--min-r2", type=float, default=MIN_R2, metavar="R2",
                    help=f"refuse, with a warning, a collective fit whose R^2 is below this (default {MIN_R2:g})")
+    p.add_argument("--only", metavar="KINDS",
+                   help=f"time only these communication kinds (comma-separated: {', '.join(FITTED_KINDS)}) and "
+                        "write --base with their fits in its collectives section, every other field as it was")
     p.add_argument("--across-hosts", action="store_true", help="run as torchrun ranks on several hosts "
                    "(benchmarks/two_hosts.py -- -m autoddl calibrate --across-hosts): fit intra- and inter-host links")
     p.set_defaults(func=run_calibrate)
@@ -54,7 +58,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.devices_per_node is not None and args.devices_per_node < 1:
         raise ValueError(f"--devices-per-node must be a positive integer, got {args.devices_per_node}")
     base = Cluster.from_yaml(args.base)
-    settings = Settings.default(args.nproc, args.backend, quick=args.quick, threads=args.threads)
+    only = {"kinds": tuple(k.strip() for k in args.only.split(",")), "comm_only": True} if args.only else {}
+    settings = Settings.default(args.nproc, args.backend, quick=args.quick, threads=args.threads, **only)
     print(f"calibrate: {settings.nproc} {settings.backend} ranks, {settings.threads} thread(s) each, "
           f"{'quick' if settings.quick else 'full'} settings", file=sys.stderr, flush=True)
     meas, cal = calibrate(base, settings, args.devices_per_node, _command(args), args.min_r2)
@@ -82,4 +87,5 @@ def _command(args: argparse.Namespace) -> str:
     parts += ["--quick"] if args.quick else []
     parts += [f"--threads {args.threads}"] if args.threads else []
     parts += [f"--devices-per-node {args.devices_per_node}"] if args.devices_per_node else []
+    parts += [f"--only {args.only}"] if args.only else []
     return " ".join(parts)

@@ -25,10 +25,12 @@ import pandas as pd
 
 from autoddl import trace_cache
 from autoddl.api import schemes_frame
+from autoddl.boxing import group_name
 from autoddl.cli import EXPECTED_ERRORS, add_model_options, common_options, model_overrides, register, table
 from autoddl.cluster import DEFAULT_CLUSTER_PATH, Cluster
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.loader import ModelFile, ModelFileError, load_for_plan, load_model_file
+from autoddl.offload import SPILL_LEVELS
 from autoddl.ops import coverage_report
 from autoddl.plan import Mesh, Plan
 from autoddl.rebatch import at_batch
@@ -66,8 +68,9 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
                         "outputs), full, or auto (the planner chooses per block under the memory limit)")
     t.add_argument("--offload", choices=OFFLOAD_CHOICES, default="none",
                    help="spill to host memory: none, optimizer (fp32 masters, optimizer states and step on the "
-                        "host), params (and each block's parameters, copied in one block ahead), or auto (none, "
-                        "then optimizer, then params: the first with which a plan fits); needs the cluster "
+                        "host), params (and each block's parameters, copied in one block ahead), activations (and "
+                        "those blocks' saved activations, out after forward, in before backward), or auto (none, "
+                        "then optimizer, params, activations: the first with which a plan fits); needs the cluster "
                         "file's host_link, host_memory_gb, host_memory_bandwidth_gbps")
     t.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB, metavar="MB",
                    help=f"gradient-sync bucket size (default {DEFAULT_BUCKET_MB:g}, as DDP)")
@@ -316,7 +319,7 @@ MEMORY_PARTS = {            # --memory-breakdown column -> costmodel/memory.py c
     "grads GB": ("gradients",),
     "optim GB": ("optimizer_states",),
     "activ GB": ("activations", "recomputed"),
-    "spilled GB": ("spilled_params", "spilled_grads"),
+    "spilled GB": ("spilled_params", "spilled_grads", "spilled_acts"),
     "other GB": ("buffers", "boxing_buffer"),
 }
 
@@ -397,7 +400,7 @@ def _offload_cells(s: Scheme) -> tuple[str, ...]:
     ratio = (f"{s.step_time_s / s.no_offload_s:.2f}x" if s.no_offload_s else "-") + \
         ("" if s.no_offload_fits else " (does not fit without)")
     blocks = s.plan.training.spill_blocks
-    if level == "params":
+    if level in SPILL_LEVELS:
         level += f" ({len(blocks)} blocks)" if blocks else " (all)"
     return (level, f"{s.breakdown.offload_s * 1e3:.3f}", ratio, f"{s.breakdown.host_memory_bytes / 1e9:.3f}")
 
@@ -723,7 +726,7 @@ def _explain_rows(form, assignment: np.ndarray, picked: list[int], plan: Plan, g
                   wide: bool) -> list[tuple[str, ...]]:
     by_op: dict[str, list[str]] = {}
     for t in program.collectives():
-        text = (f"{t.phase} {t.collective.value} axis {t.axis} {t.nbytes / 1e6:.3f} MB ({t.tensor})" if wide
+        text = (f"{t.phase} {t.collective.value} axis {group_name(t.axis)} {t.nbytes / 1e6:.3f} MB ({t.tensor})" if wide
                 else f"{SHORT_PHASE[t.phase]} {SHORT_KIND[t.collective.value]} {t.nbytes / 1e6:.2f}MB")
         by_op.setdefault(t.op, []).append(text)
     rows = []

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from autoddl import runs
+from autoddl.boxing import group_name
 from autoddl.cli import EXPECTED_ERRORS, common_options, register, table
+from autoddl.offload_program import ACTIVATIONS
 from autoddl.plan import Plan
 from autoddl.program import lower
 from executor.launch import LaunchSpec
@@ -74,7 +76,7 @@ def collectives_table(predicted, measured) -> tuple[str, int]:
     for (phase, kind, axis), (pc, pb), (mc, mb) in runs.compare_collectives(predicted, measured):
         same = (pc, pb) == (mc, mb)
         differ += not same
-        rows.append((phase, kind, str(axis), str(pc), f"{pb / 1e6:.4f}", str(mc), f"{mb / 1e6:.4f}",
+        rows.append((phase, kind, group_name(axis), str(pc), f"{pb / 1e6:.4f}", str(mc), f"{mb / 1e6:.4f}",
                      "ok" if same else "MISMATCH"))
     text = table(("phase", "kind", "axis", "predicted n", "predicted MB", "measured n", "measured MB", ""),
                  rows) if rows else "(no collectives predicted or run)"
@@ -129,14 +131,20 @@ def print_summary(plan: Plan, result: dict[str, Any], cost: dict[str, Any], pred
 
 
 def _copies_audit(copies: list, ran: list) -> int:
-    """Offload: the host copies one step ran against the program's (the executor does not run the
-    kept parameters' copies around the optimizer: executor/offload.py); returns 1 when they differ."""
-    planned = sorted((t.copy, t.nbytes, t.tensor) for t in copies if t.op != "optimizer")
-    got = sorted(tuple(r) for r in ran)
-    skipped = sum(1 for t in copies if t.op == "optimizer")
-    print(f"host copies of one step: {len(got)} ran ({sum(r[1] for r in got) / 1e6:.3f} MB), the program's "
-          f"{len(planned)} ({sum(p[1] for p in planned) / 1e6:.3f} MB)"
-          + (f"; its {skipped} copies around the optimizer are not run" if skipped else "")
+    """Offload: the host copies one step ran against the program's; returns 1 when they differ. Saved
+    activations' copies are compared by direction and label (their bytes are autograd's, which the
+    program's rule need not equal: executor/offload.py), their bytes reported beside."""
+    def key(copy: str, nbytes: int, tensor: str) -> tuple:
+        return (copy, -1 if tensor.endswith(ACTIVATIONS) else nbytes, tensor)
+
+    def act_mb(rows) -> float:
+        return sum(r[1] for r in rows if r[2].endswith(ACTIVATIONS)) / 1e6
+    planned_rows = [(t.copy, t.nbytes, t.tensor) for t in copies]
+    planned, got = sorted(key(*r) for r in planned_rows), sorted(key(*r) for r in ran)
+    print(f"host copies of one step: {len(got)} ran ({sum(r[1] for r in ran) / 1e6:.3f} MB), the program's "
+          f"{len(planned)} ({sum(r[1] for r in planned_rows) / 1e6:.3f} MB)"
+          + (f"; saved activations {act_mb(ran):.3f} MB ran, {act_mb(planned_rows):.3f} MB by the program's rule"
+             if any(r[2].endswith(ACTIVATIONS) for r in planned_rows) else "")
           + (": the same" if got == planned else ": they DIFFER"))
     return int(got != planned)
 
