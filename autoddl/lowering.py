@@ -42,7 +42,13 @@ ZeRO-3 / FSDP gathers: the parameter uses whose move is one all-gather are group
 group (``layer_group``; groups under ``GATHER_MIN_BYTES`` merge with the next), gathered as one
 collective where forward first needs the group, the next group launched right after without
 waiting (prefetch); a group is freed after its last forward op and gathered again when
-backward reaches that op.
+backward reaches that op. With pipeline stages the groups are kept gathered for the whole step, as
+torchtitan runs FSDP under pp (``reshard_after_forward=False`` "to avoid per-microbatch
+all-gathers", torchtitan/models/llama3/infra/parallelize.py): each chunk gathers its groups in its
+first forward only, and their gradients accumulate unsharded and are
+reduce-scattered in the chunk's last backward only, as torch.distributed.pipelining does for FSDP2
+modules (``backward_maybe_with_nosync``: ``set_requires_gradient_sync(False)`` and
+``set_reshard_after_backward(False)`` until the last backward).
 """
 
 from __future__ import annotations
@@ -137,8 +143,9 @@ class _Lowering:
         self.async_tasks: list[int] = []                   # launched without the host waiting
         self.gather_of: dict[tuple[str, NdSbp, NdSbp | None, int], int] = {}   # use key -> gather group
         self.sync_use: dict[int, int] = {}                 # unbucketed grad-sync task -> its ParamUse
-        self.gather_specs: list[list] = []                 # [layer group, axis, M bytes] per gather group
+        self.gather_specs: list[list] = []                 # [layer group, axis, M bytes, stage] per gather group
         self.gather_task: dict[int, int] = {}              # gather group -> its task
+        self.gathered_once: set[int] = set()               # gather tasks (pipelined: a chunk's first forward only)
         self.wait_for: list[int] = []                      # prefetched gathers the next op waits for
         self.deferred: dict[str, frozenset[int]] = {}      # op -> axes its output gradient arrives P on
         self.deferred_syncs: set[int] = set()              # sync tasks only the last micro-step runs
@@ -146,6 +153,11 @@ class _Lowering:
         check_offload(graph, plan)
         self.bucket_tasks: list[int] = []
         self.spill = SpillTasks(self)                      # host copies (autoddl/offload_program.py)
+
+    def syncs_every_micro_step(self, uses: Sequence[ParamUse]) -> bool:
+        """``program.syncs_every_micro_step``, except that with pipeline stages the gradients of
+        gathered groups are reduce-scattered once per step (module docstring)."""
+        return syncs_every_micro_step(uses) and not (self.stage_of and any(u.gather >= 0 for u in uses))
 
     def stage(self, op: str) -> int:
         """The virtual pipeline stage op ``op`` runs in (0 without stages)."""
@@ -162,9 +174,10 @@ class _Lowering:
             for source in self.prog.op_inputs[node.name]:
                 if isinstance(source, int) and self.prog.param_uses[source].gather >= 0:
                     last[self.prog.param_uses[source].gather] = node.name
+        keep = bool(self.stage_of)                      # pipelined: kept gathered for the step (docstring)
         self.prog.gathers = [GatherGroup(i, group, axis, tuple(u.index for u in self.prog.param_uses if u.gather == i),
-                                         nbytes, last.get(i, ""), last.get(i, "") in self.rg)
-                             for i, (group, axis, nbytes) in enumerate(self.gather_specs)]
+                                         nbytes, last.get(i, ""), not keep and last.get(i, "") in self.rg)
+                             for i, (group, axis, nbytes, _) in enumerate(self.gather_specs)]
         self.loss_output()
         self.pack_buckets(ops)
         self.backward(ops)
@@ -257,7 +270,7 @@ class _Lowering:
                 group = (layer_group(key[0]), moves[0].axis, self.stage(node.name))
                 if group not in groups:
                     groups[group] = len(self.gather_specs)
-                    self.gather_specs.append([group[0], group[1], 0])
+                    self.gather_specs.append([group[0], group[1], 0, group[2]])
                 self.gather_of[key] = groups[group]
                 self.gather_specs[groups[group]][2] += moves[0].nbytes
         self.merge_small_gathers()
@@ -268,12 +281,12 @@ class _Lowering:
         not its bytes (a VGG layer is a few KB)."""
         merged: list[list] = []
         index: list[int] = []
-        for name, axis, nbytes in self.gather_specs:
-            if merged and merged[-1][1] == axis and merged[-1][2] < GATHER_MIN_BYTES:
+        for name, axis, nbytes, stage in self.gather_specs:
+            if merged and merged[-1][1] == axis and merged[-1][3] == stage and merged[-1][2] < GATHER_MIN_BYTES:
                 merged[-1][0] = f"{merged[-1][0].split('..')[0]}..{name}"
                 merged[-1][2] += nbytes
             else:
-                merged.append([name, axis, nbytes])
+                merged.append([name, axis, nbytes, stage])
             index.append(len(merged) - 1)
         self.gather_of = {key: index[g] for key, g in self.gather_of.items()}
         self.gather_specs = merged
@@ -285,14 +298,16 @@ class _Lowering:
             self.wait_for.append(self.gather_task[group])
         else:
             self.launch_gather(group, consumer, host=True)
-        if group + 1 < len(self.gather_specs) and group + 1 not in self.gather_task:
+        if (group + 1 < len(self.gather_specs) and group + 1 not in self.gather_task
+                and self.gather_specs[group + 1][3] == self.gather_specs[group][3]):   # a stage prefetches its own
             self.launch_gather(group + 1, consumer, host=False)
 
     def launch_gather(self, group: int, consumer: str, host: bool) -> None:
-        name, axis, nbytes = self.gather_specs[group]
+        name, axis, nbytes, _ = self.gather_specs[group]
         task = self.emit(host=host, phase="forward", stream=comm_stream(axis), op=consumer,
                          collective=CollectiveKind.ALL_GATHER, axis=axis, nbytes=nbytes, tensor=f"gather {name}")
         self.gather_task[group] = task.id
+        self.gathered_once.add(task.id)
 
     def edge(self, ref: TensorRef, meta: TensorMeta, dst: NdSbp, grad: NdSbp | None, consumer: str,
              host: bool = True) -> BoxKey:
@@ -435,7 +450,7 @@ class _Lowering:
                 first = len(self.prog.tasks)
                 self.emit_moves(use.grad_sync, "grad_sync", use.fqn, use.fqn)
                 self.sync_use.update(dict.fromkeys(range(first, len(self.prog.tasks)), use.index))
-                if not syncs_every_micro_step([use]):
+                if not self.syncs_every_micro_step([use]):
                     self.deferred_syncs.update(range(first, len(self.prog.tasks)))
         self.spill.after_backward("backward end", final=True)
 
@@ -464,7 +479,7 @@ class _Lowering:
             deps = (self.last,) + ((self.bucket_tasks[-1],) if self.bucket_tasks else ())
             task = self.emit(host=False, deps=deps, phase="grad_sync", stream=comm_stream(b.axis), op=op,
                              collective=b.kind, axis=b.axis, nbytes=b.nbytes, tensor=f"bucket{b.index}")
-            if not syncs_every_micro_step([self.prog.param_uses[i] for i in b.uses]):
+            if not self.syncs_every_micro_step([self.prog.param_uses[i] for i in b.uses]):
                 self.deferred_syncs.add(task.id)
             self.bucket_tasks.append(task.id)
 
@@ -486,7 +501,8 @@ class _Lowering:
                                 self.stage_of, tuple(boundary_tensors(self.graph, self.plan, self.stage_of, self.rg)),
                                 rank_params, tied_parameters(rank_params))
         async_ids = set(self.async_tasks) | {t.id for t in self.prog.tasks if t.phase == "grad_sync"}
-        self.prog.tasks, last = pipeline_tasks(self.prog.tasks, stage_of_task, layout, async_ids, self.deferred_syncs)
+        self.prog.tasks, last = pipeline_tasks(self.prog.tasks, stage_of_task, layout, async_ids, self.deferred_syncs,
+                                               self.gathered_once)
         self.prog.pipeline = layout
         self.prog.param_syncs = []
         for r in range(p):

@@ -13,7 +13,9 @@ the previous virtual stage (forward) or their gradients from the next one (backw
 forward the rank sends each :func:`autoddl.pipeline.boundary_tensors` tensor to the next virtual
 stage, after a backward the gradients of those back: one ``send_recv`` task per tensor on the
 sender's ``p2p`` stream, priced on the pp axis's link. Gradient syncs that wait for the last
-micro-step without stages (``syncs_every_micro_step``) run in a chunk's last backward only.
+micro-step without stages (``syncs_every_micro_step``) run in a chunk's last backward only, and
+so do the reduce-scatters of ZeRO-3 groups, which are gathered in a chunk's first forward only and
+kept for the step (autoddl/lowering.py, as torchtitan runs FSDP under pp).
 
 Actions are issued rank by rank as their data is ready, so every dependency is issued before
 the task that waits for it (what costmodel/simulate.py's one pass needs). After its actions, each
@@ -65,26 +67,31 @@ class PipelineLayout:
 
 
 def pipeline_tasks(tasks: list[Task], stage_of_task: list[int], layout: PipelineLayout, async_ids: set[int],
-                   deferred: set[int]) -> tuple[list[Task], list[int | None]]:
-    """The pipelined tasks (module docstring) and each rank's last host task."""
+                   deferred: set[int], once: set[int] = frozenset()) -> tuple[list[Task], list[int | None]]:
+    """The pipelined tasks (module docstring) and each rank's last host task. ``deferred``: tasks
+    only a chunk's last backward runs; ``once``: tasks only its first forward runs (the ZeRO-3
+    gathers kept for the step)."""
     chunks: dict[tuple[int, str], list[Task]] = {}
     for t in tasks:
         chunks.setdefault((stage_of_task[t.id], "F" if t.phase == "forward" else "B"), []).append(t)
-    last_b = {}                                            # (rank, chunk) -> the micro-batch of its last backward
+    last_b, first_f = {}, {}                               # (rank, chunk) -> the micro-batch of its last B / first F
     for r, acts in enumerate(layout.actions):
         for a in acts:
             if a.kind == "B":
                 last_b[(r, a.chunk)] = a.micro_batch
+            else:
+                first_f.setdefault((r, a.chunk), a.micro_batch)
     templates: dict[tuple[int, str, bool], Template] = {}
     out: list[Task] = []
     ready: dict[tuple[str, int, int], tuple[int, ...]] = {}   # (F|B, micro-batch, virtual stage) -> what to wait for
     last: list[int | None] = [None] * layout.stages
     for r, a, vs, src in issue_order(layout.actions, layout.virtual_stages):
         entry = tuple(sorted(set(ready.get(src, ()) + ((last[r],) if last[r] is not None else ()))))
-        keep_deferred = a.kind == "B" and last_b[(r, a.chunk)] == a.micro_batch
-        key = (vs, a.kind, keep_deferred)
+        keep = (last_b[(r, a.chunk)] if a.kind == "B" else first_f[(r, a.chunk)]) == a.micro_batch
+        key = (vs, a.kind, keep)
         if key not in templates:
-            templates[key] = _template(chunks.get((vs, a.kind), []), async_ids, set() if keep_deferred else deferred)
+            skip = set() if keep else (deferred if a.kind == "B" else once)
+            templates[key] = _template(chunks.get((vs, a.kind), []), async_ids, skip)
         host = _copy_chunk(out, templates[key], entry, a.micro_batch, r)
         last[r] = host if host is not None else last[r]
         ready[(a.kind, a.micro_batch, vs)] = _sends(out, layout, a, vs, r, last[r])

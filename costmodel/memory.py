@@ -4,7 +4,10 @@
   kept in float32 (the masters, under any precision policy: autoddl/precision.py); under a
   mixed-precision policy the masters live in the optimizer storage (ZeRO-1/2 shard them, as
   DeepSpeed keeps fp32 master partitions) and the working copies (below) in the storage;
-- ``gradients``: float32, in the gradient storage (the storage; ZeRO-2: the optimizer's);
+- ``gradients``: float32, in the gradient storage (the storage; ZeRO-2: the optimizer's); with
+  pipeline stages, also the unsharded gradients of the ZeRO-3 groups kept gathered for the step,
+  accumulated in the reduce dtype until the chunk's last backward reduce-scatters them (FSDP2 under
+  torch.distributed.pipelining: ``FSDPParam.to_accumulated_grad_if_needed``; autoddl/lowering.py);
 - ``optimizer_states``: AdamW 2 fp32 states per element of the optimizer storage, SGD none;
 - ``working_params``: under a mixed-precision policy, the working copies in ``param_dtype``
   of the parameters not gathered for use (those are in ``gathered_params``), at their storage size;
@@ -17,7 +20,8 @@
   largest block's recomputed outputs (one block is recomputed at a time);
 - ``gathered_params``: parameters materialised larger than stored for a use (ZeRO-3 /
   FSDP gathers S -> B): by layer group, a group and the next one (prefetched) at a time
-  when groups are freed after forward; gathered per use, the largest per-op sum;
+  when groups are freed after forward, all of a pp rank's groups with pipeline stages (kept for
+  the step: :func:`step_gathered_bytes`); gathered per use, the largest per-op sum;
 - ``boxing_buffer``: the largest tensor a collective materialises, other than the
   parameter gathers above: M for all-gather / all-reduce / reduce-scatter / broadcast,
   M/n for a native all-to-all.
@@ -41,7 +45,7 @@ from typing import Callable, Sequence
 from autoddl.activations import activation_bytes, local_bytes  # noqa: F401  (read from here too)
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.offload import grad_bytes, kept_parameters, spill_groups
-from autoddl.pipeline import in_flight_peak, input_stage
+from autoddl.pipeline import Boundary, in_flight_peak, input_stage
 from autoddl.plan import Plan
 from autoddl.precision import MASTER_ITEMSIZE, itemsize
 from autoddl.program import (StepProgram, block_of, grad_storage_of, optimizer_storage_of, recomputed_ops,
@@ -88,6 +92,37 @@ def param_state_bytes(numel_local: float, training: Training, optimizer: str) ->
     return numel_local * (2 * MASTER_ITEMSIZE + working) + optimizer_state_bytes(numel_local, optimizer)
 
 
+def step_gathered_bytes(numel_local: float, training: Training) -> tuple[float, float]:
+    """(working copy, gradient accumulator) bytes one device holds for ``numel_local`` elements of a
+    ZeRO-3 group kept gathered for a whole pipelined step: in ``param_dtype`` and in the reduce dtype
+    (the ``gathered_params`` and the extra ``gradients`` of the module docstring)."""
+    return numel_local * itemsize(training.param_dtype), numel_local * itemsize(training.grad_reduce_dtype)
+
+
+def accumulated_grad_bytes(plan: Plan, program: StepProgram | None, only: frozenset[str] | None = None) -> int:
+    """The unsharded gradient accumulators of a pipelined program's kept ZeRO-3 groups (``only``
+    these parameters: a pp rank's)."""
+    if program is None or program.pipeline is None:
+        return 0
+    mesh = plan.mesh.shape
+    numel = sum(program.param_uses[i].meta.numel * program.param_uses[i].dst.shard_fraction(mesh)
+                for g in rank_gathers(program, only) if not g.reshard for i in g.uses)
+    return int(round(step_gathered_bytes(numel, plan.training)[1]))
+
+
+def rank_gathers(program: StepProgram, only: frozenset[str] | None) -> list:
+    """The gather groups of the device holding the parameters ``only`` (None: all): with pipeline
+    stages, the groups of that pp rank's stages (a parameter tied across stages is in several);
+    otherwise the groups whose first parameter it holds."""
+    layout = program.pipeline
+    if only is None:
+        return list(program.gathers)
+    if layout is not None and only in layout.rank_params:
+        rank = layout.rank_params.index(only)
+        return [g for g in program.gathers if layout.rank_of(layout.stage_of_op[g.last_consumer]) == rank]
+    return [g for g in program.gathers if program.param_uses[g.uses[0]].fqn in only]
+
+
 def working_param_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None = None,
                         only: frozenset[str] | None = None) -> int:
     """Working copies (``param_dtype``) of the parameters not gathered for use, at storage size
@@ -131,8 +166,7 @@ def gathered_param_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None
             if used > local_bytes(meta.nbytes, storage_of(plan, p.target), mesh):
                 total += used
         best = max(best, total)
-    gathers = [g for g in (program.gathers if program else [])
-               if only is None or program.param_uses[g.uses[0]].fqn in only]
+    gathers = rank_gathers(program, only) if program else []
     if not gathers:
         return best
     size = [sum(local_bytes(program.param_uses[i].meta.nbytes, program.param_uses[i].dst, mesh) for i in g.uses)
@@ -141,6 +175,12 @@ def gathered_param_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None
     pairs = max((size[i] + (size[i + 1] if i + 1 < len(size) else 0) for i, g in enumerate(gathers)
                  if g.reshard), default=0)
     return best + kept + pairs
+
+
+def buffer_bytes(graph: OpGraph, plan: Plan) -> int:
+    """Module buffers, local by their signature's output NdSbp."""
+    return sum(local_bytes(n.outputs[0].nbytes, signature_of(plan, n).outputs[0], plan.mesh.shape)
+               for n in graph.nodes_of(NodeKind.BUFFER) if n.outputs)
 
 
 def boxing_buffer_bytes(collectives: Sequence[Collective], graph: OpGraph, mesh_shape: Sequence[int]) -> int:
@@ -174,14 +214,12 @@ def _rank_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective], p
     # the parameters kept whole in their storage are the masters too, unless working copies stand in
     # for them (mixed precision: float32 masters only in the optimizer storage)
     param_bytes = master_bytes if plan.training.mixed else local_parameters(graph, plan, only=only)[0]
-    buffers = sum(local_bytes(n.outputs[0].nbytes, signature_of(plan, n).outputs[0], mesh)
-                  for n in graph.nodes_of(NodeKind.BUFFER) if n.outputs)
     mem = {
         "parameters": param_bytes,
-        "gradients": local_parameters(graph, plan, grad_storage_of, only)[0],
+        "gradients": local_parameters(graph, plan, grad_storage_of, only)[0] + accumulated_grad_bytes(plan, program, only),
         "optimizer_states": int(optimizer_state_bytes(master_numel, plan.optimizer)),
         "working_params": working_param_bytes(graph, plan, program, only),
-        "buffers": buffers,
+        "buffers": buffer_bytes(graph, plan),
         "activations": activations,
         "recomputed": recomputed_bytes(graph, plan),
         "gathered_params": gathered_param_bytes(graph, plan, program, only),
@@ -226,10 +264,17 @@ def chunk_activation_bytes(graph: OpGraph, plan: Plan, program: StepProgram) -> 
     (``activation_bytes``; an input counts where it is first read) and the tensors it receives."""
     layout = program.pipeline
     stage = {**input_stage(graph, layout.stage_of_op), **layout.stage_of_op}
-    out = [0] * layout.virtual
+    out = received_bytes(layout.boundaries, layout.virtual)
     for name, nbytes in activation_bytes(graph, plan).items():
         out[stage[name]] += nbytes
-    for b in layout.boundaries:
+    return out
+
+
+def received_bytes(boundaries: Sequence[Boundary], virtual: int) -> list[int]:
+    """Per virtual stage, the bytes of one micro-batch it receives from the stage before (and keeps
+    for its backward)."""
+    out = [0] * virtual
+    for b in boundaries:
         out[b.src + 1] += b.nbytes
     return out
 

@@ -309,12 +309,18 @@ def _param_use_allowed(sig: Signature, param_slots: dict[int, str], roles: tuple
 def _storage_matching(param_cands: list[Signature], sig: Signature, param_name: str, node: OpNode,
                       roles: tuple[str, ...]) -> int | None:
     """The storage a lazy parameter gets from its first use: on tp/sp axes the use itself (B where
-    the use is P: B -> P is local), on dp/zero axes what the role stores (B, or S(0) for zero)."""
+    the use is P: B -> P is local), on dp/zero axes what the role stores: B, or for zero S(d) on the
+    first dim d the use does not split (S(0) unless tp splits dim 0 already; then B when none divides).
+    A zero split on a dim tp splits too would nest the wrong way (rank (z, t) holding piece z*T + t,
+    not tp piece t's z-th part) and each use would gather over tp as well; on another dim the use is
+    one all-gather over the zero axis, as FSDP2 over tp gathers (torchtitan: ``_StridedShard``)."""
     use = next(sig.inputs[slot] for slot, ref in enumerate(node.inputs) if ref.node == param_name)
     as_used = tuple(B if s.is_partial() else s for s in use)
-    fixed = {axis: (S(0) if role == "zero" else B) for axis, role in enumerate(roles) if role in ("dp", "zero")}
-    for fallback in (False, True):            # zero's S(0) when it divides, else B
-        wanted = tuple(B if fallback and axis in fixed else fixed.get(axis, s) for axis, s in enumerate(as_used))
+    taken = {s.dim for s in as_used if s.is_split()}
+    zero_splits = [S(d) for d in range(max(taken, default=0) + 2) if d not in taken] + [B]
+    for split in zero_splits:
+        wanted = tuple((split if role == "zero" else B) if role in ("dp", "zero") else s
+                       for role, s in zip(roles, as_used))
         for a, cand in enumerate(param_cands):
             if tuple(cand.outputs[0]) == wanted:
                 return a

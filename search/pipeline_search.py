@@ -12,11 +12,18 @@ the dp degree: a rank's compute and tp collectives depend on its own batch only)
 micro-batch is simulated once (search/stages.py ``block_costs``: per block forward and backward
 seconds, saved and parameter bytes). The stages are cut where they balance, the schedule's step
 time is :func:`autoddl.pipeline.schedule_makespan` of the stages' times with every send priced as
-the slowest hop between consecutive stages (``costmodel.collectives.send_recv_time_s``), plus each rank's gradient reduction over dp (an all-reduce; fsdp: a reduce-scatter
-per micro-batch and two all-gathers of the stage's parameters, at most overlapping its compute)
-and its optimizer share. Memory: the rank's parameter state (fsdp: / dp) and its micro-batches in
-flight. The best fitting estimates (``FULL_PRICES``) are then traced at their real batch and
-priced by the full cost model (``price_degrees``: the simulated step program).
+the slowest hop between consecutive stages (``costmodel.collectives.send_recv_time_s``; fsdp: a chunk's first forward takes at least the all-gather of its parameters and its
+last backward at least the reduce-scatter of their gradients: the program gathers each chunk's
+groups once per step and reduce-scatters once, as torchtitan runs FSDP under pp,
+autoddl/lowering.py), plus each rank's gradient all-reduce over dp and its optimizer share. Memory counts what
+costmodel/memory.py counts for the pipelined program, with its functions: the rank's parameter
+state (``param_state_bytes``; fsdp: / dp for the parameters with a dim the inner plan leaves
+whole that dp divides, as the baseline shards them), those parameters gathered for the step with their unsharded gradients
+(``step_gathered_bytes``), its micro-batches in flight (``in_flight_peak`` of the chunks' saved
+activations plus what they receive, ``received_bytes``), and the one-micro-batch inner program's
+recomputed block, buffers and boxing buffer (or the largest gradient bucket over dp). The best
+fitting estimates (``FULL_PRICES``) are then traced at their real batch and priced by the full cost
+model (``price_degrees``: the simulated step program).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from autoddl.program import requires_grad
 from autoddl.training import Training
 from autoddl.precision import itemsize
 from costmodel.collectives import cluster_collective_time_s, send_recv_time_s, stage_device
-from costmodel.memory import param_state_bytes
+from costmodel.memory import param_state_bytes, received_bytes, step_gathered_bytes
 from search.meshes import role_splits
 from search.stages import BlockCosts, block_costs, cuts_of
 
@@ -70,7 +77,8 @@ def factorisations(cluster: Cluster, blocks: int, min_pp: int = 2) -> list[tuple
 def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int, dp: int, tp: int, role: str,
              schedule: str, v: int, m: int, sent_memo: dict | None = None) -> tuple[float, float]:
     """(step seconds, bytes per device) of one candidate (module docstring). ``sent_memo``: a dict
-    kept for one ``inner`` plan, the largest boundary tensor per stage count (graph walks)."""
+    kept for one ``inner`` plan, per stage count: the bytes each stage receives and the largest boundary
+    tensor (graph walks)."""
     n = pp * v
     cuts = cuts_of(costs, n)
     index = {b: i for i, b in enumerate(costs.blocks)}
@@ -78,36 +86,76 @@ def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int
     runs = [range(edges[s], edges[s + 1]) for s in range(n)]
     fwd = [sum(costs.forward_s[i] for i in r) for r in runs]
     bwd = [sum(costs.backward_s[i] for i in r) for r in runs]
-    saved = [sum(costs.activation_bytes[i] for i in r) for r in runs]
-    state = [sum(costs.nbytes[i] for i in r) - a for r, a in zip(runs, saved)]     # parameter state per stage
-    mesh = (pp, dp, tp)
     memo = {} if sent_memo is None else sent_memo
     if n not in memo:
-        memo[n] = max((b.nbytes for b in boundary_tensors(graph, inner, stages_from_cuts(graph, cuts),
-                                                          requires_grad(graph))), default=0)
-    sent = memo[n]
+        boundaries = boundary_tensors(graph, inner, stages_from_cuts(graph, cuts), requires_grad(graph))
+        memo[n] = (received_bytes(boundaries, n), max((b.nbytes for b in boundaries), default=0))
+    received, sent = memo[n]
+    saved = [sum(costs.activation_bytes[i] for i in r) + got for r, got in zip(runs, received)]
+    mesh = (pp, dp, tp)
     hops = range(pp if v > 1 else pp - 1)                      # interleaved: the last rank sends to the first too
     p2p = max((send_recv_time_s(sent, stage_device(r, mesh), stage_device((r + 1) % pp, mesh), cluster, mesh)
                for r in hops), default=0.0)                     # the slowest hop between stages
     actions = schedule_actions(schedule, pp, m, v)
-    per_element = param_state_bytes(1, inner.training, inner.optimizer)
     tail_s, peak = 0.0, 0.0
+    gather_s, scatter_s = [0.0] * n, [0.0] * n       # fsdp: per chunk, its step's all-gather and reduce-scatter
     for rank in range(pp):
         chunks = list(range(rank, n, pp))
-        numel = sum(state[c] for c in chunks) / per_element          # the rank's parameters (local to tp)
-        grad = numel * itemsize(inner.training.grad_reduce_dtype)
-        if role == "fsdp":
-            gathered = numel * itemsize(inner.training.param_dtype)
-            comm = m * (2 * cluster_collective_time_s(CollectiveKind.ALL_GATHER, gathered, mesh, 1, cluster)
-                        + cluster_collective_time_s(CollectiveKind.REDUCE_SCATTER, grad, mesh, 1, cluster))
-            sync = max(0.0, comm - m * sum(fwd[c] + bwd[c] for c in chunks))
+        state, gathered = _rank_state(costs, [runs[c] for c in chunks], inner.training, inner.optimizer,
+                                      dp if role == "fsdp" else 1, tp)
+        grad = sum(n_ for r in (runs[c] for c in chunks) for i in r for n_, _ in costs.params[i]) \
+            * itemsize(inner.training.grad_reduce_dtype)
+        if role == "fsdp":      # gathered in a chunk's first forward, reduce-scattered in its last backward
+            for c in chunks:
+                numel = _rank_state(costs, [runs[c]], inner.training, inner.optimizer, dp, tp)[1]
+                gather_s[c] = cluster_collective_time_s(CollectiveKind.ALL_GATHER,
+                                                        numel * itemsize(inner.training.param_dtype), mesh, 1, cluster)
+                scatter_s[c] = cluster_collective_time_s(CollectiveKind.REDUCE_SCATTER,
+                                                         numel * itemsize(inner.training.grad_reduce_dtype), mesh, 1,
+                                                         cluster)
+            sync = 0.0
         else:
             sync = cluster_collective_time_s(CollectiveKind.ALL_REDUCE, grad, mesh, 1, cluster)
         tail_s = max(tail_s, sync + costs.optimizer_s * len(chunks) / n / (dp if role == "fsdp" else 1))
         held = in_flight_peak(actions[rank], [saved[c] for c in chunks])
-        peak = max(peak, sum(state[c] for c in chunks) / (dp if role == "fsdp" else 1) + held)
-    makespan = schedule_makespan(actions, v, lambda r, a: (fwd if a.kind == "F" else bwd)[a.chunk * pp + r], p2p)
-    return makespan + tail_s, peak
+        peak = max(peak, state + sum(step_gathered_bytes(gathered, inner.training)) + held + costs.other_bytes
+                   + max(costs.boxing_bytes, _bucket_bytes(costs, [runs[c] for c in chunks], inner.training, dp)))
+    def seconds(r: int, a) -> float:        # fsdp: a chunk's first forward / last backward waits for its collectives
+        c = a.chunk * pp + r
+        if a.kind == "F":
+            return max(fwd[c], gather_s[c]) if a.micro_batch == 0 else fwd[c]
+        return max(bwd[c], scatter_s[c]) if a.micro_batch == m - 1 else bwd[c]
+
+    return schedule_makespan(actions, v, seconds, p2p) + tail_s, peak
+
+
+def _bucket_bytes(costs: BlockCosts, runs: list[range], training: Training, dp: int) -> float:
+    """The largest gradient bucket over dp of a device holding the blocks of ``runs`` (the
+    ``boxing_buffer`` the inner plan's program lacks): autoddl/lowering.py closes a bucket once it
+    reaches ``bucket_bytes`` (so at most that plus one parameter's gradient), per virtual stage."""
+    if dp == 1:
+        return 0.0
+    grads = [[n_ * itemsize(training.grad_reduce_dtype) for i in r for n_, _ in costs.params[i]] for r in runs]
+    return max((min(sum(g), training.bucket_bytes + max(g)) for g in grads if g), default=0.0)
+
+
+def _rank_state(costs: BlockCosts, runs: list[range], training: Training, optimizer: str, dp: int, tp: int
+                ) -> tuple[float, float]:
+    """(parameter state bytes, elements gathered for the step) of one device holding the blocks of
+    ``runs``, with ZeRO-3 over ``dp`` (1: none): a parameter with a dim the inner plan does not split
+    and ``dp`` divides is sharded and gathered, as the fsdp baseline stores it (search/baselines.py
+    ``_storage_matching``; without tp, dim 0 only: ``_storage_wish``); the others stay whole.
+    Non-floating and scalar parameters: by their block's bytes."""
+    numel = gathered = 0.0
+    for r in runs:
+        for i in r:
+            for local, free in costs.params[i]:
+                split = dp > 1 and any(size % dp == 0 for size in (free if tp > 1 else free[:1]))
+                numel += local / dp if split else local
+                gathered += local if split else 0
+    other = sum(costs.nbytes[i] - costs.activation_bytes[i] for r in runs for i in r) \
+        - param_state_bytes(sum(n_ for r in runs for i in r for n_, _ in costs.params[i]), training, optimizer)
+    return param_state_bytes(numel, training, optimizer) + other, gathered
 
 
 def search_3d(trace_for: Callable[[int], OpGraph], inner_plan_for: Callable[[OpGraph, int, Training], object],

@@ -4,7 +4,10 @@ The plan inside one stage (its signatures over the inner mesh axes) is lowered a
 once for one micro-batch, without stages; each repeated block's cost is the time its tasks took
 (compute, recompute and the collectives charged to its ops) and its memory is its saved
 activations plus its parameters' per-device state (``param_state_bytes``: master, gradient,
-optimizer states, working copy). Ops outside the blocks count with the block they run next to
+optimizer states, working copy). Beside them: each block's parameters (local elements and the dims
+the plan does not split, for sharding them over dp) and what the cost model's memory accounting (costmodel/memory.py) gives
+the one-micro-batch program besides parameter state and saved activations (the recomputed block,
+the boxing buffer, the buffers). Ops outside the blocks count with the block they run next to
 (the embedding with the first, the head and the loss with the last). The blocks are then split
 into ``n`` contiguous runs minimising the largest run's ``max(time / mean time, memory / mean
 memory)``, by dynamic programming over the cut points (exact, O(n x blocks^2)).
@@ -22,7 +25,9 @@ from autoddl.graph import OpGraph
 from autoddl.pipeline import repeated_blocks
 from autoddl.plan import Plan
 from autoddl.program import block_of, lower, storage_of, used_parameters
-from costmodel.memory import activation_bytes, local_bytes, param_state_bytes
+from costmodel.breakdown import predicted_collectives
+from costmodel.memory import (activation_bytes, boxing_buffer_bytes, buffer_bytes, local_bytes, param_state_bytes,
+                              recomputed_bytes)
 from costmodel.simulate import simulate
 
 
@@ -40,6 +45,10 @@ class BlockCosts:
     activation_bytes: list[float]
     grad_sync_s: float
     optimizer_s: float
+    # per block, each floating parameter's local elements and the sizes of the dims its storage does not split
+    params: list[list[tuple[int, tuple[int, ...]]]] = dataclasses.field(default_factory=list)
+    other_bytes: float = 0.0         # the one-micro-batch program's recomputed + buffers (costmodel/memory.py)
+    boxing_bytes: float = 0.0        # and its boxing_buffer (without dp: no gradient buckets)
 
     @property
     def seconds(self) -> list[float]:
@@ -61,7 +70,8 @@ def block_costs(graph: OpGraph, plan: Plan, cluster: Cluster) -> BlockCosts:
         owner[node.name] = current
     one = dataclasses.replace(plan, training=dataclasses.replace(plan.training, micro_batches=1))
     forward, backward = dict.fromkeys(blocks, 0.0), dict.fromkeys(blocks, 0.0)
-    timeline = simulate(lower(graph, one), graph, one, cluster)
+    program = lower(graph, one)
+    timeline = simulate(program, graph, one, cluster)
     for t in timeline.tasks:
         if t.task.op in owner and t.task.phase in ("forward", "backward", "recompute"):
             (forward if t.task.phase == "forward" else backward)[owner[t.task.op]] += t.duration_s
@@ -70,13 +80,20 @@ def block_costs(graph: OpGraph, plan: Plan, cluster: Cluster) -> BlockCosts:
         if name in owner:
             saved[owner[name]] += size
     nbytes = dict(saved)
+    params: dict[str, list[tuple[int, tuple[int, ...]]]] = {b: [] for b in blocks}
     for fqn, node in used_parameters(graph).items():
         first = graph.consumers(node.name)[0].name
-        local = local_bytes(node.outputs[0].numel, storage_of(one, fqn), one.mesh.shape)
+        meta = node.outputs[0]
+        local = local_bytes(meta.numel, storage_of(one, fqn), one.mesh.shape)
         nbytes[owner[first]] += param_state_bytes(local, one.training, one.optimizer)
+        if meta.is_floating and meta.ndim:
+            taken = {sbp.dim for sbp in storage_of(one, fqn) if sbp.is_split()}
+            params[owner[first]].append((local, tuple(n for d, n in enumerate(meta.shape) if d not in taken)))
+    boxing = boxing_buffer_bytes(predicted_collectives(graph, one, cluster, program), graph, one.mesh.shape)
     return BlockCosts(blocks, [forward[b] for b in blocks], [backward[b] for b in blocks],
                       [nbytes[b] for b in blocks], [saved[b] for b in blocks],
-                      timeline.busy_s(phase="grad_sync", collective=True), timeline.busy_s(phase="optimizer"))
+                      timeline.busy_s(phase="grad_sync", collective=True), timeline.busy_s(phase="optimizer"),
+                      [params[b] for b in blocks], recomputed_bytes(graph, one) + buffer_bytes(graph, one), boxing)
 
 
 def balanced_cuts(seconds: list[float], nbytes: list[float], n: int) -> list[int]:

@@ -294,8 +294,10 @@ def test_fsdp_tp_baseline_shards_the_outer_axis_and_splits_weights_inside(gpt4):
     plan = next(s for s in outcome.schemes if s.name == "fsdp_tp").plan
     assert plan.mesh.axis_names == ("fsdp", "tp")
     column, row = (plan.param_storage[f"transformer.h.0.mlp.{m}.weight"] for m in ("c_fc", "c_proj"))
-    assert column[0] == row[0] == S(0)                       # FSDP: every weight sharded on the outer axis
     assert column[1] == S(0) and row[1] == S(1)              # Megatron inside: column then row parallel
+    # FSDP: every weight sharded on the outer axis, on a dim tp does not split (S(0) inside S(0) would
+    # nest the wrong way for tp's piece): each use is one all-gather over fsdp, as FSDP2 over tp
+    assert column[0] == S(1) and row[0] == S(0)
 
 
 def test_degrees_price_the_given_configuration_beside_the_found_plan(tmp_path, capsys):
