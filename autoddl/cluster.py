@@ -41,6 +41,13 @@ collectives by ranks / cores_per_node. ``comm_measured_ranks_per_node`` says how
 ranks of a node were busy while the links and collectives were measured (the two-host
 testbed measures with both ranks of each host at once): collectives are slowed only by
 the sharing beyond that (``Cluster.comm_time_sharing``).
+``links.inter_node`` may say that a node's devices share ONE link to the other nodes (a host's
+one network interface, as on the two-host testbed, where both ranks of a host cross one veth
+link) with ``shared_by_node: true`` and ``measured_flows``, the number of flows that crossed
+the link at once while its ``bandwidth_gbps`` was measured (then the bandwidth one flow saw):
+a collective is then priced from the flows it puts on the link at once
+(``LinkSpec.per_flow``, costmodel/collectives.py ``node_link``). Without them every device
+has its own inter-node link (GPU clusters: a NIC per GPU) and ``bandwidth_gbps`` is per device.
 
 ``device.peak_tflops`` is either one number (the dense peak, used for every dtype)
 or a mapping per dtype, ``{float32: 67, bfloat16: 989, float16: 989}`` (torch dtype
@@ -200,8 +207,27 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    bandwidth_gbps: float           # GB/s per device, one direction
+    bandwidth_gbps: float           # GB/s per device, one direction (shared_by_node: per flow, measured_flows at once)
     latency_us: float               # per message (alpha of the alpha-beta model)
+    shared_by_node: bool = False    # links.inter_node only: the node's devices all cross this one link
+    measured_flows: int | None = None   # with shared_by_node: flows crossing it at once when bandwidth_gbps was fitted
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML mapping: the sharing fields only when the link is shared."""
+        d: dict[str, Any] = {"bandwidth_gbps": self.bandwidth_gbps, "latency_us": self.latency_us}
+        if self.shared_by_node or self.measured_flows is not None:
+            d.update(shared_by_node=self.shared_by_node, measured_flows=self.measured_flows)
+        return d
+
+    def per_flow(self, flows: int) -> "LinkSpec":
+        """The link as each of ``flows`` flows crossing it at once sees it. A link the node's devices
+        share gives each flow ``bandwidth_gbps * measured_flows / flows`` (its fit was one of
+        ``measured_flows``), with the latency as measured; a link of each device's own is itself."""
+        if not self.shared_by_node:
+            return self
+        if isinstance(flows, bool) or not isinstance(flows, int) or flows < 1:
+            raise ValueError(f"LinkSpec.per_flow: flows must be a positive integer, got {flows!r}")
+        return LinkSpec(bandwidth_gbps=self.bandwidth_gbps * self.measured_flows / flows, latency_us=self.latency_us)
 
 
 @dataclass(frozen=True)
@@ -405,6 +431,12 @@ _LINK_FIELDS = {
     "bandwidth_gbps": ("a positive number in GB/s per device, one direction", "pos"),
     "latency_us": ("a non-negative number in microseconds", "nonneg"),
 }
+_SHARED_LINK_FIELDS = {     # links.inter_node only (module docstring)
+    "shared_by_node": ("true or false: true when a node's devices all cross ONE link to the other nodes "
+                       "(a host's one network interface); leave it out when each device has its own", "bool"),
+    "measured_flows": ("a positive integer: the flows (groups with a rank on each node) crossing the link at once "
+                       "while bandwidth_gbps was measured", "int"),
+}
 _EFFICIENCY_FIELDS = {k: ("a fraction in (0, 1]", "frac") for k in ("compute", "memory", "network")}
 _EXECUTOR_FIELDS = {k: (f"a non-negative number of microseconds {what}", "nonneg") for k, what in (
     ("op_forward_us", "per op the executor runs (views included), forward"),
@@ -500,6 +532,11 @@ def _section(src: str, dotted: str, value: Any, fields: dict[str, tuple[str, str
         raw = value[key]
         if kind == "peaks":
             out[key] = _peaks(src, sub, raw, expected, errors)
+        elif kind == "bool":
+            if isinstance(raw, bool):
+                out[key] = raw
+            else:
+                errors.append(f"{src}: {sub}: expected {expected}, got {raw!r}")
         elif kind in ("str", "kind"):
             if not isinstance(raw, str) or not raw.strip():
                 errors.append(f"{src}: {sub}: expected {expected}, got {raw!r}")
@@ -636,8 +673,7 @@ def _parse(d: Any, src: str) -> tuple[dict[str, Any], list[str]]:
             intra = _section(src, "links.intra_node", links["intra_node"], _LINK_FIELDS, errors)
             kw["intra_node"] = LinkSpec(**intra) if intra else None
         if "inter_node" in links:
-            inter = _section(src, "links.inter_node", links["inter_node"], _LINK_FIELDS, errors)
-            kw["inter_node"] = LinkSpec(**inter) if inter else None
+            kw["inter_node"] = _inter_node(src, links["inter_node"], errors)
         elif isinstance(kw.get("nodes"), int) and kw["nodes"] > 1:
             errors.append(f"{src}: links.inter_node: missing; required when nodes > 1 (nodes is "
                           f"{kw['nodes']}); expected {{bandwidth_gbps: GB/s per device, latency_us: microseconds}}")
@@ -688,6 +724,22 @@ def _parse(d: Any, src: str) -> tuple[dict[str, Any], list[str]]:
     if d.get("executor") is not None:
         kw["executor"] = _executor(src, d["executor"], errors)
     return kw, errors
+
+
+def _inter_node(src: str, value: Any, errors: list[str]) -> LinkSpec | None:
+    """``links.inter_node``: a link, optionally shared by the node's devices (module docstring); None on error."""
+    n_before = len(errors)
+    link = _section(src, "links.inter_node", value, {**_LINK_FIELDS, **_SHARED_LINK_FIELDS}, errors,
+                    defaults={"shared_by_node": False, "measured_flows": None})
+    if link is None:
+        return None
+    if link["shared_by_node"] and link["measured_flows"] is None:
+        errors.append(f"{src}: links.inter_node.measured_flows: missing; shared_by_node: true needs "
+                      f"{_SHARED_LINK_FIELDS['measured_flows'][0]} (the two-host testbed's fit: 2)")
+    elif not link["shared_by_node"] and link["measured_flows"] is not None:
+        errors.append(f"{src}: links.inter_node.measured_flows: given without shared_by_node: true; it applies only "
+                      "to a link the node's devices share: add shared_by_node: true, or drop measured_flows")
+    return LinkSpec(**link) if len(errors) == n_before else None
 
 
 def _number_list(src: str, dotted: str, value: Any, names: tuple[str, ...], what: tuple[str, str], kind: str,
@@ -817,6 +869,8 @@ def _executor(src: str, value: Any, errors: list[str]) -> ExecutorOverheads | No
 def _scalar(v: Any) -> str:
     if isinstance(v, Enum):
         v = v.value
+    if isinstance(v, bool):
+        return "true" if v else "false"
     if isinstance(v, str):
         plain = "#" not in v and "\n" not in v and v == v.strip() and yaml.safe_load(f"k: {v}") == {"k": v}
         return v if plain else yaml.safe_dump(v, default_style='"', width=10**9).strip()
@@ -930,19 +984,18 @@ class Cluster:
             "nodes": self.nodes,
             "devices_per_node": self.devices_per_node,
             "device": self.device.to_dict(),
-            "links": {"intra_node": dataclasses.asdict(self.intra_node),
-                      "inter_node": dataclasses.asdict(self.inter_node)},
+            "links": {"intra_node": self.intra_node.to_dict(), "inter_node": self.inter_node.to_dict()},
             "backend": Backend(self.backend).value,
             "efficiency": dataclasses.asdict(self.efficiency),
             "op_overhead_us": self.op_overhead_us,
-            **({"collectives": {k: dataclasses.asdict(v) for k, v in self.collectives.items()}}
+            **({"collectives": {k: v.to_dict() for k, v in self.collectives.items()}}
                if self.collectives else {}),
             **({"compute_curve": [list(p) for p in self.compute_curve]} if self.compute_curve else {}),
             **({"executor": self.executor.to_dict()} if self.executor else {}),
             **({"cores_per_node": self.cores_per_node} if self.cores_per_node else {}),
             **({"comm_measured_ranks_per_node": self.comm_measured_ranks_per_node}
                if self.comm_measured_ranks_per_node else {}),
-            **({"host_link": dataclasses.asdict(self.host_link)} if self.host_link else {}),
+            **({"host_link": self.host_link.to_dict()} if self.host_link else {}),
             **{k: getattr(self, k) for k in ("host_memory_gb", "host_memory_bandwidth_gbps")
                if getattr(self, k) is not None},
         }
@@ -1052,7 +1105,8 @@ class Cluster:
     def summary(self) -> str:
         d, a, e = self.device, self.intra_node, self.inter_node
         f = self.efficiency
-        inter = f" | inter {e.bandwidth_gbps:g} GB/s {e.latency_us:g} us" if self.nodes > 1 else ""
+        shared = f" per flow of {e.measured_flows} on the node's one link" if e.shared_by_node else ""
+        inter = f" | inter {e.bandwidth_gbps:g} GB/s{shared} {e.latency_us:g} us" if self.nodes > 1 else ""
         return (f"{self.name}: {self.nodes}x{self.devices_per_node} {d.name} ({d.kind}, "
                 f"{d.peak_text()}, {d.memory_gb:g} GB, {d.memory_bandwidth_gbps:g} GB/s) "
                 f"| intra {a.bandwidth_gbps:g} GB/s {a.latency_us:g} us{inter} | {Backend(self.backend).value} "

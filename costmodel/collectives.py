@@ -35,6 +35,10 @@ beyond the sharing the fits were measured under).
 
 A point-to-point send (a pipeline stage's activations or gradients, a shard's transfer) is
 priced by :func:`send_recv_time_s` alone, from the two devices it joins, with the same rules.
+
+Across nodes the link is :func:`node_link`: ``links.inter_node`` as is, or, where the file says a
+node's devices share that one link (``shared_by_node``, ``measured_flows``: the two-host testbed),
+the bandwidth one of the flows the collective puts on the node's link at once gets.
 """
 
 from __future__ import annotations
@@ -118,9 +122,7 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
     else that of the kind the backend carries it out as (gloo's reduce-scatter is an all-reduce);
     ``n`` enters the fit's formula as it enters the link's (a fit taken on groups of 2 prices a
     group of 4 as a ring of 4 with the fitted latency and bandwidth). A group across nodes takes
-    ``links.inter_node`` as measured: configs/two-hosts.yaml's was fitted with 2 groups sharing the
-    hosts' one link, so one ring over all 4 ranks (alone on it) is overpriced there (8 MB: 199 ms
-    against 105.7 ms measured; its one-pair fit, in that file's comments, gives 98.5 ms). Plus
+    :func:`node_link` (``links.inter_node``, per flow where the node's devices share it). Plus
     ``cluster.executor.collective_us`` when the group has more than one device; all of it
     times ``cluster.comm_time_sharing(mesh_shape)``. A ``send_recv`` joins two devices, not an
     axis: it is :func:`send_recv_time_s` from the first device to the next one along ``axis``.
@@ -141,6 +143,8 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
     if math.prod(mesh[outer:]) <= cluster.devices_per_node:
         fit = cluster.collectives.get(kind) or cluster.collectives.get(carried_out_as(kind, cluster.backend))
         link = fit or link
+    else:
+        link = node_link(cluster, mesh, tuple(axes))
     fixed_s = cluster.executor.collective_us * 1e-6 if n > 1 else 0.0
     return (collective_time_s(kind, nbytes, n, link, cluster.backend, cluster.efficiency.network)
             + fixed_s) * cluster.comm_time_sharing(mesh)
@@ -152,7 +156,9 @@ def send_recv_time_s(nbytes: float, src: int, dst: int, cluster: Cluster, busy_m
 
     The ``send_recv`` formula (``M/b + a``) on the link the two devices share: inside a node the
     calibrated ``cluster.collectives.send_recv`` fit when there is one (``autoddl calibrate``: half a
-    gloo isend / irecv ping-pong), else ``cluster.intra_node``; across nodes ``cluster.inter_node``.
+    gloo isend / irecv ping-pong), else ``cluster.intra_node``; across nodes :func:`node_link` over the
+    axes of ``busy_mesh`` on which ``src`` and ``dst`` differ (every rank of ``busy_mesh`` sends to
+    its peer along them at once, as a pipeline stage's ranks do; a mesh ``(N,)``: this send alone).
     Plus ``cluster.executor.collective_us``, all times ``cluster.comm_time_sharing(busy_mesh)``, as
     :func:`cluster_collective_time_s` does for a collective.
     """
@@ -162,10 +168,47 @@ def send_recv_time_s(nbytes: float, src: int, dst: int, cluster: Cluster, busy_m
     if not (0 <= src < cluster.num_devices and 0 <= dst < cluster.num_devices):
         raise ValueError(f"send_recv_time_s: devices {src} -> {dst} outside {cluster.name}'s "
                          f"{cluster.num_devices} devices (0..{cluster.num_devices - 1})")
-    same_node = src // dpn == dst // dpn
-    link = (cluster.collectives.get(CollectiveKind.SEND_RECV) or cluster.intra_node) if same_node else cluster.inter_node
+    if src // dpn == dst // dpn:
+        link = cluster.collectives.get(CollectiveKind.SEND_RECV) or cluster.intra_node
+    else:
+        link = node_link(cluster, tuple(busy_mesh), _differing_axes(src, dst, tuple(busy_mesh)))
     return ((collective_time_s(CollectiveKind.SEND_RECV, nbytes, 2, link, cluster.backend, cluster.efficiency.network)
              + cluster.executor.collective_us * 1e-6) * cluster.comm_time_sharing(tuple(busy_mesh)))
+
+
+def node_flows(mesh_shape: Sequence[int], axes: Sequence[int], devices_per_node: int) -> int:
+    """Flows a collective over mesh ``axes`` puts on one node's link at once: the groups of it with a
+    rank on the node (devices row-major, node-major; the groups run at once, and each group's ring,
+    its ranks in device order, leaves and enters a node once). Where a node holds whole mesh axes: the
+    product of the sizes of the node-internal axes not in ``axes``. A 2x2 mesh on 2 nodes of 2, axis 0
+    (across) -> 2 (one pair per rank of the node); axes (0, 1) flattened -> 1 (one ring of 4)."""
+    mesh = tuple(mesh_shape)
+    others = [a for a in range(len(mesh)) if a not in set(axes)]
+    strides = [math.prod(mesh[a + 1:]) for a in range(len(mesh))]
+    return len({tuple(d // strides[a] % mesh[a] for a in others) for d in range(min(devices_per_node, math.prod(mesh)))})
+
+
+def node_link(cluster: Cluster, mesh_shape: Sequence[int], axes: Sequence[int]) -> LinkSpec:
+    """The inter-node link as one flow of a collective over mesh ``axes`` sees it (one of
+    :func:`node_flows` at once): ``cluster.inter_node.per_flow(flows)``. Where the node's devices share
+    one link (``links.inter_node.shared_by_node``), the bandwidth term scales by flows / measured_flows;
+    the latency term is unchanged; where each device has its own (GPU clusters), the link as it is.
+
+    configs/two-hosts.yaml (fitted with 2 pairs at once on the hosts' one link, measured_flows 2),
+    8 MB all-reduce on the 2x2 mesh: axis 0 -> 2 flows, as fitted (124.6 ms alpha-beta against 134.4
+    measured); the flattened group of 4 ranks -> 1 flow, twice the fitted bandwidth (97.1 ms against
+    105.7 measured; 189.3 ms with the 2-flow fit as it is).
+    """
+    return cluster.inter_node.per_flow(node_flows(mesh_shape, axes, cluster.devices_per_node))
+
+
+def _differing_axes(src: int, dst: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The mesh axes on which devices ``src`` and ``dst`` (row-major) differ."""
+    if max(src, dst) >= math.prod(mesh_shape):
+        raise ValueError(f"send_recv_time_s: devices {src} -> {dst} outside the busy mesh {mesh_shape} "
+                         f"({math.prod(mesh_shape)} devices); pass the mesh whose ranks run during the send")
+    strides = [math.prod(mesh_shape[a + 1:]) for a in range(len(mesh_shape))]
+    return tuple(a for a, (k, st) in enumerate(zip(mesh_shape, strides)) if src // st % k != dst // st % k)
 
 
 def stage_device(pp_rank: int, mesh_shape: Sequence[int]) -> int:

@@ -153,15 +153,19 @@ def _with_link(fit: Any, link: Any) -> Any:
 
 
 def check_lines(ht: HostTimings, fits: dict[str, dict[str, Any]], inter: Any) -> list[str]:
-    """The 8 MB all-reduces measured against the alpha-beta predictions (and the link rate)."""
+    """The 8 MB all-reduces measured against the alpha-beta predictions (and the link rate). ``inter``:
+    links.inter_node, shared by each host's ranks, priced per flow (``LinkSpec.per_flow``) as the cost
+    model prices it: the pairs at once are ``per_node`` flows, one ring over all ranks is 1."""
     m, rate = CHECK_BYTES, ht.link.get("rate_mbit", float("nan"))
     alone_fit, inter_fit = fits["inter_host_alone"].get("all_reduce"), fits["inter_host"].get("all_reduce")
+    flows = inter.measured_flows if inter.shared_by_node else None
     lines = []
     for name, n, fit, what in (("inter_host_alone", 2, alone_fit, "one pair alone on the link"),
-                               ("inter_host", 2, inter_fit and _with_link(inter_fit, inter),
-                                f"{ht.per_node} pairs at once (links.inter_node)"),
-                               ("world", ht.settings.nproc, inter_fit and _with_link(inter_fit, inter),
-                                f"all {ht.settings.nproc} ranks (links.inter_node, n = {ht.settings.nproc})"),
+                               ("inter_host", 2, inter_fit and _with_link(inter_fit, inter.per_flow(ht.per_node)),
+                                f"{ht.per_node} pairs at once (links.inter_node, {ht.per_node} flows of {flows})"),
+                               ("world", ht.settings.nproc, inter_fit and _with_link(inter_fit, inter.per_flow(1)),
+                                f"all {ht.settings.nproc} ranks (links.inter_node, n = {ht.settings.nproc}, "
+                                f"one ring: 1 flow of {flows})"),
                                ("world", ht.settings.nproc, alone_fit, f"all {ht.settings.nproc} ranks with the "
                                 "one-pair fit (a ring crosses the link once each way)")):
         if name not in ht.checks or fit is None:
@@ -183,6 +187,7 @@ def two_hosts_cluster(ht: HostTimings, fits: dict[str, dict[str, Any]], base: An
     from autoddl.cluster import CollectiveFits, LinkSpec
 
     intra, inter = _median_link(fits["intra_host"]), _median_link(fits["inter_host"])
+    inter = dataclasses.replace(inter, shared_by_node=True, measured_flows=ht.per_node)   # host_groups: per_node sets
     per_kind = {k: LinkSpec(float(f"{f.bandwidth_gbps:.4g}"), float(f"{f.latency_us:.4g}"))
                 for k, f in fits["intra_host"].items()}
     differ = [k for k, v in per_kind.items() if abs(v.bandwidth_gbps / intra.bandwidth_gbps - 1) > 0.2
@@ -217,7 +222,12 @@ def _two_hosts_text(ht: HostTimings, fits: dict[str, dict[str, Any]], intra: Any
         "links.intra_node": (f"fitted: median over the {len(fits['intra_host'])} kinds, {ht.per_node} ranks of each "
                              f"host (gloo over lo, unshaped), every host at once; {span}"),
         "links.inter_node": (f"fitted: median over the {len(fits['inter_host'])} kinds, one rank per host, "
-                             f"{ht.per_node} groups at once sharing the {rate:g} Mbit/s link (GB/s per device); {span}"),
+                             f"{ht.per_node} groups at once sharing the {rate:g} Mbit/s link (GB/s per flow of "
+                             f"{ht.per_node}); {span}"),
+        "links.inter_node.shared_by_node": ("the hosts are joined by ONE link (benchmarks/two_hosts.py): a host's "
+                                            "ranks all cross it"),
+        "links.inter_node.measured_flows": (f"the inter_host fits ran {ht.per_node} groups (one rank per host each) "
+                                            "at once on the link"),
         "cores_per_node": (f"this machine's {cores} cores / {s.threads} thread{'s' * (s.threads > 1)} per rank / "
                            f"{ht.nodes} hosts: the hosts share the cores"),
         "comm_measured_ranks_per_node": (f"the links and collectives above were measured with all {ht.per_node} ranks "

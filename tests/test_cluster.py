@@ -70,8 +70,8 @@ def test_bundled_config_loads_with_yaml_values(name):
     assert (c.nodes, c.devices_per_node) == (raw["nodes"], raw["devices_per_node"])
     assert c.num_devices == raw["nodes"] * raw["devices_per_node"]
     assert c.device.to_dict() == raw["device"]
-    assert dataclasses.asdict(c.intra_node) == raw["links"]["intra_node"]
-    assert dataclasses.asdict(c.inter_node) == raw["links"]["inter_node"]
+    assert c.intra_node.to_dict() == raw["links"]["intra_node"]
+    assert c.inter_node.to_dict() == raw["links"]["inter_node"]
     assert c.backend is Backend(raw["backend"])
     assert dataclasses.asdict(c.efficiency) == raw["efficiency"]
     assert c.op_overhead_us == raw["op_overhead_us"]
@@ -582,3 +582,66 @@ def test_host_fields_bad_values_name_the_field(tmp_path):
     assert f"{path}: host_link.latency_us: expected a non-negative number in microseconds, got -1" in errors
     assert f"{path}: host_memory_gb: expected a positive number in GB (1e9 bytes) of host memory per node, got 0" \
         in errors
+
+
+# -- an inter-node link the node's devices share (the two-host testbed) --------------------------------
+
+def test_shared_inter_node_link_loads_round_trips_and_old_files_are_unchanged(tmp_path):
+    """links.inter_node.shared_by_node / measured_flows load, write back (with comments) and read back
+    equal; without them (GPU files: a NIC per device) the link is per device, written as before."""
+    shared = edited(links__inter_node={"bandwidth_gbps": 0.06505, "latency_us": 810.3, "shared_by_node": True,
+                                       "measured_flows": 2})
+    c = Cluster.from_yaml(write(tmp_path, shared))
+    assert c.inter_node == LinkSpec(0.06505, 810.3, shared_by_node=True, measured_flows=2)
+    assert c.intra_node == LinkSpec(300, 2.0) and not c.intra_node.shared_by_node
+    c.to_yaml(tmp_path / "back.yaml", comments={"links.inter_node.measured_flows": "2 groups at once"})
+    text = (tmp_path / "back.yaml").read_text()
+    assert "    shared_by_node: true\n" in text and "    measured_flows: 2  # 2 groups at once\n" in text
+    assert Cluster.from_yaml(tmp_path / "back.yaml") == c
+    gpu = Cluster.from_yaml(write(tmp_path, GOOD, "gpu.yaml"))
+    assert gpu.to_dict()["links"]["inter_node"] == {"bandwidth_gbps": 25, "latency_us": 5.0}
+    two = Cluster.from_yaml(bundled_config("two-hosts"))
+    assert (two.inter_node.shared_by_node, two.inter_node.measured_flows) == (True, 2)
+    for name in BUNDLED:
+        assert not Cluster.from_yaml(bundled_config(name)).inter_node.shared_by_node
+    # the link as each of k flows at once sees it: bandwidth * measured_flows / k, latency as measured
+    assert c.inter_node.per_flow(1) == LinkSpec(0.1301, 810.3)
+    assert c.inter_node.per_flow(4) == LinkSpec(0.06505 / 2, 810.3)
+    assert gpu.inter_node.per_flow(1) is gpu.inter_node
+    with pytest.raises(ValueError, match="flows must be a positive integer, got 0"):
+        c.inter_node.per_flow(0)
+
+
+@pytest.mark.parametrize("inter, field, expected", [
+    ({"shared_by_node": True}, "links.inter_node.measured_flows",
+     "missing; shared_by_node: true needs a positive integer: the flows"),
+    ({"measured_flows": 2}, "links.inter_node.measured_flows", "given without shared_by_node: true"),
+    ({"shared_by_node": False, "measured_flows": 2}, "links.inter_node.measured_flows",
+     "given without shared_by_node: true"),
+    ({"shared_by_node": True, "measured_flows": 0}, "links.inter_node.measured_flows",
+     "expected a positive integer: the flows (groups with a rank on each node) crossing the link at once "
+     "while bandwidth_gbps was measured, got 0"),
+    ({"shared_by_node": True, "measured_flows": 1.5}, "links.inter_node.measured_flows", "got 1.5"),
+    ({"shared_by_node": "yes", "measured_flows": 2}, "links.inter_node.shared_by_node",
+     "expected true or false: true when a node's devices all cross ONE link"),
+    ({"shared_by_nodes": True, "measured_flows": 2}, "links.inter_node.shared_by_nodes",
+     "unknown key; did you mean 'shared_by_node'?"),
+])
+def test_shared_inter_node_link_bad_values_name_the_field(tmp_path, inter, field, expected):
+    d = edited(links__inter_node={"bandwidth_gbps": 0.065, "latency_us": 810.0, **inter})
+    if "shared_by_nodes" in inter:       # the misspelt key is refused; measured_flows alone also is
+        d["links"]["inter_node"]["shared_by_node"] = True
+    path, errors, _ = errors_of(tmp_path, d)
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"{path}: {field}: "), errors[0]
+    assert expected in errors[0], errors[0]
+
+
+def test_only_the_inter_node_link_may_be_shared(tmp_path):
+    """intra_node, host_link and collective fits are per device: the sharing fields are unknown keys there."""
+    d = edited(links__intra_node={"bandwidth_gbps": 300, "latency_us": 2.0, "shared_by_node": True})
+    path, errors, _ = errors_of(tmp_path, d)
+    assert len(errors) == 1 and errors[0].startswith(f"{path}: links.intra_node.shared_by_node: unknown key"), errors
+    with pytest.raises(ClusterConfigError, match="links.intra_node.shared_by_node: unknown key"):
+        dataclasses.replace(Cluster.from_dict(GOOD), intra_node=LinkSpec(300, 2.0, shared_by_node=True,
+                                                                          measured_flows=2))

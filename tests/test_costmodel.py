@@ -593,3 +593,59 @@ def test_sends_measured_with_every_rank_busy_are_not_slowed_twice(a100):
         bare = send_recv_time_s(nbytes, src, dst, dataclasses.replace(hosts, cores_per_node=None), (4,))
         assert send_recv_time_s(nbytes, src, dst, hosts, (4,)) == pytest.approx(2 * bare, rel=1e-12)
         assert send_recv_time_s(nbytes, src, dst, measured_busy, (4,)) == pytest.approx(bare, rel=1e-12)
+
+
+def _hosts(a100, **inter):
+    """A two-hosts-like cluster: 2 nodes of 2, the inter-node link configs/two-hosts.yaml fitted
+    (0.06505 GB/s, 810.3 us), no derating and no executor cost, so the formulas are bare."""
+    from autoddl.cluster import ExecutorOverheads
+    return dataclasses.replace(a100.resized(4), nodes=2, devices_per_node=2, efficiency=Efficiency(),
+                               executor=ExecutorOverheads(), inter_node=LinkSpec(0.06505, 810.3, **inter))
+
+
+def test_a_link_shared_by_the_node_is_priced_by_the_flows_crossing_it_at_once(a100):
+    """two-hosts: one link per host, its fit measured with 2 pairs at once (measured_flows 2). An 8 MB
+    all-reduce on axis 0 of 2x2 puts 2 flows on each host's link, as fitted: the fit as it is; the
+    flattened one over all 4 ranks is one ring (1 flow): half the bandwidth term, the latency the same.
+    Without the sharing fields (GPU clusters) the flattened ring pays the fit's bandwidth as before."""
+    from costmodel.collectives import cluster_collective_time_s, node_flows, node_link
+
+    shared, per_device = _hosts(a100, shared_by_node=True, measured_flows=2), _hosts(a100)
+    m, b, a = 8e6, 0.06505e9, 810.3e-6
+    on_axis0 = 2 * 1 / 2 * m / b + 2 * a                          # 124.6 ms: the fit's condition
+    for c in (shared, per_device):
+        assert cluster_collective_time_s(K.ALL_REDUCE, m, (2, 2), 0, c) == pytest.approx(on_axis0, rel=1e-12)
+    assert on_axis0 == pytest.approx(0.1246, abs=1e-4)
+    flat = cluster_collective_time_s(K.ALL_REDUCE, m, (2, 2), (0, 1), shared)
+    assert flat == pytest.approx(2 * 3 / 4 * m / b / 2 + 2 * 3 * a, rel=1e-12)          # 97.1 ms (measured 105.7)
+    assert flat == pytest.approx(0.0971, abs=1e-4)
+    assert cluster_collective_time_s(K.ALL_REDUCE, m, (2, 2), (0, 1), per_device) == pytest.approx(
+        2 * 3 / 4 * m / b + 2 * 3 * a, rel=1e-12)                                         # 189.3 ms: as before
+    assert cluster_collective_time_s(K.ALL_REDUCE, m, (4,), 0, shared) == pytest.approx(flat, rel=1e-12)
+    assert cluster_collective_time_s(K.ALL_REDUCE, m, (2, 2), 1, shared) == pytest.approx(
+        cluster_collective_time_s(K.ALL_REDUCE, m, (2, 2), 1, per_device), rel=1e-12)  # inside a host: untouched
+    # flows at once on one node's link: the groups with a rank on the node
+    assert [node_flows((2, 2), ax, 2) for ax in ((0,), (0, 1))] == [2, 1]
+    assert node_flows((2, 4), (0,), 2) == 2                 # axis 1 spans 2 nodes: 2 of its ranks on each
+    assert [node_flows((2, 2, 2), ax, 2) for ax in ((0,), (0, 1), (0, 1, 2))] == [2, 2, 1]
+    assert node_link(shared, (2, 2, 2), (0, 1)) == LinkSpec(0.06505, 810.3)
+    # a GPU cluster (a NIC per GPU, no sharing fields): the link as it is, whatever the group
+    two_nodes = a100.resized(16)
+    for axes in ((0,), (0, 1)):
+        assert node_link(two_nodes, (2, 8), axes) is two_nodes.inter_node
+
+
+def test_a_send_across_a_shared_link_counts_the_sends_at_once(a100):
+    """A send from host 0 to host 1 while every rank of the busy mesh sends along the same axes: on a 2x2
+    mesh (a pipeline stage's 2 ranks each send to their peer) 2 flows, the fit as it is; on a mesh (4,)
+    (one transfer) 1 flow, twice the fitted bandwidth; the latency as fitted."""
+    from costmodel.collectives import cluster_collective_time_s, send_recv_time_s
+
+    shared = _hosts(a100, shared_by_node=True, measured_flows=2)
+    m, b, a = 2**20, 0.06505e9, 810.3e-6
+    assert send_recv_time_s(m, 0, 2, shared, (2, 2)) == pytest.approx(m / b + a, rel=1e-12)
+    assert cluster_collective_time_s(K.SEND_RECV, m, (2, 2), 0, shared) == pytest.approx(m / b + a, rel=1e-12)
+    assert send_recv_time_s(m, 1, 2, shared, (4,)) == pytest.approx(m / (2 * b) + a, rel=1e-12)
+    assert send_recv_time_s(m, 0, 1, shared, (2, 2)) == send_recv_time_s(m, 0, 1, _hosts(a100), (2, 2))   # in a host
+    with pytest.raises(ValueError, match=r"outside the busy mesh \(2,\)"):
+        send_recv_time_s(m, 0, 2, shared, (2,))

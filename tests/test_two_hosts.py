@@ -94,6 +94,14 @@ def test_host_groups_and_two_hosts_cluster_recover_both_links(tmp_path, monkeypa
     assert not cluster.collectives.get("all_reduce")                 # every intra kind agrees with the link
     # 8 MB all-reduce of one pair alone: 2 * 80 us + 8e6 B / 0.125 GB/s = 64.16 ms, measured 70 ms
     assert "one pair alone on the link: measured 70.0 ms, alpha-beta 64.2 ms (-8%), link rate alone 64.0 ms" in header
+    # the inter-host fit ran 2 pairs at once on the hosts' one link: written as shared, 2 flows measured
+    assert (cluster.inter_node.shared_by_node, cluster.inter_node.measured_flows) == (True, 2)
+    assert "2 groups (one rank per host each) at once" in comments["links.inter_node.measured_flows"]
+    # 2 pairs at once, 2 flows as fitted: 2 * 300 us + 8e6 B / 0.0625 GB/s = 128.6 ms, measured 130 ms
+    assert "2 pairs at once (links.inter_node, 2 flows of 2): measured 130.0 ms, alpha-beta 128.6 ms (-1%)" in header
+    # all 4 ranks, one ring: 1 flow, twice the fitted bandwidth: 6 * 300 us + 1.5 * 8e6 B / 0.125 GB/s = 97.8 ms
+    assert ("all 4 ranks (links.inter_node, n = 4, one ring: 1 flow of 2): measured 105.0 ms, alpha-beta 97.8 ms "
+            "(-7%)") in header
     assert f"{CHECK_BYTES / 1e6:g} MB" in header and "tbf 1000 Mbit/s" in header and "R^2 1.0000" in header
     cluster.to_yaml(tmp_path / "two.yaml", comments=comments, header=header)
     assert Cluster.from_yaml(tmp_path / "two.yaml") == cluster
