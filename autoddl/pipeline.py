@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Iterable, Iterator, Sequence
 
 from autoddl.graph import NodeKind, OpGraph, TensorRef
@@ -212,11 +213,8 @@ def _one_f_one_b(forward: list[Action], backward: list[Action], warmup: int) -> 
 def in_flight_peak(actions: Iterable[Action], chunk_bytes: Sequence[int]) -> int:
     """The most activation bytes a rank holds at once: each forward keeps its chunk's activations
     until that micro-batch's backward of the chunk frees them."""
-    held = peak = 0
-    for a in actions:
-        held += chunk_bytes[a.chunk] if a.kind == "F" else -chunk_bytes[a.chunk]
-        peak = max(peak, held)
-    return peak
+    return max(accumulate((chunk_bytes[a.chunk] if a.kind == "F" else -chunk_bytes[a.chunk] for a in actions),
+                          initial=0))
 
 
 def max_in_flight(actions: Iterable[Action]) -> int:
