@@ -1,5 +1,6 @@
-"""Test helpers for several gloo ranks on 127.0.0.1: the executor's own launcher, one step's batch of
-micro-batches, and the comparison of a rank's check and audit with one process and the program."""
+"""Test helpers: for several gloo ranks on 127.0.0.1, the executor's own launcher, one step's batch of
+micro-batches and the comparison of a rank's check and audit with one process and the program; and
+the model file of repeated linear blocks that the pipeline and offload tests cut."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections import Counter
 
 from executor.local_ranks import free_port, run_ranks
 
-__all__ = ["free_port", "run_ranks", "step_batch", "check_and_audit_problems"]
+__all__ = ["free_port", "run_ranks", "step_batch", "check_and_audit_problems", "block_stack_source"]
 
 
 def step_batch(inputs, k: int):
@@ -38,3 +39,48 @@ def check_and_audit_problems(name: str, model, errors: dict, records: list, pred
         problems.append(f"{name}: ran, not predicted {sorted((got - want).items())}; "
                         f"predicted, not run {sorted((want - got).items())}")
     return problems
+
+
+_BLOCK_STACK = """
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear({d}, {d})
+
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            {root}
+            self.{attr} = nn.ModuleList(Block() for _ in range({n}))
+
+        def forward(self, x):
+            {root_use}
+            for block in self.{attr}:
+                x = block(x)
+            return x
+
+    def build_model():
+        return Stack()
+
+    def example_inputs():
+        return (torch.randn({rows}, {d}),)
+"""
+
+_FIRST_COLUMN_LOSS = """
+    def loss_fn(out, x):
+        return out[:, :1].sum()
+"""
+
+
+def block_stack_source(d: int, n: int, rows: int, attr: str = "h", root: bool = False, loss: bool = False) -> str:
+    """A model file (source, to dedent): ``n`` repeated blocks ``{attr}.i`` of Linear(d, d) + ReLU,
+    after a Linear(d, d) ``inp`` outside the blocks when ``root``; the example input ``rows`` x ``d``;
+    with ``loss``, the first output column's sum as the loss (else the model file's default)."""
+    return _BLOCK_STACK.format(d=d, n=n, rows=rows, attr=attr, root=f"self.inp = nn.Linear({d}, {d})" if root else "",
+                               root_use="x = self.inp(x)" if root else "") + (_FIRST_COLUMN_LOSS if loss else "")

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from dist_utils import block_stack_source
+
 from autoddl.cluster import Cluster, ExecutorOverheads, LinkSpec
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.loader import load_model_file
@@ -25,39 +27,6 @@ from search.planner import parse_degrees, price_degrees
 ROOT = Path(__file__).resolve().parents[1]
 H100 = ROOT / "configs" / "h100-4x8.yaml"
 GPT = ROOT / "examples" / "gpt.py"
-
-BLOCKS = """
-    import torch
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(1024, 1024)
-
-        def forward(self, x):
-            return torch.relu(self.fc(x))
-
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.h = nn.ModuleList(Block() for _ in range(8))
-
-        def forward(self, x):
-            for block in self.h:
-                x = block(x)
-            return x
-
-    def build_model():
-        return Stack()
-
-    def example_inputs():
-        return (torch.randn(512, 1024),)
-
-    def loss_fn(out, x):
-        return out[:, :1].sum()
-"""
-
 
 # -- schedules: closed forms ------------------------------------------------------------------------
 
@@ -135,7 +104,7 @@ def blocks(tmp_path_factory):
     import textwrap
 
     path = tmp_path_factory.mktemp("pp") / "blocks.py"
-    path.write_text(textwrap.dedent(BLOCKS))
+    path.write_text(textwrap.dedent(block_stack_source(1024, 8, rows=512, loss=True)))
     mf = load_model_file(path)
     return mf.trace("float32")
 
