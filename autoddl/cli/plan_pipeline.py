@@ -22,7 +22,7 @@ FIT_RETRIES = 3                                # estimates priced in full after 
 
 
 def search_pipeline(args: argparse.Namespace, tracer: "_Tracer", planned: Cluster, training: Training, progress
-                     ) -> tuple[Scheme, OpGraph, int]:
+                    ) -> tuple[Scheme, OpGraph, int]:
     """search/pipeline_search.py's 3-D search; the best fast estimates priced by the full cost model."""
     limit = (args.memory_gb or planned.device.memory_gb) * 1e9
     sizes = (args.micro_batch_size,) if args.micro_batch_size else (1, 2)
