@@ -626,7 +626,8 @@ def _compute_curve(src: str, value: Any, errors: list[str]) -> tuple[tuple[float
 
 
 def _parse(d: Any, src: str) -> tuple[dict[str, Any], list[str]]:
-    """Validate a raw cluster mapping; returns (constructor kwargs, every error found)."""
+    """Validate a raw cluster mapping; returns (constructor kwargs, every error found, in the order of
+    the steps: unknown keys, name, size, device, links, backend, the optional fields)."""
     if not isinstance(d, dict):
         return {}, [f"{src}: expected a YAML mapping of cluster fields ({', '.join(_TOP_KEYS)}), "
                     f"got {type(d).__name__}"]
@@ -635,7 +636,12 @@ def _parse(d: Any, src: str) -> tuple[dict[str, Any], list[str]]:
     for key in d:
         if key not in _TOP_KEYS:
             errors.append(_unknown_key(src, "", key, _TOP_KEYS))
+    for step in (_parse_name, _parse_size, _parse_device, _parse_links, _parse_backend, _parse_optional):
+        step(d, src, kw, errors)
+    return kw, errors
 
+
+def _parse_name(d: dict, src: str, kw: dict[str, Any], errors: list[str]) -> None:
     name = d.get("name")
     if name is None:
         errors.append(f"{src}: name: missing; expected a cluster name, e.g. dgx-a100-8")
@@ -643,6 +649,8 @@ def _parse(d: Any, src: str) -> tuple[dict[str, Any], list[str]]:
         errors.append(f"{src}: name: expected a non-empty string, got {name!r}")
     kw["name"] = name
 
+
+def _parse_size(d: dict, src: str, kw: dict[str, Any], errors: list[str]) -> None:
     for key, what in (("nodes", "number of nodes"), ("devices_per_node", "number of devices per node")):
         expected = f"a positive integer ({what}; nodes * devices_per_node must be at least 1)"
         if key not in d:
@@ -650,36 +658,44 @@ def _parse(d: Any, src: str) -> tuple[dict[str, Any], list[str]]:
         else:
             kw[key] = _number(src, key, d[key], expected, "int", errors)
 
+
+def _parse_device(d: dict, src: str, kw: dict[str, Any], errors: list[str]) -> None:
     if "device" not in d:
         errors.append(f"{src}: device: missing; expected a mapping with keys {', '.join(_DEVICE_FIELDS)}")
     else:
         dev = _section(src, "device", d["device"], _DEVICE_FIELDS, errors)
         kw["device"] = DeviceSpec(**dev) if dev else None
 
+
+def _parse_links(d: dict, src: str, kw: dict[str, Any], errors: list[str]) -> None:
+    """``links``: intra_node, and inter_node when nodes > 1 (one node: the intra-node link stands in)."""
     links = d.get("links")
     if links is None:
         errors.append(f"{src}: links: missing; expected a mapping with intra_node "
                       "(and inter_node when nodes > 1), each {bandwidth_gbps, latency_us}")
-    elif not isinstance(links, dict):
+        return
+    if not isinstance(links, dict):
         errors.append(f"{src}: links: expected a mapping with keys intra_node, inter_node, got {links!r}")
+        return
+    for key in links:
+        if key not in _LINK_KEYS:
+            errors.append(_unknown_key(src, "links.", key, _LINK_KEYS))
+    if "intra_node" not in links:
+        errors.append(f"{src}: links.intra_node: missing; expected "
+                      "{bandwidth_gbps: GB/s per device, latency_us: microseconds}")
     else:
-        for key in links:
-            if key not in _LINK_KEYS:
-                errors.append(_unknown_key(src, "links.", key, _LINK_KEYS))
-        if "intra_node" not in links:
-            errors.append(f"{src}: links.intra_node: missing; expected "
-                          "{bandwidth_gbps: GB/s per device, latency_us: microseconds}")
-        else:
-            intra = _section(src, "links.intra_node", links["intra_node"], _LINK_FIELDS, errors)
-            kw["intra_node"] = LinkSpec(**intra) if intra else None
-        if "inter_node" in links:
-            kw["inter_node"] = _inter_node(src, links["inter_node"], errors)
-        elif isinstance(kw.get("nodes"), int) and kw["nodes"] > 1:
-            errors.append(f"{src}: links.inter_node: missing; required when nodes > 1 (nodes is "
-                          f"{kw['nodes']}); expected {{bandwidth_gbps: GB/s per device, latency_us: microseconds}}")
-        else:
-            kw["inter_node"] = kw.get("intra_node")     # one node: never used by a mesh, kept for resized()
+        intra = _section(src, "links.intra_node", links["intra_node"], _LINK_FIELDS, errors)
+        kw["intra_node"] = LinkSpec(**intra) if intra else None
+    if "inter_node" in links:
+        kw["inter_node"] = _inter_node(src, links["inter_node"], errors)
+    elif isinstance(kw.get("nodes"), int) and kw["nodes"] > 1:
+        errors.append(f"{src}: links.inter_node: missing; required when nodes > 1 (nodes is "
+                      f"{kw['nodes']}); expected {{bandwidth_gbps: GB/s per device, latency_us: microseconds}}")
+    else:
+        kw["inter_node"] = kw.get("intra_node")     # one node: never used by a mesh, kept for resized()
 
+
+def _parse_backend(d: dict, src: str, kw: dict[str, Any], errors: list[str]) -> None:
     backend = d.get("backend")
     known = ", ".join(b.value for b in Backend)
     if backend is None:
@@ -693,6 +709,9 @@ def _parse(d: Any, src: str) -> tuple[dict[str, Any], list[str]]:
             errors.append(f"{src}: backend: nccl needs cuda devices but device.kind is {dev.kind!r}; "
                           "use backend: gloo")
 
+
+def _parse_optional(d: dict, src: str, kw: dict[str, Any], errors: list[str]) -> None:
+    """The fields with defaults: efficiency, op overheads, CPU time-sharing, the host, fitted curves."""
     if "efficiency" in d:
         eff = _section(src, "efficiency", d["efficiency"], _EFFICIENCY_FIELDS, errors,
                        defaults=dataclasses.asdict(Efficiency()))
@@ -723,7 +742,6 @@ def _parse(d: Any, src: str) -> tuple[dict[str, Any], list[str]]:
         kw["compute_curve"] = _compute_curve(src, d["compute_curve"], errors)
     if d.get("executor") is not None:
         kw["executor"] = _executor(src, d["executor"], errors)
-    return kw, errors
 
 
 def _inter_node(src: str, value: Any, errors: list[str]) -> LinkSpec | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Iterable, Iterator, Sequence
 
 from autoddl.graph import NodeKind, OpGraph, TensorRef
@@ -188,11 +189,11 @@ def schedule_actions(schedule: str, stages: int, micro_batches: int, virtual: in
     p, m, v = stages, micro_batches, virtual
     if schedule not in SCHEDULES:
         raise ValueError(f"training.schedule {schedule!r} is not a pipeline schedule; choose one of {list(SCHEDULES)}")
-    if schedule == "gpipe":
-        return [[Action("F", j, 0) for j in range(m)] + [Action("B", j, 0) for j in range(m)] for _ in range(p)]
-    if schedule == "1f1b" or v == 1:
-        return [_one_f_one_b([Action("F", j, 0) for j in range(m)], [Action("B", j, 0) for j in range(m)],
-                             min(p - r - 1, m)) for r in range(p)]
+    if schedule == "gpipe" or schedule == "1f1b" or v == 1:     # the actions are shared by the ranks' lists
+        forward, backward = [Action("F", j, 0) for j in range(m)], [Action("B", j, 0) for j in range(m)]
+        if schedule == "gpipe":
+            return [forward + backward for _ in range(p)]
+        return [_one_f_one_b(forward, backward, min(p - r - 1, m)) for r in range(p)]
     if m % p:
         raise ValueError(f"interleaved 1F1B needs the micro-batch count to be a multiple of the pipeline degree: "
                          f"micro_batches {m}, pp {p}; use {((m + p - 1) // p) * p} micro-batches")
@@ -212,11 +213,8 @@ def _one_f_one_b(forward: list[Action], backward: list[Action], warmup: int) -> 
 def in_flight_peak(actions: Iterable[Action], chunk_bytes: Sequence[int]) -> int:
     """The most activation bytes a rank holds at once: each forward keeps its chunk's activations
     until that micro-batch's backward of the chunk frees them."""
-    held = peak = 0
-    for a in actions:
-        held += chunk_bytes[a.chunk] if a.kind == "F" else -chunk_bytes[a.chunk]
-        peak = max(peak, held)
-    return peak
+    return max(accumulate((chunk_bytes[a.chunk] if a.kind == "F" else -chunk_bytes[a.chunk] for a in actions),
+                          initial=0))
 
 
 def max_in_flight(actions: Iterable[Action]) -> int:
@@ -229,10 +227,10 @@ def issue_order(actions: Sequence[Sequence[Action]], virtual_stages: int
     """Every rank's actions, interleaved so that each comes after the action it needs data from:
     (rank, action, its virtual stage, the (F|B, micro-batch, virtual stage) it waits for or None).
     A forward waits for the previous virtual stage's forward of the micro-batch, a backward for the
-    next one's backward. Raises when the schedule deadlocks."""
+    next one's backward (:func:`_ids`). Raises when the schedule deadlocks."""
     p = len(actions)
     n = p * virtual_stages
-    done: set[tuple[str, int, int]] = set()
+    done: set[int] = set()
     pos = [0] * p
     while any(pos[r] < len(actions[r]) for r in range(p)):
         progressed = False
@@ -240,26 +238,65 @@ def issue_order(actions: Sequence[Sequence[Action]], virtual_stages: int
             while pos[r] < len(actions[r]):
                 a = actions[r][pos[r]]
                 vs = a.chunk * p + r
-                src = (("F", a.micro_batch, vs - 1) if a.kind == "F" and vs > 0 else
-                       ("B", a.micro_batch, vs + 1) if a.kind == "B" and vs < n - 1 else None)
-                if src is not None and src not in done:
+                key, src = _ids(a, vs, n)
+                if src >= 0 and src not in done:
                     break
-                yield r, a, vs, src
-                done.add((a.kind, a.micro_batch, vs))
+                yield r, a, vs, (("FB"[src & 1], (src >> 1) // n, (src >> 1) % n) if src >= 0 else None)
+                done.add(key)
                 pos[r] += 1
                 progressed = True
         if not progressed:
-            waiting = [str(actions[r][pos[r]]) for r in range(p) if pos[r] < len(actions[r])]
-            raise ValueError(f"the pipeline schedule deadlocks: the ranks wait at actions {waiting}")
+            _deadlock(actions, pos)
+
+
+def _ids(a: Action, vs: int, n: int) -> tuple[int, int]:
+    """(the id of action ``a`` on virtual stage ``vs`` of ``n``, the id of the action it needs data
+    from or -1): a forward needs the previous virtual stage's forward of its micro-batch, a backward
+    the next one's backward; none at the ends. Id of (F|B, micro-batch j, vs): 2 (j n + vs) (+1 for B)."""
+    if a.kind == "F":
+        key = (a.micro_batch * n + vs) * 2
+        return key, (key - 2 if vs > 0 else -1)
+    key = (a.micro_batch * n + vs) * 2 + 1
+    return key, (key + 2 if vs < n - 1 else -1)
+
+
+def _deadlock(actions: Sequence[Sequence[Action]], pos: Sequence[int]) -> None:
+    waiting = [str(actions[r][pos[r]]) for r in range(len(actions)) if pos[r] < len(actions[r])]
+    raise ValueError(f"the pipeline schedule deadlocks: the ranks wait at actions {waiting}")
 
 
 def schedule_makespan(actions: Sequence[Sequence[Action]], virtual_stages: int,
                       duration_s: Callable[[int, Action], float], p2p_s: float = 0.0) -> float:
     """The step time of a schedule whose action ``a`` on rank ``r`` takes ``duration_s(r, a)`` and
-    whose sends take ``p2p_s``: each action starts when its rank is free and its data arrived."""
-    end: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * len(actions)
-    for r, a, vs, src in issue_order(actions, virtual_stages):
-        start = max(free[r], end[src] + p2p_s if src is not None else 0.0)
-        free[r] = end[(a.kind, a.micro_batch, vs)] = start + duration_s(r, a)
+    whose sends take ``p2p_s``: each action starts when its rank is free and its data arrived.
+
+    The same times as walking :func:`issue_order`, found faster (the 3-D search prices thousands of
+    schedules of up to ~10^5 actions): a rank runs on until it needs data not yet produced, and
+    resumes when the action it waits for ends, instead of every rank being polled in turn."""
+    p = len(actions)
+    n = p * virtual_stages
+    end: dict[int, float] = {}
+    free = [0.0] * p
+    pos = [0] * p
+    blocked: dict[int, int] = {}                         # the action a rank waits for -> that rank
+    ready = list(range(p - 1, -1, -1))
+    while ready:
+        r = ready.pop()
+        acts, i, t = actions[r], pos[r], free[r]
+        while i < len(acts):
+            a = acts[i]
+            key, src = _ids(a, a.chunk * p + r, n)
+            if src >= 0:
+                arrived = end.get(src)
+                if arrived is None:
+                    blocked[src] = r
+                    break
+                t = max(t, arrived + p2p_s)
+            t = end[key] = t + duration_s(r, a)
+            if key in blocked:
+                ready.append(blocked.pop(key))
+            i += 1
+        pos[r], free[r] = i, t
+    if any(pos[r] < len(actions[r]) for r in range(p)):
+        _deadlock(actions, pos)
     return max(free, default=0.0)

@@ -755,7 +755,9 @@ def nb03():
         **Weak scaling.** Each GPU gets 2 sequences of 1024 tokens (GPT-2 XL's preset batch of 16 at 8 GPUs),
         so the global batch grows with the device count: 16 sequences (16 K tokens) at 8 GPUs, 2048 (2 M tokens)
         at 1024. With a fixed global batch the small counts do not fit in 80 GB or the large ones cannot split
-        it; the model is re-traced for each batch size.
+        it. The model is traced at the first two batch sizes only: every shape, FLOP and byte count of its graph
+        is affine in the batch, so the graph at each other batch is read off those two (`autoddl/rebatch.py`,
+        checked against a trace by `tests/test_rebatch.py`).
 
         **Meshes searched (reduced for time).** A full search tries every 1-D and 2-D mesh (inner axis inside a
         node: inner size 2, 4 or 8). Here each device count N searches the 1-D mesh (N) — where `tp` and `sp`
@@ -797,11 +799,12 @@ def nb03():
         _md(r"""
         ## Device count: 8 to 1024 GPUs
 
-        For each count: trace at the count's global batch, search each mesh (`search_model(..., mesh=...)`,
+        For each count: the graph at the count's global batch (traced, or read off the first two traces), search each mesh (`search_model(..., mesh=...)`,
         which also builds every baseline that applies on that mesh), and keep per mesh the found plan and the
         baselines. `search_s` is the planning time of that mesh.
         """),
         _code(r"""
+        from autoddl.rebatch import at_batch
         from costmodel.collectives import cluster_collective_time_s
 
 
@@ -822,8 +825,11 @@ def nb03():
         graphs, records = {}, []
         for n in DEVICES:
             t0 = time.perf_counter()
-            mf, graph = trace_model_file(ROOT / "examples/gpt.py", preset="gpt2-xl", batch_size=SEQS_PER_DEVICE * n,
-                                         seq_len=SEQ_LEN)
+            first = [(graphs[k], SEQS_PER_DEVICE * k) for k in list(graphs)[:2]]
+            graph = at_batch(*first[0], *first[1], SEQS_PER_DEVICE * n) if len(first) == 2 else None
+            if graph is None:                          # the first two batches (or a graph not affine in it): traced
+                mf, graph = trace_model_file(ROOT / "examples/gpt.py", preset="gpt2-xl",
+                                             batch_size=SEQS_PER_DEVICE * n, seq_len=SEQ_LEN)
             graphs[n] = graph
             trace_s = time.perf_counter() - t0
             cluster = BASE.resized(n)
@@ -833,7 +839,7 @@ def nb03():
                 search_s = time.perf_counter() - t1
                 records += [record(n, cluster, shape, s, graph, search_s) for s in out.schemes
                             if s.plan is not None and s.breakdown.fits_memory]
-            print(f"{n:5d} GPUs: traced in {trace_s:.1f} s, searched {len(meshes_for(n))} meshes in "
+            print(f"{n:5d} GPUs: {'traced' if len(graphs) <= 2 else 'read off the first two traces'} in {trace_s:.1f} s, searched {len(meshes_for(n))} meshes in "
                   f"{time.perf_counter() - t0 - trace_s:.1f} s")
         runs = pd.DataFrame(records)
         runs["tokens_per_s"] = runs["tokens"] / (runs["step_ms"] / 1e3)

@@ -98,7 +98,14 @@ def block_costs(graph: OpGraph, plan: Plan, cluster: Cluster) -> BlockCosts:
 
 def balanced_cuts(seconds: list[float], nbytes: list[float], n: int) -> list[int]:
     """Indices of the first item of runs 1..n-1 splitting the items into ``n`` contiguous runs that
-    minimise the largest ``max(run time / mean run time, run bytes / mean run bytes)``."""
+    minimise the largest ``max(run time / mean run time, run bytes / mean run bytes)``. Kept for
+    the process (``_balanced_cuts``): the 3-D search asks for the same costs' cuts at every device
+    count, link and data-parallel role, and the DP takes O(n x blocks^2)."""
+    return list(_balanced_cuts(tuple(seconds), tuple(nbytes), n))
+
+
+@lru_cache(maxsize=4096)
+def _balanced_cuts(seconds: tuple[float, ...], nbytes: tuple[float, ...], n: int) -> tuple[int, ...]:
     k = len(seconds)
     if not 1 <= n <= k:
         raise ValueError(f"cannot cut {k} blocks into {n} pipeline stages; use at most {k} stages")
@@ -122,7 +129,7 @@ def balanced_cuts(seconds: list[float], nbytes: list[float], n: int) -> list[int
                 out = (cost, (j,) + starts)
         return out
 
-    return list(best(0, n)[1])
+    return best(0, n)[1]
 
 
 def stage_cuts(graph: OpGraph, plan: Plan, cluster: Cluster, n: int) -> tuple[str, ...]:

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dist_utils import block_stack_source
+
 from autoddl.cli import main
 from autoddl.cluster import Cluster, ClusterConfigError, LinkSpec
 from autoddl.loader import load_model_file
@@ -25,34 +27,8 @@ DGX = ROOT / "configs" / "dgx-a100-8.yaml"
 D = 256                      # width of every Linear
 N_BLOCK = D * D + D          # parameters of one block (Linear(D, D))
 
-BLOCKS = """
-    import torch
-    from torch import nn
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            {root}
-            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear({d}, {d}), nn.ReLU()) for _ in range({n}))
-
-        def forward(self, x):
-            {root_use}
-            for b in self.blocks:
-                x = b(x)
-            return x
-
-    def build_model():
-        return Net()
-
-    def example_inputs():
-        return (torch.randn({batch}, {d}),)
-"""
-
-
 def model(write_model, n: int, root: bool = True, name: str = "blocks.py", batch: int = 8, **kw):
-    src = BLOCKS.format(d=D, n=n, batch=batch, root=f"self.inp = nn.Linear({D}, {D})" if root else "pass",
-                        root_use="x = self.inp(x)" if root else "")
-    return load_model_file(write_model(src, name), **kw)
+    return load_model_file(write_model(block_stack_source(D, n, rows=batch, attr="blocks", root=root), name), **kw)
 
 
 def one_device() -> Cluster:
@@ -296,7 +272,7 @@ def test_offload_needs_the_host_fields_and_params_refuses_sharded_storage(write_
     two = Cluster.from_yaml(DGX).resized(2)
     zero3 = next(s for s in search(graph, two, cd_time_limit_s=0.05, mesh=(2,)).schemes if s.name == "zero3").plan
     spilled = dataclasses.replace(zero3, training=dataclasses.replace(zero3.training, offload="params"))
-    with pytest.raises(ValueError, match=r"offload params copies each spilled parameter whole .* blocks\.0\.0\.weight "
+    with pytest.raises(ValueError, match=r"offload params copies each spilled parameter whole .* blocks\.0\.fc\.weight "
                                          r"is stored \[S\(0\)\]"):
         lower(graph, spilled)
     with pytest.raises(ValueError, match="training.offload 'disk' is not an offload level"):
@@ -304,7 +280,7 @@ def test_offload_needs_the_host_fields_and_params_refuses_sharded_storage(write_
 
 
 def test_cli_offload_auto_shows_the_level_and_the_slowdown(write_model, capsys, tmp_path):
-    path = write_model(BLOCKS.format(d=D, n=6, batch=8, root="self.inp = nn.Linear(256, 256)", root_use="x = self.inp(x)"))
+    path = write_model(block_stack_source(D, 6, rows=8, attr="blocks", root=True))
     mf = load_model_file(path)
     graph = mf.trace("float32")
     cluster = one_device()

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from pathlib import Path
 
 import pytest
 
+from dist_utils import block_stack_source
+
 from autoddl.cluster import Cluster, ExecutorOverheads, LinkSpec
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.loader import load_model_file
-from autoddl.pipeline import (P2P, equal_cuts, in_flight_peak, max_in_flight, repeated_blocks, schedule_actions,
-                              schedule_makespan, stage_of_ops, with_pp_axis)
+from autoddl.pipeline import (P2P, Action, equal_cuts, in_flight_peak, issue_order, max_in_flight, repeated_blocks,
+                              schedule_actions, schedule_makespan, stage_of_ops, with_pp_axis)
 from autoddl.program import COMPUTE, lower
 from autoddl.training import Training
 from costmodel.breakdown import plan_cost
@@ -24,39 +27,6 @@ from search.planner import parse_degrees, price_degrees
 ROOT = Path(__file__).resolve().parents[1]
 H100 = ROOT / "configs" / "h100-4x8.yaml"
 GPT = ROOT / "examples" / "gpt.py"
-
-BLOCKS = """
-    import torch
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(1024, 1024)
-
-        def forward(self, x):
-            return torch.relu(self.fc(x))
-
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.h = nn.ModuleList(Block() for _ in range(8))
-
-        def forward(self, x):
-            for block in self.h:
-                x = block(x)
-            return x
-
-    def build_model():
-        return Stack()
-
-    def example_inputs():
-        return (torch.randn(512, 1024),)
-
-    def loss_fn(out, x):
-        return out[:, :1].sum()
-"""
-
 
 # -- schedules: closed forms ------------------------------------------------------------------------
 
@@ -69,6 +39,30 @@ def test_equal_stages_with_free_sends_have_the_closed_form_bubble(schedule, p, m
     step = schedule_makespan(acts, v, lambda r, a: (1.0 if a.kind == "F" else 2.0) / v)
     ideal = m * 3.0
     assert (step - ideal) / ideal == pytest.approx((p - 1) / m / v, rel=1e-12)   # (1/V)(p-1)/m
+
+
+@pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 3, 5, 1), ("1f1b", 4, 7, 1), ("1f1b", 5, 2, 1),
+                                            ("interleaved", 3, 6, 2), ("interleaved", 2, 4, 3)])
+def test_makespan_is_the_issue_order_walked_with_each_action_waiting_for_its_rank_and_its_data(schedule, p, m, v):
+    # unequal times per rank, kind, chunk and micro-batch, and a send time: schedule_makespan's
+    # event-driven walk gives exactly the times of the issue order's recurrence
+    rng = random.Random(7)
+    times = {(r, k, j, c): rng.uniform(0.5, 2.0) for r in range(p) for k in "FB" for j in range(m) for c in range(v)}
+    duration = lambda r, a: times[(r, a.kind, a.micro_batch, a.chunk)]    # noqa: E731
+    acts = schedule_actions(schedule, p, m, v)
+    end, free = {}, [0.0] * p
+    for r, a, vs, src in issue_order(acts, v):
+        start = max(free[r], end[src] + 0.25 if src is not None else 0.0)
+        free[r] = end[(a.kind, a.micro_batch, vs)] = start + duration(r, a)
+    assert schedule_makespan(acts, v, duration, 0.25) == max(free)
+
+
+def test_a_schedule_that_waits_in_a_circle_is_reported():
+    # rank 0 waits for rank 1's backward of micro-batch 0, which comes after rank 1's forward that waits for rank 0's
+    circle = [[Action("B", 0, 0), Action("F", 0, 0)], [Action("F", 0, 0), Action("B", 0, 0)]]
+    for walk in (lambda: schedule_makespan(circle, 1, lambda r, a: 1.0), lambda: list(issue_order(circle, 1))):
+        with pytest.raises(ValueError, match=r"deadlocks: the ranks wait at actions \['B0.0', 'F0.0'\]"):
+            walk()
 
 
 def test_every_rank_runs_each_micro_batch_forward_and_backward_on_each_of_its_chunks_once():
@@ -110,7 +104,7 @@ def blocks(tmp_path_factory):
     import textwrap
 
     path = tmp_path_factory.mktemp("pp") / "blocks.py"
-    path.write_text(textwrap.dedent(BLOCKS))
+    path.write_text(textwrap.dedent(block_stack_source(1024, 8, rows=512, loss=True)))
     mf = load_model_file(path)
     return mf.trace("float32")
 

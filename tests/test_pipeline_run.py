@@ -19,18 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import check_and_audit_problems, run_ranks, step_batch
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def step_batch(inputs, k: int):
-    """``k`` micro-batches of the traced batch: the example batch rolled along its last dim by 0..k-1."""
-    from autoddl.trace import StepInputs
-
-    grow = lambda t: torch.cat([t.roll(i, dims=-1) for i in range(k)])  # noqa: E731
-    args, kwargs, targets = inputs.split([grow(t) for t in inputs])
-    return StepInputs(args, kwargs, targets if inputs.has_targets else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,14 +72,7 @@ def assert_matches(runs, results) -> None:
     for i, (mf, _, plan, _, predicted) in enumerate(runs):
         name = f"{plan.name} {plan.mesh} {plan.training.schedule} V={plan.training.virtual_stages}"
         errors, records = results[0][i]
-        bad = {k: v for k, v in errors.items() if not v <= 1e-4}
-        compared = {k.split("/", 1)[1] for k in errors if k.startswith("param/")}
-        if bad or compared != {fqn for fqn, _ in mf.model.named_parameters()}:
-            problems.append(f"{name}: errors above 1e-4 {bad}, compared {len(compared)} parameters")
-        got, want = Counter(records), Counter(predicted)
-        if got != want:
-            problems.append(f"{name}: ran, not predicted {sorted((got - want).items())}; predicted, not run "
-                            f"{sorted((want - got).items())}")
+        problems += check_and_audit_problems(name, mf.model, errors, records, predicted, 1e-4)
         if not any(kind == "send_recv" for kind, *_ in records):
             problems.append(f"{name}: no send/recv audited")
     assert not problems, "\n".join(problems)

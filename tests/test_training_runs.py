@@ -17,13 +17,12 @@ import dataclasses
 import functools
 import math
 import traceback
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import check_and_audit_problems, run_ranks, step_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("gpt", "llama")
@@ -36,19 +35,6 @@ SCHEMES = {(2,): ("dp", "zero1", "zero2", "zero3", "tp", "found"),
            (2, 2): ("dp", "zero1", "zero2", "zero3", "dp_tp", "found")}
 
 
-def step_batch(inputs, k: int):
-    """One optimizer step's batch: ``k`` micro-batches of the traced batch, each the example batch
-    rolled along its last dim by a different amount (token ids stay token ids)."""
-    from autoddl.trace import StepInputs
-
-    if k == 1:
-        return inputs
-    grow = lambda t: torch.cat([t.roll(i, dims=-1) for i in range(k)])  # noqa: E731
-    args, kwargs, targets = inputs.split([grow(t) for t in inputs])
-    return StepInputs(args, kwargs, targets if inputs.has_targets else None)
-
-
-@functools.lru_cache(maxsize=None)
 def cases(mesh: tuple[int, ...]):
     from autoddl.cluster import Cluster
     from autoddl.loader import load_model_file
@@ -117,14 +103,8 @@ def test_training_settings_match_one_process_and_the_program(mesh, setting):
             if failure:
                 problems.append(f"{model} {scheme} rank {rank} raised:\n{failure}")
                 break
-            compared = {k.split("/", 1)[1] for k in errors if k.startswith("param/")}
-            bad = {k: v for k, v in errors.items() if not v <= rtol}
-            if bad or compared != {fqn for fqn, _ in mf.model.named_parameters()}:
-                problems.append(f"{model} {scheme} rank {rank}: errors above {rtol}: {bad}")
-            got, want = Counter(records), Counter(predicted)
-            if got != want:
-                problems.append(f"{model} {scheme} rank {rank}: ran, not predicted {sorted((got - want).items())}; "
-                                f"predicted, not run {sorted((want - got).items())}")
+            problems += check_and_audit_problems(f"{model} {scheme} rank {rank}", mf.model, errors, records,
+                                                 predicted, rtol)
     assert not problems, "\n".join(problems)
 
 

@@ -1,7 +1,7 @@
 """The ``autoddl`` command line, the top layer: one module per command, over the API.
 
-Each command module (``autoddl.cli.trace``, ``plan`` for plan/compare/explain,
-``run``, ``calibrate``) only parses arguments and prints; the work is done by
+Each command module (``autoddl.cli.trace``, ``plan``, ``compare``, ``explain``,
+``run``, ``calibrate``, ``schedule``) only parses arguments and prints; the work is done by
 the API-level modules below it (``autoddl.api``, ``autoddl.runs``,
 ``autoddl.calibration``). A subcommand is registered with :func:`register`; its
 add function creates its parser (``subparsers.add_parser(name,
@@ -27,8 +27,8 @@ AddFn = Callable[["argparse._SubParsersAction"], None]
 
 SUBCOMMANDS: dict[str, AddFn] = {}
 # imported before parsing, for their @register
-COMMAND_MODULES: list[str] = ["autoddl.cli.trace", "autoddl.cli.plan", "autoddl.cli.run", "autoddl.cli.calibrate",
-                              "autoddl.cli.schedule"]
+COMMAND_MODULES: list[str] = ["autoddl.cli.trace", "autoddl.cli.plan", "autoddl.cli.compare", "autoddl.cli.explain",
+                              "autoddl.cli.run", "autoddl.cli.calibrate", "autoddl.cli.schedule"]
 # Failures that are the user's input, reported in one line; command modules may append their own.
 EXPECTED_ERRORS: list[type[BaseException]] = [ModelFileError, TraceError, FileNotFoundError, ValueError]
 

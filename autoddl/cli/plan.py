@@ -1,4 +1,9 @@
-"""``autoddl plan``, ``autoddl compare`` and ``autoddl explain``: the planner on the command line.
+"""``autoddl plan``: the planner on the command line, and the search every planning command shares.
+
+Beside it: ``compare`` (autoddl/cli/compare.py), ``explain`` (explain.py), the tables
+(plan_tables.py), ``--pipeline``'s 3-D search (plan_pipeline.py), the trainers' ``--emit`` and
+``--from-*`` (plan_trainers.py). Here: the options, the model's traces (through the trace cache)
+and the search they all run.
 
 Training settings (``--precision``, ``--reduce-dtype``, ``--recompute``, ``--bucket-mb``, the batch
 sizes) go into the ``Training`` every plan carries; the model is traced under ``--precision`` at the
@@ -11,43 +16,31 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
-import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-import pandas as pd
-
 from autoddl import trace_cache
-from autoddl.api import schemes_frame
-from autoddl.boxing import group_name
-from autoddl.cli import EXPECTED_ERRORS, add_model_options, common_options, model_overrides, register, table
+from autoddl.cli import EXPECTED_ERRORS, add_model_options, common_options, model_overrides, register
+from autoddl.cli.plan_pipeline import search_pipeline
+from autoddl.cli.plan_tables import plan_line, print_schemes
 from autoddl.cluster import DEFAULT_CLUSTER_PATH, Cluster
-from autoddl.graph import NodeKind, OpGraph
-from autoddl.loader import ModelFile, ModelFileError, load_for_plan, load_model_file
-from autoddl.offload import SPILL_LEVELS
+from autoddl.graph import OpGraph
+from autoddl.loader import ModelFile, ModelFileError, load_model_file
 from autoddl.ops import coverage_report
 from autoddl.plan import Mesh, Plan
 from autoddl.rebatch import at_batch
-from autoddl.training import (DEFAULT_BUCKET_MB, DTYPES, OFFLOAD_CHOICES, RECOMPUTE_CHOICES, RECOMPUTE_POLICIES,
-                              SCHEDULES, Training)
-from search.pipeline_search import FULL_PRICES, best_fitting, search_3d
-from search.planner import (SCHEMES, Scheme, SearchOutcome, data_parallel_degree, degrees_spec, inner_tp_plan,
-                            parse_degrees, price_degrees, recompute_blocks, resolve_cluster, search)
+from autoddl.training import DEFAULT_BUCKET_MB, DTYPES, OFFLOAD_CHOICES, RECOMPUTE_CHOICES, SCHEDULES, Training
+from search.planner import (SCHEMES, Scheme, SearchOutcome, data_parallel_degree, degrees_spec, parse_degrees,
+                            price_degrees, resolve_cluster, search)
 from search.problem import NoFeasiblePlanError
 
 EXPECTED_ERRORS.append(NoFeasiblePlanError)
 
 PRECISIONS = tuple(DTYPES)                     # fp32, bf16, fp16
-VARIANT_PRECISIONS = ("fp32", "bf16")          # compare --variants: precision x recompute
-VARIANT_RECOMPUTE = RECOMPUTE_POLICIES         # none, selective, full
-FIT_RETRIES = 3                                # --pipeline: estimates priced in full after the best, while none fits
-NO_LIMIT_GB = 1e9                              # a variant nothing fits in is shown searched without a limit
 
 
 def _add_search_options(p: argparse.ArgumentParser) -> None:
@@ -104,29 +97,6 @@ def training_of(args: argparse.Namespace) -> Training:
                     recompute=args.recompute, offload=getattr(args, "offload", "none"))
 
 
-def step_batch(micro_batch: int | None, global_batch: int | None, dp_degree: int) -> tuple[int | None, int]:
-    """(the traced micro-step's batch M x D, micro-steps G / (M x D)) for data-parallel degree D;
-    (None, 1) without the flags: the model file's own batch, one micro-step. Only G: M = G / D."""
-    for flag, value in (("--micro-batch-size", micro_batch), ("--global-batch-size", global_batch)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} {value}: must be a positive number of samples")
-    if micro_batch is None and global_batch is None:
-        return None, 1
-    if micro_batch is None:
-        if global_batch % dp_degree:
-            raise ValueError(f"--global-batch-size {global_batch} does not split over the data-parallel degree "
-                             f"{dp_degree}; give a multiple of {dp_degree}, or --micro-batch-size too")
-        return global_batch, 1
-    batch = micro_batch * dp_degree
-    if global_batch is None:
-        return batch, 1
-    if global_batch % batch:
-        raise ValueError(f"--global-batch-size {global_batch} / (--micro-batch-size {micro_batch} x data-parallel "
-                         f"degree {dp_degree} = {batch}) = {global_batch / batch:g} micro-steps, not a positive "
-                         f"integer; give a global batch that is a multiple of {batch}")
-    return batch, global_batch // batch
-
-
 @dataclass
 class Planned:
     """What `plan` / `compare` computed: the search's outcome and the --degrees configuration."""
@@ -151,6 +121,29 @@ class Planned:
     def schemes(self) -> list[Scheme]:
         return (list(self.outcome.schemes) if self.outcome else []) + ([self.given] if self.given else []) + \
             list(self.extra)
+
+
+def step_batch(micro_batch: int | None, global_batch: int | None, dp_degree: int) -> tuple[int | None, int]:
+    """(the traced micro-step's batch M x D, micro-steps G / (M x D)) for data-parallel degree D;
+    (None, 1) without the flags: the model file's own batch, one micro-step. Only G: M = G / D."""
+    for flag, value in (("--micro-batch-size", micro_batch), ("--global-batch-size", global_batch)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be a positive number of samples")
+    if micro_batch is None and global_batch is None:
+        return None, 1
+    if micro_batch is None:
+        if global_batch % dp_degree:
+            raise ValueError(f"--global-batch-size {global_batch} does not split over the data-parallel degree "
+                             f"{dp_degree}; give a multiple of {dp_degree}, or --micro-batch-size too")
+        return global_batch, 1
+    batch = micro_batch * dp_degree
+    if global_batch is None:
+        return batch, 1
+    if global_batch % batch:
+        raise ValueError(f"--global-batch-size {global_batch} / (--micro-batch-size {micro_batch} x data-parallel "
+                         f"degree {dp_degree} = {batch}) = {global_batch / batch:g} micro-steps, not a positive "
+                         f"integer; give a global batch that is a multiple of {batch}")
+    return batch, global_batch // batch
 
 
 class _Tracer:
@@ -264,7 +257,7 @@ def _search(args: argparse.Namespace, progress, training: Training | None = None
         _provenance(given_scheme, args, overrides, batch2, tracer)
         graph = graph or g2
     if args.pipeline:
-        given_scheme, g3, batch3 = _search_pipeline(args, tracer, planned, training, progress)
+        given_scheme, g3, batch3 = search_pipeline(args, tracer, planned, training, progress)
         _provenance(given_scheme, args, overrides, batch3, tracer)
         graph = graph or g3
     return Planned(tracer, cluster, planned, outcome, given_scheme, graph, tracer.seconds, error, tracer.graphs)
@@ -280,130 +273,7 @@ def _degrees_pricer(args: argparse.Namespace, planned: Cluster, degrees: list[tu
     return price
 
 
-def _search_pipeline(args: argparse.Namespace, tracer: "_Tracer", planned: Cluster, training: Training, progress
-                     ) -> tuple[Scheme, OpGraph, int]:
-    """search/pipeline_search.py's 3-D search; the best fast estimates priced by the full cost model."""
-    limit = (args.memory_gb or planned.device.memory_gb) * 1e9
-    sizes = (args.micro_batch_size,) if args.micro_batch_size else (1, 2)
-    estimates = search_3d(lambda batch: tracer.at(batch, training.param_dtype),
-                          lambda g, tp, tr: inner_tp_plan(g, planned, tp, tr, args.optimizer),
-                          planned, training, args.global_batch_size, limit, sizes, progress)
-    best = best_fitting(estimates, limit, k=FULL_PRICES + FIT_RETRIES)
-    if not best:
-        least = min((e.memory_bytes for e in estimates), default=math.inf)
-        raise NoFeasiblePlanError(least, limit)
-    priced = []
-    for e in best:          # the fastest FULL_PRICES; further ones only while the full price does not fit
-        if len(priced) >= FULL_PRICES and any(p[0].breakdown.fits_memory for p in priced):
-            break
-        dp = e.degrees[1][1]
-        graph = tracer.at(e.micro_batch_size * dp, training.param_dtype)
-        tr = dataclasses.replace(training, recompute=e.recompute,
-                                 micro_batches=args.global_batch_size // (e.micro_batch_size * dp))
-        scheme = price_degrees(graph, planned, e.degrees, model_name=graph.model_name, memory_gb=args.memory_gb,
-                               optimizer=args.optimizer, training=tr, schedule=e.schedule,
-                               virtual_stages=e.virtual_stages)
-        bd = scheme.breakdown
-        progress(f"3-D search: {e.text}: estimated {e.step_time_s:.3f} s, {e.memory_bytes / 1e9:.1f} GB; priced "
-                 f"{scheme.step_time_s:.3f} s, {bd.memory_bytes_per_device / 1e9:.1f} GB"
-                 + ("" if bd.fits_memory else " (does not fit: pricing the next estimate)"))
-        priced.append((scheme, graph, e.micro_batch_size * dp))
-    fits = [p for p in priced if p[0].breakdown.fits_memory] or priced
-    return min(fits, key=lambda p: p[0].step_time_s)
-
-
 # -- tables ---------------------------------------------------------------------------------------
-
-MEMORY_PARTS = {            # --memory-breakdown column -> costmodel/memory.py categories
-    "params GB": ("parameters", "working_params", "gathered_params"),
-    "grads GB": ("gradients",),
-    "optim GB": ("optimizer_states",),
-    "activ GB": ("activations", "recomputed"),
-    "spilled GB": ("spilled_params", "spilled_grads", "spilled_acts"),
-    "other GB": ("buffers", "boxing_buffer"),
-}
-
-
-def _recompute_label(plan: Plan, graph: OpGraph | None) -> str:
-    """``none`` / ``selective`` / ``full`` / ``30 sel + 2 full`` of the plan's blocks."""
-    blocks = recompute_blocks(graph) if graph is not None else list(plan.training.recompute_blocks)
-    policies = [plan.training.recompute_of(b) for b in blocks]
-    if not policies or all(p == "none" for p in policies):
-        return "none"
-    if len(set(policies)) == 1:
-        return policies[0]
-    counts = {p: policies.count(p) for p in ("selective", "full") if p in policies}
-    return " + ".join(f"{n} {'sel' if p == 'selective' else p}" for p, n in counts.items())
-
-
-def _rate_column(schemes: list[Scheme]) -> str:
-    costs = [s.plan.cost for s in schemes if s.plan is not None and s.plan.cost is not None]
-    return "tok/s/dev" if any(c.tokens_per_s is not None for c in costs) else "samples/s/dev"
-
-
-def _rate(plan: Plan) -> str:
-    c = plan.cost
-    rate = c.tokens_per_s if c.tokens_per_s is not None else c.samples_per_s
-    return f"{rate / plan.devices:,.0f}" if rate is not None else "-"
-
-
-def _memory_cells(bd, breakdown: bool) -> tuple[str, ...]:
-    if not breakdown:
-        return (f"{bd.memory_bytes_per_device / 1e9:.3f}",)
-    return tuple(f"{sum(bd.memory.get(c, 0) for c in cats) / 1e9:.3f}" for cats in MEMORY_PARTS.values()) + \
-        (f"{bd.memory_bytes_per_device / 1e9:.3f}",)
-
-
-def _memory_header(breakdown: bool) -> tuple[str, ...]:
-    return tuple(MEMORY_PARTS) + ("memory GB",) if breakdown else ("memory GB",)
-
-
-def _print_schemes(schemes: list[Scheme], graphs: dict[str, OpGraph | None], breakdown: bool = False) -> None:
-    """One row per scheme: step time, its parts, recompute (when any), throughput, memory."""
-    rows, skipped = [], []
-    show_recompute = any(s.plan is not None and _recompute_label(s.plan, graphs.get(s.name)) != "none"
-                         for s in schemes)
-    show_bubble = any(s.plan is not None and s.breakdown.bubble_s > 0 for s in schemes)
-    show_offload = any(s.plan is not None and s.plan.training.offload_level != "none" for s in schemes)
-    for s in schemes:
-        if s.plan is None:
-            skipped.append(f"{s.name}: not applicable: {s.reason}")
-            continue
-        bd, c = s.breakdown, s.plan.cost
-        rows.append((s.name, str(s.plan.mesh), f"{bd.step_time_s * 1e3:.3f}", f"{bd.compute_s * 1e3:.3f}",
-                     f"{(bd.boxing_forward_s + bd.boxing_backward_s) * 1e3:.3f}", f"{bd.grad_sync_s * 1e3:.3f}",
-                     f"{bd.optimizer_s * 1e3:.3f}")
-                    + ((f"{bd.bubble_s * 1e3:.3f}",) if show_bubble else ())
-                    + ((_recompute_label(s.plan, graphs.get(s.name)),) if show_recompute else ())
-                    + (_offload_cells(s) if show_offload else ())
-                    + (_rate(s.plan), f"{c.model_tflops_per_device:.1f}" if c.model_tflops_per_device else "-")
-                    + _memory_cells(bd, breakdown) + ("yes" if bd.fits_memory else "NO",))
-    header = (("scheme", "mesh", "step ms", "compute ms", "boxing ms", "grad sync ms", "optimizer ms")
-              + (("bubble ms",) if show_bubble else ()) + (("recompute",) if show_recompute else ())
-              + (OFFLOAD_HEADER if show_offload else ()) + (_rate_column(schemes), "TFLOP/s/dev")
-              + _memory_header(breakdown) + ("fits",))
-    numeric = [i for i, h in enumerate(header) if h not in ("scheme", "mesh", "recompute", "fits") + OFFLOAD_HEADER]
-    print(table(header, rows, numeric=numeric))
-    for line in skipped:
-        print(line)
-
-
-OFFLOAD_HEADER = ("offload", "copies ms", "vs no offload", "host GB")
-
-
-def _offload_cells(s: Scheme) -> tuple[str, ...]:
-    """What a scheme spills, its host copies' time, its step against the same plan without offload
-    (``does not fit`` there when it needs the offload), the host memory it uses per device."""
-    level = s.plan.training.offload_level
-    if level == "none":
-        return ("none", "-", "-", "-")
-    ratio = (f"{s.step_time_s / s.no_offload_s:.2f}x" if s.no_offload_s else "-") + \
-        ("" if s.no_offload_fits else " (does not fit without)")
-    blocks = s.plan.training.spill_blocks
-    if level in SPILL_LEVELS:
-        level += f" ({len(blocks)} blocks)" if blocks else " (all)"
-    return (level, f"{s.breakdown.offload_s * 1e3:.3f}", ratio, f"{s.breakdown.host_memory_bytes / 1e9:.3f}")
-
 
 def _graphs_by_scheme(result: Planned) -> dict[str, OpGraph | None]:
     out: dict[str, OpGraph | None] = {s.name: result.graph for s in (result.outcome.schemes if result.outcome else [])}
@@ -431,19 +301,6 @@ def _training_line(training: Training, result: Planned, args: argparse.Namespace
         except ModelFileError:
             text += ", the model file's batch, 1 micro-step"
     return text
-
-
-def _plan_line(label: str, plan: Plan, bd) -> str:
-    c = plan.cost
-    line = (f"{label}: mesh {plan.mesh}, predicted {bd.step_time_s * 1e3:.3f} ms per step, "
-            f"{bd.memory_bytes_per_device / 1e9:.3f} GB per device")
-    if c.tokens_per_s is not None:
-        line += f", {c.tokens_per_s / plan.devices:,.0f} tokens/s per device"
-    elif c.samples_per_s is not None:
-        line += f", {c.samples_per_s / plan.devices:,.1f} samples/s per device"
-    if c.model_tflops_per_device:
-        line += f", {c.model_tflops_per_device:.1f} model TFLOP/s per device"
-    return line + ("" if bd.fits_memory else " (does NOT fit)")
 
 
 @register
@@ -479,11 +336,11 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"searched: meshes {', '.join('x'.join(map(str, m)) for m in outcome.meshes)} "
               f"in {outcome.search_s:.2f} s")
     print()
-    _print_schemes(result.schemes, _graphs_by_scheme(result), args.memory_breakdown)
+    print_schemes(result.schemes, _graphs_by_scheme(result), args.memory_breakdown)
     print()
     if outcome is not None:
         found, bd = outcome.found, outcome.found_breakdown
-        line = _plan_line("found plan", found, bd)
+        line = plan_line("found plan", found, bd)
         best = outcome.best_baseline
         if best is not None:
             line += f"; {best.step_time_s / bd.step_time_s:.2f}x the speed of the best baseline " \
@@ -494,7 +351,7 @@ def run_plan(args: argparse.Namespace) -> int:
     elif result.search_error:
         print(f"search: {result.search_error}")
     if given is not None:
-        line = _plan_line(f"given {given.name}", given.plan, given.breakdown)
+        line = plan_line(f"given {given.name}", given.plan, given.breakdown)
         if outcome is not None:
             line += f"; the found plan is {given.step_time_s / outcome.found_breakdown.step_time_s:.2f}x its speed"
         print(line)
@@ -532,258 +389,3 @@ def _print_next(path: str, plan: Plan, cluster: Cluster) -> None:
         ranks = (f"--nproc {cluster.devices_per_node} --nnodes {plan.devices // cluster.devices_per_node} "
                  "--node-rank R --master-addr NODE0 --master-port 29500")
     print(f"  autoddl run {path} {ranks}{backend} --check --reference ddp   # run it, check it, time it beside DDP")
-
-
-@register
-def add_compare(subparsers) -> None:
-    p = subparsers.add_parser("compare", parents=[common_options()],
-                              help="every scheme's predicted breakdown, as a table and a chart")
-    _add_search_options(p)
-    p.add_argument("--variants", action="store_true",
-                   help="also each precision x recompute variant (fp32/bf16 x none/selective/full) of the found "
-                        "plan and the baselines: step time and memory")
-    p.add_argument("--plot", metavar="PNG", help="write a stacked bar chart of the breakdowns")
-    p.add_argument("--csv", metavar="CSV", help="write the table as CSV")
-    p.set_defaults(func=run_compare)
-
-
-def _frame(schemes: list[Scheme]) -> pd.DataFrame:
-    """schemes_frame's columns, plus throughput and the memory categories (GB)."""
-    df = schemes_frame(SearchOutcome(None, None, schemes, [], 0.0))
-    extra = []
-    for s in schemes:
-        row: dict = {}
-        if s.plan is not None and s.plan.cost is not None:
-            c = s.plan.cost
-            row = {"tokens_per_s": c.tokens_per_s, "samples_per_s": c.samples_per_s,
-                   "model_tflops_per_device": c.model_tflops_per_device,
-                   "precision": s.plan.training.param_dtype, "recompute": _recompute_label(s.plan, None),
-                   "micro_batches": s.plan.training.micro_batches}
-            row.update({name.replace(" GB", "_gb"): sum(s.breakdown.memory.get(k, 0) for k in cats) / 1e9
-                        for name, cats in MEMORY_PARTS.items()})
-        extra.append(row)
-    return pd.concat([df, pd.DataFrame(extra)], axis=1)
-
-
-def run_compare(args: argparse.Namespace) -> int:
-    if args.variants:
-        return _run_variants(args)
-    result = _search(args, progress=None)
-    print(f"{result.tracer.name} on {result.cluster.name}:")
-    _print_schemes(result.schemes, _graphs_by_scheme(result), args.memory_breakdown)
-    if result.search_error:
-        print(f"search: {result.search_error}")
-    df = _frame(result.schemes)
-    _write_outputs(args, df, f"{result.tracer.name} on {result.cluster.name}")
-    return 0
-
-
-def _write_outputs(args: argparse.Namespace, df: pd.DataFrame, title: str) -> None:
-    if args.csv:
-        df.to_csv(args.csv, index=False)
-        print(f"wrote {args.csv}")
-    if args.plot:
-        from autoddl.charts import breakdown_chart
-
-        breakdown_chart(df, title, args.plot)
-        print(f"wrote {args.plot}")
-
-
-def _run_variants(args: argparse.Namespace) -> int:
-    """Each precision x recompute variant: the search (found plan and baselines) under it. A variant
-    in which nothing fits is searched without the limit, to show what it would need."""
-    tracer = _Tracer(args)
-    frames, rows = [], []
-    title = ""
-    for precision in VARIANT_PRECISIONS:
-        for recompute in VARIANT_RECOMPUTE:
-            label = f"{precision}/{recompute}"
-            training = dataclasses.replace(training_of(args), param_dtype=precision, recompute=recompute)
-            try:
-                result = _search(args, progress=None, training=training, tracer=tracer)
-                note = ""
-            except NoFeasiblePlanError as exc:
-                unlimited = argparse.Namespace(**{**vars(args), "memory_gb": NO_LIMIT_GB})
-                result = _search(unlimited, progress=None, training=training, tracer=tracer)
-                limit = exc.memory_limit_bytes
-                for s in result.schemes:
-                    if s.breakdown is not None:
-                        s.breakdown.memory_limit_bytes = int(limit)
-                note = "nothing fits: searched without the memory limit"
-            title = f"{result.tracer.name} on {result.cluster.name}"
-            for s in result.schemes:
-                if s.plan is None:
-                    continue
-                bd = s.breakdown
-                rows.append((label, s.name + (" *" if note and s.name == "found" else ""), str(s.plan.mesh),
-                             f"{bd.step_time_s * 1e3:.3f}", _rate(s.plan))
-                            + _memory_cells(bd, args.memory_breakdown) + ("yes" if bd.fits_memory else "NO",))
-            df = _frame(result.schemes)
-            df.insert(0, "variant", label)
-            frames.append(df)
-    header = ("variant", "scheme", "mesh", "step ms", _rate_column(result.schemes)) + \
-        _memory_header(args.memory_breakdown) + ("fits",)
-    numeric = [i for i, h in enumerate(header) if h not in ("variant", "scheme", "mesh", "fits")]
-    print(f"{title}: precision x recompute variants")
-    print(table(header, rows, numeric=numeric))
-    if any(r[1].endswith(" *") for r in rows):
-        print("* nothing fits this variant's memory limit: the plan shown was searched without it")
-    df = pd.concat(frames, ignore_index=True)
-    plot = df.assign(scheme=df["variant"] + " " + df["scheme"])
-    if args.csv:
-        df.to_csv(args.csv, index=False)
-        print(f"wrote {args.csv}")
-    if args.plot:
-        from autoddl.charts import breakdown_chart
-
-        breakdown_chart(plot, f"{title}: precision x recompute", args.plot)
-        print(f"wrote {args.plot}")
-    return 0
-
-
-@register
-def add_explain(subparsers) -> None:
-    p = subparsers.add_parser("explain", parents=[common_options()],
-                              help="why each op got its signature, and which collectives the plan inserts")
-    p.add_argument("plan_json", metavar="PLAN_JSON")
-    p.add_argument("--op", metavar="NAME", help="explain only the ops matching NAME: an op name (linear_3), a module "
-                   "path (transformer.h.0.mlp) or a parameter name (transformer.h.0.mlp.c_fc.weight)")
-    p.add_argument("--wide", action="store_true", help="every cell in full (default: fit a 100-column terminal)")
-    p.add_argument("--trace", metavar="JSON", help="write the simulated step as a Chrome-trace / Perfetto JSON "
-                   "(one track per stream per rank; open it in ui.perfetto.dev or chrome://tracing)")
-    p.set_defaults(func=run_explain)
-
-
-ROLE_WORDS = {"pp": "pipeline stages", "dp": "data parallel", "fsdp": "ZeRO-3 / FSDP", "tp": "tensor parallel", "sp": "sequence parallel",
-              "rep": "replicated"}
-NARROW = {"op": 16, "signature": 30, "runner-up": 10, "weight layouts": 18, "collectives": 18}  # 100 wide
-SHORT_PHASE = {"forward": "fwd", "backward": "bwd", "grad_sync": "sync", "optimizer": "opt"}
-SHORT_KIND = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A", "broadcast": "BC",
-              "send_recv": "P2P"}
-
-
-def plan_in_words(plan: Plan) -> str:
-    """``data parallel over 2, tensor parallel over 4``: the mesh axes by role."""
-    return ", ".join(f"{ROLE_WORDS.get(name.rstrip('0123456789'), name)} over {n}"
-                     for name, n in zip(plan.mesh.axis_names, plan.mesh.shape))
-
-
-def run_explain(args: argparse.Namespace) -> int:
-    from autoddl.program import lower
-    from search.formulate import formulate
-
-    plan = Plan.load(args.plan_json)
-    name, graph = _traced_for(plan, args.plan_json)
-    cluster = Cluster.from_yaml(plan.cluster_file or DEFAULT_CLUSTER_PATH).resized(plan.mesh.size)
-    form = formulate(graph, cluster, plan.mesh.shape, optimizer=plan.optimizer, training=plan.training)
-    picked = [i for i, n in enumerate(form.nodes) if n.kind is NodeKind.OP and (not args.op or _matches(n, args.op))]
-    if args.op and not picked:
-        raise ValueError(f"--op {args.op}: no op, module path or parameter of {name} is called that; see "
-                         f"`autoddl trace {plan.model}` for the op names and module paths")
-    program = lower(graph, plan)
-    rows = _explain_rows(form, _assignment_of(plan, form), picked, plan, graph, program, wide=args.wide)
-    width = None if args.wide else 100
-    say = print if args.wide else (lambda text: print(textwrap.fill(text, width)))
-    say(f"{plan_in_words(plan)}: {plan} ({plan.devices} devices, cluster {cluster.name})")
-    if plan.cost is not None:
-        c = plan.cost
-        say(f"predicted step {c.step_time_s * 1e3:.3f} ms: compute {c.compute_s * 1e3:.3f}, communication "
-            f"{c.comm_s * 1e3:.3f} of which {c.exposed_comm_s * 1e3:.3f} not overlapped, optimizer "
-            f"{c.optimizer_s * 1e3:.3f}; {c.memory_bytes_per_device / 1e9:.3f} GB per device")
-    header = tuple(NARROW)       # weight layouts: each parameter's storage -> the layout the op uses it in
-    print(table(header, [tuple(_clip(c, NARROW[h], args.wide) for h, c in zip(header, r)) for r in rows],
-                numeric=(2,)))
-    if not args.wide:
-        print("(cells cut to fit 100 columns: --wide shows them whole)")
-    if args.trace:
-        _write_trace(args.trace, graph, plan, program, cluster)
-    return 0
-
-
-def _traced_for(plan: Plan, path: str):
-    """The model file the plan was made for, traced; refuses a graph the plan was not made for."""
-    if not plan.model:
-        raise ValueError(f"{path}: the plan names no model file; re-run `autoddl plan MODEL_PY`")
-    dtype = plan.training.param_dtype
-    if os.path.isfile(plan.model):
-        graph = trace_cache.traced(plan.model, plan.model_args, plan.batch_size, dtype,
-                                   lambda: load_for_plan(plan).trace(dtype), _say)
-    else:                                              # load_for_plan says what is wrong with it
-        graph = load_for_plan(plan).trace(dtype)
-    if graph.fingerprint() != plan.graph_hash:
-        raise ValueError(f"{path} was made for another graph of {plan.model} (hash {plan.graph_hash}, "
-                         f"now {graph.fingerprint()}); re-run `autoddl plan`")
-    return Path(plan.model).stem, graph
-
-
-def _matches(node, name: str) -> bool:
-    """``name`` is the op, its module (or a module above it) or one of the parameters it reads."""
-    path = node.module_path
-    return name == node.name or name in node.params or path == name or path.startswith(name + ".")
-
-
-def _explain_rows(form, assignment: np.ndarray, picked: list[int], plan: Plan, graph, program,
-                  wide: bool) -> list[tuple[str, ...]]:
-    by_op: dict[str, list[str]] = {}
-    for t in program.collectives():
-        text = (f"{t.phase} {t.collective.value} axis {group_name(t.axis)} {t.nbytes / 1e6:.3f} MB ({t.tensor})" if wide
-                else f"{SHORT_PHASE[t.phase]} {SHORT_KIND[t.collective.value]} {t.nbytes / 1e6:.2f}MB")
-        by_op.setdefault(t.op, []).append(text)
-    rows = []
-    for i in picked:
-        node = form.nodes[i]
-        local = _local_costs(form, assignment, i)
-        chosen = assignment[i]
-        runner = next((int(j) for j in np.argsort(local) if j != chosen), None)
-        extra = f"+{(local[runner] - local[chosen]) * 1e6:.1f} us" if runner is not None else "only"
-        sig = form.problem.choices[i][chosen]
-        weights = [f"{graph[r.node].target}: {plan.param_storage[graph[r.node].target]} -> {sig.inputs[slot]}"
-                   if wide else f"{plan.param_storage[graph[r.node].target]}->{sig.inputs[slot]}"
-                   for slot, r in enumerate(node.inputs) if graph[r.node].kind is NodeKind.PARAMETER]
-        weights = weights if wide else list(dict.fromkeys(weights))
-        name = f"{node.name} ({node.module_path})" if wide and node.module_path else node.name
-        rows.append((name, str(sig), extra, " ".join(weights) or "-", "; ".join(by_op.get(node.name, [])) or "-"))
-    return rows
-
-
-def _clip(text: str, width: int, wide: bool) -> str:
-    return text if wide or len(text) <= width else text[: width - 1] + "~"
-
-
-def _write_trace(path: str, graph, plan: Plan, program, cluster: Cluster) -> None:
-    import json
-
-    from autoddl.atomic import write_text_atomic
-    from costmodel.simulate import bubble_s, chrome_trace, simulate
-
-    timeline = simulate(program, graph, plan, cluster)
-    write_text_atomic(path, json.dumps(chrome_trace(timeline, ranks=min(plan.devices, 8))))
-    bubble = bubble_s(timeline, program)
-    print(f"wrote {path}: the simulated step, {timeline.step_time_s * 1e3:.3f} ms "
-          f"({max(0.0, timeline.exposed_comm_s - bubble) * 1e3:.3f} ms communication not overlapped"
-          + (f", {bubble * 1e3:.3f} ms pipeline bubble)" if program.pipeline is not None else ")"))
-
-
-def _assignment_of(plan: Plan, form) -> np.ndarray:
-    out = np.zeros(len(form.nodes), dtype=np.int64)
-    for i, node in enumerate(form.nodes):
-        want = (plan.signatures.get(node.name) if node.kind is not NodeKind.PARAMETER
-                else next((s for s in form.problem.choices[i] if s.outputs[0] == plan.param_storage[node.target]),
-                          None))
-        choices = form.problem.choices[i]
-        if want not in choices:
-            raise ValueError(f"plan signature {want} of {node.name} is not a candidate on mesh {plan.mesh}")
-        out[i] = choices.index(want)
-    return out
-
-
-def _local_costs(form, assignment: np.ndarray, i: int) -> np.ndarray:
-    """Node i's cost for each of its candidates with every neighbour held at the plan's choice."""
-    p = form.problem
-    total = p.node_cost[i].copy()
-    for u, v, mat in p.edges:
-        if v == i:
-            total += mat[assignment[u], :]
-        elif u == i:
-            total += mat[:, assignment[v]]
-    return total
