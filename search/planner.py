@@ -286,12 +286,15 @@ def fit_recompute(graph: OpGraph, plan: Plan, cluster: Cluster, limit: float,
 
 
 def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tuple[int, ...] | None = None,
-           memory_gb: float | None = None, optimizer: str = "adamw", cd_time_limit_s: float = 1.0,
+           memory_gb: float | None = None, optimizer: str = "adamw", cd_time_limit_s: float | None = None,
            progress: Callable[[str], None] | None = None, training: Training | None = None,
            tie_blocks: bool = True) -> SearchOutcome:
     """Search every mesh; return the found plan and each baseline, all priced by the full cost model
     and all carrying ``training`` (module docstring; ``recompute="auto"`` chooses per block).
-    ``tie_blocks``: search repeated blocks once, each given the first's choices (search/tied.py)."""
+    ``tie_blocks``: search repeated blocks once, each given the first's choices (search/tied.py).
+    ``cd_time_limit_s``: None (default) bounds coordinate descent by its work alone (restarts and
+    sweeps: search/coordinate_descent.py), so the same inputs give the same plan on any machine,
+    loaded or not; a number also stops its restarts on the clock (the plan then depends on speed)."""
     training = training or Training()
     if training.offload != "none":            # spilling to host memory: search/offload.py
         from search.offload import offload_search
@@ -321,7 +324,7 @@ class _Search:
     choice among the candidates (:meth:`choose`)."""
 
     def __init__(self, graph: OpGraph, cluster: Cluster, model_name: str, mesh: tuple[int, ...] | None,
-                 limit: float, optimizer: str, cd_time_limit_s: float, say: Callable[[str], None],
+                 limit: float, optimizer: str, cd_time_limit_s: float | None, say: Callable[[str], None],
                  training: Training, tie_blocks: bool):
         self.graph, self.cluster, self.model_name, self.mesh, self.limit = graph, cluster, model_name, mesh, limit
         self.optimizer, self.cd_time_limit_s, self.say = optimizer, cd_time_limit_s, say

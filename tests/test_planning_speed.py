@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import search.baselines as baselines
+import search.coordinate_descent as cd_module
 from autoddl.cluster import Cluster
 from autoddl.graph import TensorMeta
 from autoddl.loader import load_model_file
@@ -101,3 +102,35 @@ def test_unpickled_metas_and_layouts_hash_as_fresh_ones():
     assert meta == fresh_meta and hash(meta) == hash(fresh_meta) and {fresh_meta: 1}[meta] == 1
     assert sig == fresh_sig and hash(sig) == hash(fresh_sig) and {fresh_sig: 1}[sig] == 1
     assert hash(sig.inputs[0]) == hash(NdSbp.parse("[S(0)]"))
+
+
+def _slow_clock(monkeypatch) -> None:
+    """Every reading of ``time.perf_counter`` 100 s after the one before: a machine so loaded that
+    any clock bound is reached at once."""
+    ticks = itertools.count(0.0, 100.0)
+    monkeypatch.setattr(cd_module.time, "perf_counter", lambda: next(ticks))
+
+
+def _decisions(plan) -> tuple:
+    return (tuple(plan.mesh.shape), sorted((k, str(v)) for k, v in plan.signatures.items()),
+            sorted((k, str(v)) for k, v in plan.param_storage.items()))
+
+
+def test_the_found_plan_does_not_depend_on_the_clock(monkeypatch):
+    """By default coordinate descent is bounded by its work, not the clock: llama tiny on local-cpu's
+    2x2 (the case a loaded CI machine planned differently when the descent's restarts had a 1 s
+    bound) gets the same plan when every clock reading is 100 s later than the last. With a clock
+    bound the restarts stop at once, so the bound really is what this test removes."""
+    local = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml").resized(4)
+    graph = load_model_file(ROOT / "examples" / "llama.py", preset="tiny").trace("float32")
+    calm = search(graph, local, mesh=(2, 2)).found
+    restarts = []
+    perturb = cd_module._Descent._perturb
+    monkeypatch.setattr(cd_module._Descent, "_perturb", lambda self, *a: restarts.append(1) or perturb(self, *a))
+    with monkeypatch.context() as m:
+        _slow_clock(m)
+        loaded = search(graph, local, mesh=(2, 2)).found
+        unbounded, restarts[:] = len(restarts), []
+        search(graph, local, mesh=(2, 2), cd_time_limit_s=1.0)
+    assert _decisions(loaded) == _decisions(calm)
+    assert unbounded > 0 and not restarts          # a clock bound would have cut every restart
