@@ -32,7 +32,7 @@ AUTO_TIERS = (("optimizer",), SPILL_LEVELS)   # tried in turn; within a tier the
 def offload_search(graph: OpGraph, cluster: Cluster, search_fn: Callable, *, training: Training,
                    memory_gb: float | None = None, **kw):
     """``search.planner.search`` under ``training.offload`` (module docstring); a SearchOutcome."""
-    from search.planner import Scheme, SearchOutcome, fit_recompute, gb, price, recompute_levels
+    from search.planner import Scheme, SearchOutcome, gb
 
     t0 = time.perf_counter()
     request, plain = training.offload, dataclasses.replace(training, offload="none")
@@ -51,26 +51,7 @@ def offload_search(graph: OpGraph, cluster: Cluster, search_fn: Callable, *, tra
     free = search_fn(graph, cluster, training=plain, memory_gb=UNLIMITED_GB, **kw)
 
     def spilled(scheme, level: str):
-        if scheme.plan is None:
-            return scheme
-        plan = with_offload(scheme.plan, level)
-        try:
-            check_offload(graph, plan)
-        except ValueError as exc:
-            return Scheme(scheme.name, None, None, str(exc))
-        if level in SPILL_LEVELS:
-            plan = fewest_blocks(graph, plan, cluster, limit)
-        if training.recompute == "auto":
-            plan, bd = fit_recompute(graph, plan, cluster, limit, recompute_levels(graph, training))
-            try:
-                check_runnable_offload(graph, plan)
-            except ValueError as exc:
-                return Scheme(scheme.name, None, None, str(exc))
-        else:
-            bd = price(graph, plan, cluster, limit)
-        plain_bd = scheme.breakdown
-        return Scheme(scheme.name, plan, bd, no_offload_s=plain_bd.step_time_s,
-                      no_offload_fits=plain_bd.memory_bytes_per_device <= limit)
+        return spilled_scheme(graph, cluster, training, limit, scheme, level)
 
     def fastest(variants: list) -> Scheme:          # one scheme's plans at a tier's levels
         fits = [v for v in variants if v.plan is not None and v.breakdown.fits_memory]
@@ -95,6 +76,33 @@ def offload_search(graph: OpGraph, cluster: Cluster, search_fn: Callable, *, tra
                         no_offload_fits=best.no_offload_fits)
     return SearchOutcome(plan, best.breakdown, schemes + [best_found], free.meshes,
                          free.search_s + time.perf_counter() - t0, free.per_mesh, free.formulations)
+
+
+def spilled_scheme(graph: OpGraph, cluster: Cluster, training: Training, limit: float, scheme, level: str):
+    """``scheme`` (searched without offload) priced at offload ``level`` under ``limit`` bytes per device:
+    the fewest spilled blocks that fit, the fewest recomputed blocks under ``recompute auto``; a Scheme
+    without a plan, saying why, when the level does not apply (or would not run: check_runnable_offload)."""
+    from search.planner import Scheme, fit_recompute, price, recompute_levels
+
+    if scheme.plan is None:
+        return scheme
+    plan = with_offload(scheme.plan, level)
+    try:
+        check_offload(graph, plan)
+    except ValueError as exc:
+        return Scheme(scheme.name, None, None, str(exc))
+    if level in SPILL_LEVELS:
+        plan = fewest_blocks(graph, plan, cluster, limit)
+    if training.recompute == "auto":
+        plan, bd = fit_recompute(graph, plan, cluster, limit, recompute_levels(graph, training))
+    else:
+        bd = price(graph, plan, cluster, limit)
+    try:
+        check_runnable_offload(graph, plan)
+    except ValueError as exc:
+        return Scheme(scheme.name, None, None, str(exc))
+    return Scheme(scheme.name, plan, bd, no_offload_s=scheme.breakdown.step_time_s,
+                  no_offload_fits=scheme.breakdown.memory_bytes_per_device <= limit)
 
 
 def fewest_blocks(graph: OpGraph, plan: Plan, cluster: Cluster, limit: float) -> Plan:
