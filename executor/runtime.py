@@ -669,6 +669,15 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     return ParallelModule(model, graph, plan, mesh)
 
 
+def close_process_group() -> None:
+    """Wait for every rank (a barrier: no rank closes its connections while a peer still uses them,
+    the mesh's flattened groups included), then destroy the process group and every group made from it."""
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def _shut_down(mesh_ref: "weakref.ref[DeviceMesh]") -> None:
     """At exit, while the interpreter is whole: wait for every rank (a barrier: no rank closes its
     connections while a peer still uses them), destroy the process group, and drop the groups the
@@ -678,9 +687,8 @@ def _shut_down(mesh_ref: "weakref.ref[DeviceMesh]") -> None:
     if not dist.is_initialized():
         return
     try:
-        dist.barrier()
+        close_process_group()
     finally:
-        dist.destroy_process_group()
         mesh = mesh_ref()
         if mesh is not None:
             getattr(mesh, "_pg_registry", {}).clear()   # DeviceMesh's name -> group cache (torch 2.13)

@@ -55,8 +55,8 @@ from autoddl.trace import trace
 from executor.audit import summarize
 from executor.measure import PeakMemory, time_steps
 from executor.references import REFERENCES, build_reference, reference_step
-from executor.runtime import (audit_records, audit_step, build_optimizer, distributed_model, init_mesh, run_check,
-                              torch_optimizer, train_step)
+from executor.runtime import (audit_records, audit_step, build_optimizer, close_process_group, distributed_model,
+                              init_mesh, run_check, torch_optimizer, train_step)
 
 FAIL_RANK_ENV = "AUTODDL_TEST_FAIL_RANK"
 FAIL_MODE_ENV = "AUTODDL_TEST_FAIL_MODE"
@@ -311,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.plans:
             run_many(args)
-            dist.destroy_process_group()
+            close_process_group()
             return 0
         result = run(args)
     except BaseException as exc:
@@ -324,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print(json.dumps(result, indent=1))
     finally:
-        dist.destroy_process_group()
+        close_process_group()
     check_ok = result.get("check", {}).get("ok", True)
     return 0 if check_ok or args.no_check_exit else 1
 
