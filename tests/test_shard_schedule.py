@@ -142,8 +142,10 @@ def test_a_tiny_gpt_cut_in_two_prices_its_shards_from_the_one_device_timeline():
     # every parameter is kept by one shard: shard 0 has wte, wpe and block 0
     block = 4 * (2 * 64 + 64 * 192 + 192 + 64 * 64 + 64 + 2 * 64 + 64 * 256 + 256 + 256 * 64 + 64)
     assert job.param_bytes == (4 * (512 * 64 + 64 * 64) + block, block + 4 * 2 * 64)
-    # a message between two devices of one node: send_recv on the intra-node link, plus the fixed cost
-    link = cluster.intra_node
+    # a message between two devices of one node: local-cpu's measured send_recv fit, plus the fixed cost
+    from autoddl.collective_kinds import CollectiveKind
+    link = cluster.collectives.get(CollectiveKind.SEND_RECV)
+    assert link is not None and link != cluster.intra_node
     assert transfer_fn(cluster)(0, 1, 10**6) == pytest.approx(
         10**6 / (link.bandwidth_gbps * 1e9) + link.latency_us * 1e-6 + cluster.executor.collective_us * 1e-6)
     assert transfer_fn(cluster)(1, 1, 10**6) == 0.0
