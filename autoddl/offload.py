@@ -21,7 +21,9 @@ the cost model (their prices, memory on both sides) and the executor (the copies
 - ``activations``: as ``params``, and the same groups' saved activations (autoddl/activations.py's
   rule, per micro-step) too: copied out (device -> host, on the ``copy_d2h`` stream) when the
   group's forward is done, and in again before its backward, one group ahead (double buffering as
-  for parameters); the last spilled group's stay on the device (backward starts with them).
+  for parameters); the last spilled group's stay on the device (backward starts with them). Priced
+  with recompute on the same groups, but not run so (a checkpointed block's saved tensors bypass
+  the spill hooks): ``check_runnable_offload`` refuses it for the executor and the search.
 """
 
 from __future__ import annotations
