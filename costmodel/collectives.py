@@ -128,9 +128,10 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
     axis: it is :func:`send_recv_time_s` from the first device to the next one along ``axis``.
     """
     mesh = tuple(mesh_shape)
-    links = [cluster.link_for_axis(mesh, a) for a in group_axes(axis)]      # validates mesh and axes
+    for a in group_axes(axis):
+        cluster.link_for_axis(mesh, a)                  # validates mesh and axes
     axes = {a % len(mesh) for a in group_axes(axis)}
-    if len(axes) != len(links):
+    if len(axes) != len(group_axes(axis)):
         raise ValueError(f"a collective's group must be distinct mesh axes, got {axis!r} on mesh {mesh}")
     outer = min(axes)
     link = cluster.link_for_axis(mesh, outer)
@@ -182,10 +183,9 @@ def node_flows(mesh_shape: Sequence[int], axes: Sequence[int], devices_per_node:
     its ranks in device order, leaves and enters a node once). Where a node holds whole mesh axes: the
     product of the sizes of the node-internal axes not in ``axes``. A 2x2 mesh on 2 nodes of 2, axis 0
     (across) -> 2 (one pair per rank of the node); axes (0, 1) flattened -> 1 (one ring of 4)."""
-    mesh = tuple(mesh_shape)
-    others = [a for a in range(len(mesh)) if a not in set(axes)]
-    strides = [math.prod(mesh[a + 1:]) for a in range(len(mesh))]
-    return len({tuple(d // strides[a] % mesh[a] for a in others) for d in range(min(devices_per_node, math.prod(mesh)))})
+    mesh, grouped = tuple(mesh_shape), set(axes)
+    return len({tuple(c for a, c in enumerate(_coordinate(d, mesh)) if a not in grouped)
+                for d in range(min(devices_per_node, math.prod(mesh)))})
 
 
 def node_link(cluster: Cluster, mesh_shape: Sequence[int], axes: Sequence[int]) -> LinkSpec:
@@ -207,8 +207,13 @@ def _differing_axes(src: int, dst: int, mesh_shape: tuple[int, ...]) -> tuple[in
     if max(src, dst) >= math.prod(mesh_shape):
         raise ValueError(f"send_recv_time_s: devices {src} -> {dst} outside the busy mesh {mesh_shape} "
                          f"({math.prod(mesh_shape)} devices); pass the mesh whose ranks run during the send")
-    strides = [math.prod(mesh_shape[a + 1:]) for a in range(len(mesh_shape))]
-    return tuple(a for a, (k, st) in enumerate(zip(mesh_shape, strides)) if src // st % k != dst // st % k)
+    return tuple(a for a, (i, j) in enumerate(zip(_coordinate(src, mesh_shape), _coordinate(dst, mesh_shape)))
+                 if i != j)
+
+
+def _coordinate(device: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Device ``device``'s coordinate on ``mesh_shape`` (devices numbered row-major)."""
+    return tuple(device // math.prod(mesh_shape[a + 1:]) % n for a, n in enumerate(mesh_shape))
 
 
 def stage_device(pp_rank: int, mesh_shape: Sequence[int]) -> int:
