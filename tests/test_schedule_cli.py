@@ -76,3 +76,23 @@ def test_a_spilled_job_with_its_own_plan_is_priced_with_that_plan(tmp_path):
     assert sweep.jobs[0].spill and sum(t.load_bytes for t in sweep.schedule.tasks) > 0
     # every shard written back once a step (the bundled sweep's test runs spilled jobs on gloo ranks)
     assert sum(t.writeback_bytes for t in sweep.schedule.tasks) == 2 * sum(sweep.jobs[0].param_bytes)
+
+
+def test_spill_auto_spills_a_job_that_does_not_fit_one_device_or_a_sweep_that_does_not_fit_the_devices():
+    import dataclasses
+
+    from autoddl.cluster import Cluster
+    from autoddl.jobs import JobSpec
+    from autoddl.scheduling import spilled
+    from search.shards import SoloCost
+
+    cluster = Cluster.from_yaml(LOCAL).resized(2)
+    memory = cluster.device.memory_gb * 1e9
+    spec = JobSpec("a", "m.py", 1)
+    specs = [dataclasses.replace(spec, spill=s) for s in ("none", "host", "auto")]
+    small = SoloCost(1.0, int(0.1 * memory), True)
+    assert spilled(specs, [small] * 3, cluster) == [False, True, False]
+    big = SoloCost(1.0, int(1.2 * memory), False)                   # alone, it does not fit one device
+    assert spilled(specs, [small, small, big], cluster) == [False, True, True]
+    crowded = SoloCost(1.0, int(0.9 * memory), True)                # 3 x 0.9 of a device > 2 devices
+    assert spilled(specs, [crowded] * 3, cluster) == [False, True, True]
