@@ -173,37 +173,36 @@ def _copies(schedule) -> list[tuple]:
              t.writeback_end_s) for t in schedule.tasks]
 
 
-def test_spilled_jobs_on_one_device_without_prefetch_load_before_each_task_as_worked_by_hand():
-    # a copy takes 1 s (10 bytes at 10 B/s). A (10 s of compute) goes first while it is ready; a
-    # shard is not loaded again when the device's previous task was that shard (A:B1 after A:F1);
-    # every backward writes its shard back after it ends (d2h stream, not delaying the next load).
-    s = lrtf_schedule(_spilled_pair(), 1, _one_second, prefetch=False, host_copy_s=lambda n: n / 10)
-    assert _copies(s) == [
-        ("A:F0@0", 0.0, 1.0, 1.0, 3.0, 0.0, 0.0), ("A:F1@0", 3.0, 4.0, 4.0, 6.0, 0.0, 0.0),
-        ("A:B1@0", 0.0, 0.0, 6.0, 9.0, 9.0, 10.0), ("B:F0@0", 9.0, 10.0, 10.0, 11.0, 0.0, 0.0),
-        ("A:B0@0", 11.0, 12.0, 12.0, 15.0, 15.0, 16.0), ("B:F1@0", 15.0, 16.0, 16.0, 17.0, 0.0, 0.0),
-        ("B:B1@0", 0.0, 0.0, 17.0, 18.0, 18.0, 19.0), ("B:B0@0", 18.0, 19.0, 19.0, 20.0, 20.0, 21.0)]
-    # 14 s of compute + 6 loads of 1 s in series + the last write-back
-    assert s.makespan_s == 21.0 and s.finish_s() == [16.0, 21.0]
-    assert [t.load_bytes for t in s.tasks] == [10, 10, 0, 10, 10, 10, 0, 10]
-    assert [t.writeback_bytes for t in s.tasks] == [0, 0, 10, 0, 10, 0, 10, 10]
+# Worked by hand; a copy takes 1 s (10 bytes at 10 B/s). Without prefetch A (10 s of compute) goes
+# first while it is ready; a shard is not loaded again when the device's previous task was that shard
+# (A:B1 after A:F1); every backward writes its shard back after it ends (d2h stream, not delaying the
+# next load): 14 s of compute + 6 loads in series + the last write-back. With prefetch the next task is
+# placed when the current one starts, so its load overlaps that compute; LRTF interleaves A and B (each
+# ready while the other runs), every task loads its shard: 1 s first load + 14 s + 1 s write-back.
+SPILLED_BY_HAND = {
+    False: (21.0, [("A:F0@0", 0.0, 1.0, 1.0, 3.0, 0.0, 0.0), ("A:F1@0", 3.0, 4.0, 4.0, 6.0, 0.0, 0.0),
+                   ("A:B1@0", 0.0, 0.0, 6.0, 9.0, 9.0, 10.0), ("B:F0@0", 9.0, 10.0, 10.0, 11.0, 0.0, 0.0),
+                   ("A:B0@0", 11.0, 12.0, 12.0, 15.0, 15.0, 16.0), ("B:F1@0", 15.0, 16.0, 16.0, 17.0, 0.0, 0.0),
+                   ("B:B1@0", 0.0, 0.0, 17.0, 18.0, 18.0, 19.0), ("B:B0@0", 18.0, 19.0, 19.0, 20.0, 20.0, 21.0)]),
+    True: (16.0, [("A:F0@0", 0.0, 1.0, 1.0, 3.0, 0.0, 0.0), ("B:F0@0", 1.0, 2.0, 3.0, 4.0, 0.0, 0.0),
+                  ("A:F1@0", 3.0, 4.0, 4.0, 6.0, 0.0, 0.0), ("B:F1@0", 4.0, 5.0, 6.0, 7.0, 0.0, 0.0),
+                  ("A:B1@0", 6.0, 7.0, 7.0, 10.0, 10.0, 11.0), ("B:B1@0", 7.0, 8.0, 10.0, 11.0, 11.0, 12.0),
+                  ("A:B0@0", 10.0, 11.0, 11.0, 14.0, 14.0, 15.0), ("B:B0@0", 11.0, 12.0, 14.0, 15.0, 15.0, 16.0)]),
+}
 
 
-def test_spilled_jobs_with_prefetch_load_the_next_shard_during_the_current_compute():
-    # the next task is placed when the current one starts: its load overlaps that compute, so after
-    # the first load the device never waits; LRTF interleaves A and B (each ready when the other runs),
-    # so every task loads its shard: 1 s first load + 14 s compute + 1 s last write-back.
-    s = lrtf_schedule(_spilled_pair(), 1, _one_second, prefetch=True, host_copy_s=lambda n: n / 10)
-    assert _copies(s) == [
-        ("A:F0@0", 0.0, 1.0, 1.0, 3.0, 0.0, 0.0), ("B:F0@0", 1.0, 2.0, 3.0, 4.0, 0.0, 0.0),
-        ("A:F1@0", 3.0, 4.0, 4.0, 6.0, 0.0, 0.0), ("B:F1@0", 4.0, 5.0, 6.0, 7.0, 0.0, 0.0),
-        ("A:B1@0", 6.0, 7.0, 7.0, 10.0, 10.0, 11.0), ("B:B1@0", 7.0, 8.0, 10.0, 11.0, 11.0, 12.0),
-        ("A:B0@0", 10.0, 11.0, 11.0, 14.0, 14.0, 15.0), ("B:B0@0", 11.0, 12.0, 14.0, 15.0, 15.0, 16.0)]
-    assert s.makespan_s == 16.0
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_two_spilled_jobs_of_two_shards_on_one_device_load_each_shard_as_worked_by_hand(prefetch):
+    s = lrtf_schedule(_spilled_pair(), 1, _one_second, prefetch=prefetch, host_copy_s=lambda n: n / 10)
+    makespan, rows = SPILLED_BY_HAND[prefetch]
+    assert _copies(s) == rows and s.makespan_s == makespan
+    assert all(t.load_bytes == (10 if t.load_end_s else 0) for t in s.tasks)
+    assert [t.writeback_bytes for t in s.tasks] == [10 if t.key.kind == BACKWARD else 0 for t in s.tasks]
     # at most the running shard and the next one are on the device: a load never starts before the
-    # task two places earlier on the device has started
-    starts = [t.start_s for t in s.tasks]
-    assert all(t.load_start_s >= starts[i - 1] for i, t in enumerate(s.tasks) if i)
+    # task placed before it has started
+    assert all(t.load_start_s >= s.tasks[i - 1].start_s for i, t in enumerate(s.tasks) if i and t.load_bytes)
+    if not prefetch:
+        assert s.finish_s() == [16.0, 21.0]
 
 
 def test_a_spilled_shard_is_not_reloaded_where_it_just_ran_and_moves_through_host_memory():
