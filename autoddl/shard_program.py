@@ -18,9 +18,10 @@ pricing and the executor's sends follow):
   destination (its forward and backward ran there).
 
 A *spilled* job (``ShardedJob.spill``, Hydra's spilling) keeps every shard's parameters in host
-memory: a task of shard s first loads them (host -> device, ``load_bytes``) unless the device's
-previous task was the same job's shard s (they are still there), and a backward writes them back
-after its update (device -> host, ``writeback_bytes``). Its forwards then receive no ``params``
+memory, with their optimizer states (``state_bytes``): a task of shard s first loads the parameters
+(host -> device, ``load_bytes``) unless the device's previous task was the same job's shard s (they
+are still there), a backward loads the states too, and writes both back after its update (device ->
+host, ``writeback_bytes``). Its forwards then receive no ``params``
 message; when the shard's last write-back ran on another device, a ``host`` message (no bytes: the
 order of the write-back before the load) comes from that device instead.
 
@@ -67,12 +68,14 @@ class ShardedJob:
     flows: tuple[Flow, ...] = ()
     cuts: tuple[str, ...] = ()        # the first repeated block of shards 1..K-1 (autoddl.pipeline)
     spill: bool = False               # the shards live in host memory (module docstring)
+    state_bytes: tuple[int, ...] = () # per shard, its parameters' optimizer states (empty: none, as SGD)
 
     def __post_init__(self) -> None:
         k = len(self.forward_s)
-        if k < 1 or len(self.backward_s) != k or len(self.param_bytes) != k:
-            raise ValueError(f"job {self.name!r}: forward_s, backward_s and param_bytes need one entry per shard "
-                             f"(got {len(self.forward_s)}, {len(self.backward_s)}, {len(self.param_bytes)})")
+        if k < 1 or len(self.backward_s) != k or len(self.param_bytes) != k or len(self.state_bytes) not in (0, k):
+            raise ValueError(f"job {self.name!r}: forward_s, backward_s, param_bytes (and state_bytes) need one entry "
+                             f"per shard (got {len(self.forward_s)}, {len(self.backward_s)}, {len(self.param_bytes)}, "
+                             f"{len(self.state_bytes)})")
         if self.steps < 1:
             raise ValueError(f"job {self.name!r}: steps {self.steps} must be >= 1")
         bad = [f for f in self.flows if not 0 <= f.src < f.dst < k]
@@ -106,8 +109,11 @@ class ShardedJob:
         ``resident``: the device's previous task was this job's same shard. (0, 0) when not spilled."""
         if not self.spill:
             return 0, 0
-        nbytes = self.param_bytes[key.shard]
-        return (0 if resident else nbytes), (nbytes if key.kind == BACKWARD else 0)
+        params = self.param_bytes[key.shard]
+        if key.kind == FORWARD:
+            return (0 if resident else params), 0
+        states = self.state_bytes[key.shard] if self.state_bytes else 0
+        return (0 if resident else params) + states, params + states
 
 
 @dataclass(frozen=True)

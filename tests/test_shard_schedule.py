@@ -157,6 +157,11 @@ def test_a_tiny_gpt_cut_in_two_prices_its_shards_from_the_one_device_timeline():
     assert job4.forward_s == pytest.approx(tuple(2 * x for x in job.forward_s))
     assert job4.backward_s == pytest.approx(tuple(2 * x for x in job.backward_s))
     assert solo4.step_s == pytest.approx(2 * solo.step_s)
+    # a spilled shard's optimizer states move with it before and after its backward: AdamW's two
+    # float32 states per element are twice the float32 parameters, SGD has none
+    assert job.state_bytes == (0, 0)
+    adamw, _ = shard_job("gpt", graph, cluster, steps=3, shards=2, optimizer="adamw")
+    assert adamw.state_bytes == tuple(2 * p for p in job.param_bytes)
     assert transfer_fn(four)(0, 1, 10**6) == pytest.approx(2 * transfer_fn(cluster)(0, 1, 10**6))
 
 
@@ -237,3 +242,13 @@ def test_a_spilled_load_is_priced_by_the_host_link_formula():
     assert b.load_bytes == 0 and b.writeback_end_s - b.writeback_start_s == pytest.approx(by_hand, rel=1e-12)
     with pytest.raises(ValueError, match=r"jobs \['A'\] are spilled to host memory but no host copy price"):
         lrtf_schedule([job], 1, _one_second)
+
+
+def test_a_spilled_backward_also_loads_and_writes_back_its_optimizer_states():
+    job = ShardedJob("A", 1, (1.0,), (1.0,), (10,), spill=True, state_bytes=(20,))
+    assert job.host_copies(TaskKey(0, 0, FORWARD), resident=False) == (10, 0)
+    assert job.host_copies(TaskKey(0, 0, FORWARD), resident=True) == (0, 0)
+    assert job.host_copies(TaskKey(0, 0, BACKWARD), resident=True) == (20, 30)      # the states only
+    assert job.host_copies(TaskKey(0, 0, BACKWARD), resident=False) == (30, 30)
+    assert ShardedJob("B", 1, (1.0,), (1.0,), (10,), state_bytes=(20,)).host_copies(
+        TaskKey(0, 0, BACKWARD), resident=False) == (0, 0)                           # not spilled
