@@ -19,8 +19,9 @@
 
 ``spill: host`` keeps every shard's parameters in host memory (Hydra's spilling): a shard is
 loaded over the host link before each of its tasks (not when the device's previous task was the
-same shard), with its optimizer states before its backward, and both are written back after it; ``auto`` spills the job only when it does not fit
-one device alone or the sweep's jobs do not all fit the devices at once. ``autoddl schedule --run``
+same shard), with its optimizer states before its backward, and both are written back after it;
+``auto`` spills the job only when it does not fit one device alone or the sweep's jobs do not all
+fit the devices at once. ``autoddl schedule --run``
 runs fp32, no recompute and SGD only, and refuses the others naming the job and field; it runs
 ``spill`` and ignores ``plan`` (a baseline's price).
 

@@ -5,10 +5,11 @@ shards priced on one device with its precision, recompute and optimizer (search/
 search its best plan on all the devices (the planner; or price the job's own ``plan:`` with the
 cost model; baseline (a)). A job with ``spill: host`` (or ``auto`` when it does not fit one device
 alone, or the sweep's jobs together do not fit the devices) keeps its shards in host memory, each
-copy priced by ``costmodel.host.host_copy_time_s`` (search/shard_schedule.py). Then sharded-LRTF schedules every shard task (search/shard_schedule.py),
-with and without prefetch, and the shorter is kept (the lookahead of prefetch can cost more than
-the transfers it hides). Baselines: (a) ``sequential``, each job alone on all devices with its own
-best plan; (b) ``one_per_device``, each job alone on one device when it fits.
+copy priced by ``costmodel.host.host_copy_time_s`` (search/shard_schedule.py). Then sharded-LRTF
+schedules every shard task (search/shard_schedule.py), with and without prefetch, and the shorter is
+kept (the lookahead of prefetch can cost more than the transfers it hides). Baselines: (a)
+``sequential``, each job alone on all devices with its own best plan; (b) ``one_per_device``, each
+job alone on one device when it fits.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ per message, the same numbering on every rank) and loads a spilled shard from ho
 task's ``load_bytes``), after it writes a spilled backward's shard back to host memory and sends the
 messages the task produced (non-blocking, so that a rank never waits on a peer that is computing).
 Host memory is one file per spilled shard in SPEC_JSON's ``host_dir`` that every rank maps
-(``torch.from_file(shared=True)``), filled with the initial weights by rank 0 before the first barrier. The makespan is timed between two barriers; each
+(``torch.from_file(shared=True)``), filled with the initial weights by rank 0 before the first
+barrier. The makespan is timed between two barriers; each
 rank writes ``DIR/rank<R>.json``: the tasks it ran in order with their start and end, and the
 losses of the steps whose last shard it ran.
 """

@@ -21,7 +21,8 @@ def test_the_bundled_spilled_sweep_schedules_and_runs_on_two_ranks_as_each_job_a
     assert rc == 0, out
     assert "sharded-LRTF" in out and "sequential" in out and "one_per_device" in out
     assert "(each rank's task order = the schedule's)" in out and "-> OK" in out
-    assert "host copies (as the schedule's): " in out      # run_sweep fails unless each task copied the schedule's bytes
+    # run_sweep fails unless each task copied the schedule's bytes
+    assert "host copies of spilled shards: " in out and "host copies (as the schedule's): " in out
     assert (tmp_path / "gantt.png").stat().st_size > 10_000
     tasks = list(csv.DictReader((tmp_path / "schedule.csv").open()))
     assert len(tasks) == 4 * 2 * 2 * 2                       # 4 jobs x 2 steps x 2 shards x (F, B)
@@ -66,7 +67,7 @@ def test_a_spilled_job_with_its_own_plan_is_priced_with_that_plan(tmp_path):
 
     cluster = Cluster.from_yaml(LOCAL)
     graph = load_model_file(ROOT / "examples" / "gpt.py", preset="tiny").trace()
-    plan = inner_tp_plan(graph, cluster.resized(1), 1, Training(), "sgd")      # the job's own plan: priced, not searched
+    plan = inner_tp_plan(graph, cluster.resized(1), 1, Training(), "sgd")     # the job's own plan, not searched
     plan.save(tmp_path / "own.json")
     jobs = tmp_path / "jobs.yaml"
     jobs.write_text(f"jobs:\n  - {{name: a, model: {ROOT / 'examples' / 'gpt.py'}, args: {{preset: tiny}}, steps: 2, "

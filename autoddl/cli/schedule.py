@@ -51,7 +51,8 @@ def _ms(seconds: float | None) -> str:
 
 
 def print_sweep(sweep: SweepPlan) -> None:
-    rows = [(r["job"], str(r["steps"]), f"{r['shards']}{' (host)' if r['spilled'] else ''}", _ms(r["solo_one_device_s"]), _ms(r["solo_best_plan_s"]),
+    rows = [(r["job"], str(r["steps"]), str(r["shards"]) + (" (host)" if r["spilled"] else ""),
+             _ms(r["solo_one_device_s"]), _ms(r["solo_best_plan_s"]),
              _ms(r["finish_lrtf_s"]), _ms(r["finish_sequential_s"]), _ms(r["finish_one_per_device_s"]))
             for r in job_rows(sweep)]
     n = sweep.cluster.num_devices
@@ -62,6 +63,14 @@ def print_sweep(sweep: SweepPlan) -> None:
     print(f"  sharded-LRTF ({'with' if sweep.prefetch else 'without'} prefetch): {_ms(lrtf)} ms, devices busy "
           f"{sweep.schedule.busy_fraction():.0%} (the schedule {'without' if sweep.prefetch else 'with'} prefetch: "
           f"{_ms(sweep.other_makespan_s)} ms)")
+    copies = [t for t in sweep.schedule.tasks if t.load_bytes or t.writeback_bytes]
+    if copies:
+        load_s = sum(t.load_end_s - t.load_start_s for t in copies)
+        back_s = sum(t.writeback_end_s - t.writeback_start_s for t in copies)
+        print(f"  host copies of spilled shards: {sum(1 for t in copies if t.load_bytes)} loads "
+              f"({sum(t.load_bytes for t in copies) / 1e6:.2f} MB, {_ms(load_s)} ms), "
+              f"{sum(1 for t in copies if t.writeback_bytes)} write-backs "
+              f"({sum(t.writeback_bytes for t in copies) / 1e6:.2f} MB, {_ms(back_s)} ms) on the copy streams")
     for base, what in ((sweep.sequential, "one model at a time, each with its best plan on all devices"),
                        (sweep.one_per_device, "one model per device")):
         if base.makespan_s is None:
