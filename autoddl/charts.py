@@ -47,7 +47,8 @@ def breakdown_chart(df: pd.DataFrame, title: str, path: str) -> dict[str, list[f
 def gantt_chart(tasks, names, devices: int, title: str, path: str) -> None:
     """Device x time bars of scheduled shard tasks (``start_s``, ``end_s``, ``device``, ``job``,
     ``key``), one colour per job; forwards hatched lighter than backwards, transfers as thin grey bars
-    before the task they feed."""
+    before the task they feed; a spilled shard's host copies as thin bars above its device's row
+    (black: the load before a task, purple: the write-back after a backward)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,8 +63,18 @@ def gantt_chart(tasks, names, devices: int, title: str, path: str) -> None:
         if t.transfer_s:
             ax.barh(t.device + 0.38, t.transfer_s * 1e3, left=t.start_s * 1e3 - t.transfer_s * 1e3, height=0.12,
                     color="grey")
+        if t.load_bytes:
+            ax.barh(t.device - 0.42, (t.load_end_s - t.load_start_s) * 1e3, left=t.load_start_s * 1e3, height=0.08,
+                    color="black")
+        if t.writeback_bytes:
+            ax.barh(t.device - 0.34, (t.writeback_end_s - t.writeback_start_s) * 1e3, left=t.writeback_start_s * 1e3,
+                    height=0.08, color="purple")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours(j % colours.N)) for j in range(len(names))]
-    ax.legend(handles, names, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+    labels = list(names)
+    if any(t.load_bytes or t.writeback_bytes for t in tasks):
+        handles += [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("black", "purple")]
+        labels += ["host -> device (load)", "device -> host (write-back)"]
+    ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
               title="job (light: forward)", title_fontsize=8)
     ax.set_yticks(range(devices), [f"device {d}" for d in range(devices)])
     ax.invert_yaxis()

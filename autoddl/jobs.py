@@ -10,6 +10,20 @@
         lr: 0.01                 # SGD learning rate (default 0.01)
         seed: 0                  # torch.manual_seed before build_model() and example_inputs() (default 0)
         shards: 2                # shards to cut the model into (default: the fewest that fit a device)
+        spill: none              # none | host | auto: where the shards live between their tasks (below)
+        precision: fp32          # fp32 | bf16: compute dtype the shards are priced with
+        recompute: none          # none | full: activation recompute per repeated block, for pricing
+        optimizer: sgd           # sgd | adamw: the optimizer the shards' updates are priced with
+        plan: best.json          # the job's own plan (autoddl plan -o) for the one-model-at-a-time
+                                 # baseline, priced with the cost model instead of searched
+
+``spill: host`` keeps every shard's parameters in host memory (Hydra's spilling): a shard is
+loaded over the host link before each of its tasks (not when the device's previous task was the
+same shard), with its optimizer states before its backward, and both are written back after it;
+``auto`` spills the job only when it does not fit one device alone or the sweep's jobs do not all
+fit the devices at once. ``autoddl schedule --run``
+runs fp32, no recompute and SGD only, and refuses the others naming the job and field; it runs
+``spill`` and ignores ``plan`` (a baseline's price).
 
 Every error names the file, the job (index and name) and the field, says what was wrong and what
 is expected.
@@ -24,7 +38,12 @@ from typing import Any
 
 import yaml
 
-FIELDS = ("name", "model", "args", "steps", "lr", "seed", "shards")
+FIELDS = ("name", "model", "args", "steps", "lr", "seed", "shards", "spill", "precision", "recompute", "optimizer",
+          "plan")
+CHOICES = {"spill": ("none", "host", "auto"), "precision": ("fp32", "bf16"), "recompute": ("none", "full"),
+           "optimizer": ("sgd", "adamw")}
+RUNNABLE = {"precision": "fp32", "recompute": "none", "optimizer": "sgd"}     # what --run executes
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 REQUIRED = ("model", "steps")
 
 
@@ -39,6 +58,15 @@ class JobSpec:
     lr: float = 0.01
     seed: int = 0
     shards: int | None = None
+    spill: str = "none"
+    precision: str = "fp32"
+    recompute: str = "none"
+    optimizer: str = "sgd"
+    plan: str | None = None           # absolute path of the job's own plan JSON
+
+    def unrunnable(self) -> list[str]:
+        """``field: value`` of each setting ``autoddl schedule --run`` does not execute (``RUNNABLE``)."""
+        return [f"{k}: {getattr(self, k)}" for k, v in RUNNABLE.items() if getattr(self, k) != v]
 
 
 class JobsFileError(ValueError):
@@ -110,7 +138,20 @@ def _job(src: Path, index: int, raw: Any) -> JobSpec:
     name = raw.get("name", f"{model_path.stem}-{index}")
     if not isinstance(name, str) or not name or any(c.isspace() or c == "," for c in name):
         raise bad("name", "a non-empty name without spaces or commas")
-    return JobSpec(name, str(model_path), int(raw["steps"]), dict(args), float(lr), seed, shards)
+    settings = {}
+    for key, choices in CHOICES.items():
+        settings[key] = raw.get(key, choices[0])
+        if settings[key] not in choices:
+            raise bad(key, " or ".join(choices))
+    plan = raw.get("plan")
+    if plan is not None:
+        plan_path = src.parent / plan if isinstance(plan, str) and plan else None
+        if plan_path is None or not plan_path.is_file():
+            raise JobsFileError(f"{where}: field 'plan': {plan!r} is not a file (looked for {plan_path}); give the "
+                                "path of the job's plan JSON (autoddl plan -o), relative to the jobs file")
+        plan = str(plan_path.resolve())
+    return JobSpec(name, str(model_path), int(raw["steps"]), dict(args), float(lr), seed, shards, plan=plan,
+                   **settings)
 
 
 def _positive_int(v: Any) -> bool:

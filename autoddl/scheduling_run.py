@@ -2,7 +2,8 @@
 
 One rank per device (executor/shard_worker.py through torchrun, executor/launch.py). Afterwards:
 the tasks each rank ran, in order, must be the schedule's for that device (else the run is not the
-schedule that was priced, and this fails); the measured makespan (between the ranks' two barriers)
+schedule that was priced, and this fails), and so must the bytes each task copied between host
+memory and its device (a spilled job's loads and write-backs); the measured makespan (between the ranks' two barriers)
 is set beside the predicted one; each job's per-step losses are compared with the job trained alone
 in this process (same seed, same batch, same SGD), and the largest relative difference is reported
 (bound 1e-5). A row per run is appended to a CSV with the 1-minute load average and every job's
@@ -35,6 +36,7 @@ class SweepRun:
     executed: dict[int, list[tuple]]           # device -> (job, step, shard, kind) in the order it ran them
     load_avg_1m: float
     spans: dict[int, list[tuple[float, float]]]   # device -> (start, end) of each of those tasks, measured
+    copies: dict[int, list[tuple[int, int]]]      # device -> (bytes loaded, bytes written back) of each task
 
     @property
     def max_rel_error(self) -> float:
@@ -43,16 +45,21 @@ class SweepRun:
 
 def job_dicts(sweep: SweepPlan) -> list[dict[str, Any]]:
     return [{"name": s.name, "model": s.model, "args": s.args, "seed": s.seed, "lr": s.lr, "cuts": list(j.cuts),
-             "flows": [f.tensor for f in j.flows]} for s, j in zip(sweep.specs, sweep.jobs)]
+             "flows": [f.tensor for f in j.flows], "spill": j.spill} for s, j in zip(sweep.specs, sweep.jobs)]
 
 
 def run_sweep(sweep: SweepPlan, timeout_s: float | None = 600.0) -> SweepRun:
     """Launch the schedule on one gloo rank per device; check the order it ran; compare the losses."""
     n = sweep.cluster.num_devices
+    for spec in sweep.specs:
+        if spec.unrunnable():
+            raise ValueError(f"job {spec.name!r}: {', '.join(spec.unrunnable())}: the run executes only fp32, no "
+                             "recompute and SGD (autoddl/jobs.py)")
     jobs = job_dicts(sweep)
     with tempfile.TemporaryDirectory(prefix="autoddl-schedule-") as tmp:
         spec = Path(tmp) / "spec.json"
-        spec.write_text(json.dumps({"jobs": jobs, "tasks": [task_to_dict(t) for t in sweep.schedule.tasks]}))
+        spec.write_text(json.dumps({"jobs": jobs, "tasks": [task_to_dict(t) for t in sweep.schedule.tasks],
+                                    "host_dir": tmp}))
         res = launch(LaunchSpec(n, omp_num_threads=1, timeout_s=timeout_s),
                      ["--spec", str(spec), "--out-dir", tmp], module="executor.shard_worker")
         if not res.ok:
@@ -64,6 +71,12 @@ def run_sweep(sweep: SweepPlan, timeout_s: float | None = 600.0) -> SweepRun:
         want = [(t.job, t.key.step, t.key.shard, t.key.kind) for t in sweep.schedule.on_device(d)]
         if executed[d] != want:
             raise RuntimeError(f"device {d} ran its tasks in the order {executed[d]}, not the schedule's {want}")
+    copies = {r["rank"]: [tuple(e[6:8]) for e in r["executed"]] for r in ranks}
+    for d in range(n):
+        want = [(t.load_bytes, t.writeback_bytes) for t in sweep.schedule.on_device(d)]
+        if copies[d] != want:
+            raise RuntimeError(f"device {d} copied (loaded, written back) bytes {copies[d]} to and from host memory, "
+                               f"not the schedule's {want}")
     losses = [[0.0] * s.steps for s in sweep.specs]
     for r in ranks:
         for j, per_step in r["losses"].items():
@@ -71,7 +84,7 @@ def run_sweep(sweep: SweepPlan, timeout_s: float | None = 600.0) -> SweepRun:
                 losses[int(j)][int(step)] = value
     alone = [train_alone(job, s.steps)[0] for job, s in zip(jobs, sweep.specs)]
     spans = {r["rank"]: [tuple(e[4:6]) for e in r["executed"]] for r in ranks}
-    return SweepRun(max(r["makespan_s"] for r in ranks), losses, alone, executed, load, spans)
+    return SweepRun(max(r["makespan_s"] for r in ranks), losses, alone, executed, load, spans, copies)
 
 
 def run_row(sweep: SweepPlan, run: SweepRun, jobs_file: str) -> dict[str, Any]:
@@ -93,6 +106,11 @@ def report_run(sweep: SweepPlan, run: SweepRun, jobs_file: str, csv_path: str) -
     """Print measured vs predicted and the loss check; append the row; exit code 1 if the losses differ."""
     predicted = sweep.schedule.makespan_s
     print(f"ran the schedule on {sweep.cluster.num_devices} gloo ranks (each rank's task order = the schedule's)")
+    loads = [c for per in run.copies.values() for c in per]
+    if any(a or b for a, b in loads):
+        print(f"host copies (as the schedule's): {sum(1 for a, _ in loads if a)} loads "
+              f"({sum(a for a, _ in loads) / 1e6:.2f} MB), {sum(1 for _, b in loads if b)} write-backs "
+              f"({sum(b for _, b in loads) / 1e6:.2f} MB)")
     print(f"makespan: predicted {predicted * 1e3:.2f} ms, measured {run.measured_makespan_s * 1e3:.2f} ms "
           f"({run.measured_makespan_s / predicted:.2f}x); 1-minute load average {run.load_avg_1m:.2f}")
     for spec, mine, alone in zip(sweep.specs, run.losses, run.alone):

@@ -17,6 +17,14 @@ pricing and the executor's sends follow):
   reads the gradient of every flow leaving s that carries one, from the device that ran the flow's
   destination (its forward and backward ran there).
 
+A *spilled* job (``ShardedJob.spill``, Hydra's spilling) keeps every shard's parameters in host
+memory, with their optimizer states (``state_bytes``): a task of shard s first loads the parameters
+(host -> device, ``load_bytes``) unless the device's previous task was the same job's shard s (they
+are still there), a backward loads the states too, and writes both back after its update (device ->
+host, ``writeback_bytes``). Its forwards then receive no ``params``
+message; when the shard's last write-back ran on another device, a ``host`` message (no bytes: the
+order of the write-back before the load) comes from that device instead.
+
 A flow is a direct edge: an op output or a parameter produced or kept by shard ``src`` and read by
 shard ``dst > src`` (a tensor read by two later shards is two flows; a tied weight read by the last
 shard is a flow from the shard that keeps it, and its gradient comes back).
@@ -59,12 +67,15 @@ class ShardedJob:
     param_bytes: tuple[int, ...]
     flows: tuple[Flow, ...] = ()
     cuts: tuple[str, ...] = ()        # the first repeated block of shards 1..K-1 (autoddl.pipeline)
+    spill: bool = False               # the shards live in host memory (module docstring)
+    state_bytes: tuple[int, ...] = () # per shard, its parameters' optimizer states (empty: none, as SGD)
 
     def __post_init__(self) -> None:
         k = len(self.forward_s)
-        if k < 1 or len(self.backward_s) != k or len(self.param_bytes) != k:
-            raise ValueError(f"job {self.name!r}: forward_s, backward_s and param_bytes need one entry per shard "
-                             f"(got {len(self.forward_s)}, {len(self.backward_s)}, {len(self.param_bytes)})")
+        if k < 1 or len(self.backward_s) != k or len(self.param_bytes) != k or len(self.state_bytes) not in (0, k):
+            raise ValueError(f"job {self.name!r}: forward_s, backward_s, param_bytes (and state_bytes) need one entry "
+                             f"per shard (got {len(self.forward_s)}, {len(self.backward_s)}, {len(self.param_bytes)}, "
+                             f"{len(self.state_bytes)})")
         if self.steps < 1:
             raise ValueError(f"job {self.name!r}: steps {self.steps} must be >= 1")
         bad = [f for f in self.flows if not 0 <= f.src < f.dst < k]
@@ -93,6 +104,17 @@ class ShardedJob:
     def duration_s(self, key: "TaskKey") -> float:
         return (self.forward_s if key.kind == FORWARD else self.backward_s)[key.shard]
 
+    def host_copies(self, key: "TaskKey", resident: bool) -> tuple[int, int]:
+        """(bytes loaded before ``key``, bytes written back after it) of a spilled job (module docstring);
+        ``resident``: the device's previous task was this job's same shard. (0, 0) when not spilled."""
+        if not self.spill:
+            return 0, 0
+        params = self.param_bytes[key.shard]
+        if key.kind == FORWARD:
+            return (0 if resident else params), 0
+        states = self.state_bytes[key.shard] if self.state_bytes else 0
+        return (0 if resident else params) + states, params + states
+
 
 @dataclass(frozen=True)
 class TaskKey:
@@ -112,7 +134,7 @@ class Message:
 
     src: int
     nbytes: int
-    what: str
+    what: str               # params | act:<i> | grad:<i> | host
     producer: TaskKey
 
 
@@ -128,6 +150,17 @@ class ScheduledTask:
     end_s: float
     transfer_s: float
     inbox: tuple[Message, ...] = ()
+    load_bytes: int = 0               # a spilled shard: host -> device before it, on the device's h2d copy stream
+    load_start_s: float = 0.0
+    load_end_s: float = 0.0
+    writeback_bytes: int = 0          # a spilled shard's backward: device -> host after it (d2h stream)
+    writeback_start_s: float = 0.0
+    writeback_end_s: float = 0.0
+
+    @property
+    def done_s(self) -> float:
+        """When the task and its write-back have ended."""
+        return max(self.end_s, self.writeback_end_s)
 
     def label(self, names: Sequence[str]) -> str:
         return f"{names[self.job]}:{self.key}"
@@ -151,7 +184,9 @@ class JobPlacement:
         out: list[Message] = []
         if key.kind == FORWARD:
             home = where[key.shard]
-            if home is not None and home != device and job.param_bytes[key.shard]:
+            if job.spill and home is not None and home != device:
+                out.append(Message(home, 0, "host", TaskKey(key.step - 1, key.shard, BACKWARD)))
+            elif home is not None and home != device and job.param_bytes[key.shard]:
                 out.append(Message(home, job.param_bytes[key.shard], "params",
                                    TaskKey(key.step - 1, key.shard, BACKWARD)))
             out += [Message(where[f.src], f.nbytes, f"act:{i}", TaskKey(key.step, f.src, FORWARD))
@@ -204,7 +239,10 @@ def task_to_dict(t: ScheduledTask) -> dict:
 
 def task_from_dict(d: dict) -> ScheduledTask:
     inbox = tuple(Message(m["src"], m["nbytes"], m["what"], TaskKey(**m["producer"])) for m in d["inbox"])
-    return ScheduledTask(d["job"], TaskKey(**d["key"]), d["device"], d["start_s"], d["end_s"], d["transfer_s"], inbox)
+    copies = {k: d[k] for k in ("load_bytes", "load_start_s", "load_end_s", "writeback_bytes", "writeback_start_s",
+                                "writeback_end_s") if k in d}
+    return ScheduledTask(d["job"], TaskKey(**d["key"]), d["device"], d["start_s"], d["end_s"], d["transfer_s"], inbox,
+                         **copies)
 
 
 # -- from the op graph -----------------------------------------------------------------------------

@@ -11,7 +11,14 @@ their gradients, after which the shard's own parameters (``param_homes``) take t
 
 What crosses ranks is :meth:`ShardedModel.payload` (sent) and :meth:`ShardedModel.accept`
 (received), named as ``autoddl.shard_program.Message.what``: ``params``, ``act:<tensor>``,
-``grad:<tensor>``.
+``grad:<tensor>``, and ``host`` (one element: the shard's write-back to host memory is done).
+
+A spilled job's shard is copied from host memory into its parameters before a task
+(:meth:`ShardedModel.load`) and from them back to host memory after its backward
+(:meth:`ShardedModel.write_back`); host memory is a flat float32 tensor per shard that every rank
+maps (executor/shard_worker.py). The load before a backward writes the bytes its forward read into
+the same storage, under ``.data`` (autograd's saved tensors are that storage; their version is
+left as it was).
 """
 
 from __future__ import annotations
@@ -153,6 +160,8 @@ class ShardedModel:
         (``shard``'s backward for ``params``)."""
         if what == "params":
             return torch.cat([self.params[n].detach().reshape(-1) for n in self.own[shard]])
+        if what == "host":
+            return torch.zeros(1, device=self.device)
         kind, _, i = what.partition(":")
         if kind == "act":
             return self._produced(step, self._ref(self.flows[int(i)].tensor)).detach().contiguous()
@@ -162,17 +171,30 @@ class ShardedModel:
         """An empty tensor to receive ``what`` into (``shard``: the shard whose parameters come)."""
         if what == "params":
             return torch.empty(sum(self.params[n].numel() for n in self.own[shard]), device=self.device)
+        if what == "host":
+            return torch.empty(1, device=self.device)
         meta = self.graph.meta_of(self._ref(self.flows[int(what.partition(":")[2])].tensor))
         return torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=self.device)
 
     def accept(self, step: int, what: str, shard: int, value: torch.Tensor) -> None:
         """Take a received message: parameters are copied in, tensors kept for the task that reads them."""
-        if what != "params":
+        if what == "params":
+            self.load(shard, value)
+        elif what != "host":                # host: only the order of a write-back before a load
             self.received[(step, what)] = value
-            return
+
+    def load(self, shard: int, flat: torch.Tensor) -> int:
+        """Copy ``flat`` (the shard's parameters, as :meth:`payload` lays them out) into them; the bytes."""
         at = 0
         with torch.no_grad():
             for name in self.own[shard]:
                 p = self.params[name]
-                p.copy_(value[at: at + p.numel()].view_as(p))
+                p.data.copy_(flat[at: at + p.numel()].view_as(p))
                 at += p.numel()
+        return at * flat.element_size()
+
+    def write_back(self, shard: int, host: torch.Tensor) -> int:
+        """Copy the shard's parameters into ``host`` (flat, :meth:`payload`'s layout); the bytes."""
+        flat = self.payload(0, "params", shard)
+        host.copy_(flat)
+        return flat.numel() * flat.element_size()

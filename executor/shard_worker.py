@@ -6,8 +6,12 @@ their flows as the planner saw them) and every scheduled task with its inbox. Ea
 every job (executor/shard_runner.py) and warms each up (one untimed forward and backward of every
 shard, no update, as ``autoddl run`` times steps after warm-up), then runs its own tasks in start
 order: before a task it receives the task's messages (``autoddl.shard_program.transfers``: one tag
-per message, the same numbering on every rank), after it sends the messages the task produced
-(non-blocking, so that a rank never waits on a peer that is computing). The makespan is timed between two barriers; each
+per message, the same numbering on every rank) and loads a spilled shard from host memory (the
+task's ``load_bytes``), after it writes a spilled backward's shard back to host memory and sends the
+messages the task produced (non-blocking, so that a rank never waits on a peer that is computing).
+Host memory is one file per spilled shard in SPEC_JSON's ``host_dir`` that every rank maps
+(``torch.from_file(shared=True)``), filled with the initial weights by rank 0 before the first
+barrier. The makespan is timed between two barriers; each
 rank writes ``DIR/rank<R>.json``: the tasks it ran in order with their start and end, and the
 losses of the steps whose last shard it ran.
 """
@@ -57,10 +61,11 @@ def message_maps(tasks: Sequence[ScheduledTask], rank: int) -> tuple[dict, dict]
 
 
 def run_tasks(models: list[ShardedModel], mine: Sequence[ScheduledTask], maps: tuple[dict, dict], recv: Callable,
-              send: Callable, clock: Callable[[], float]) -> list[list]:
-    """Run ``mine`` in order: receive each task's messages (``recv(buf, src, tag)``), run it, send what it
-    produced (``send(tensor, dst, tag)``); ``maps``: :func:`message_maps` of this rank. Returns
-    [job, step, shard, kind, start, end] per task."""
+              send: Callable, clock: Callable[[], float], host: dict | None = None) -> list[list]:
+    """Run ``mine`` in order: receive each task's messages (``recv(buf, src, tag)``), load its shard from
+    ``host`` ((job, shard) -> flat tensor) when spilled, run it, write the shard back when spilled, send
+    what it produced (``send(tensor, dst, tag)``); ``maps``: :func:`message_maps` of this rank. Returns
+    [job, step, shard, kind, start, end, bytes loaded, bytes written back] per task."""
     receives, sends = maps
     executed = []
     for t in mine:
@@ -70,18 +75,40 @@ def run_tasks(models: list[ShardedModel], mine: Sequence[ScheduledTask], maps: t
             buf = model.buffer(x.what, key.shard)
             recv(buf, x.src, x.tag)
             model.accept(key.step, x.what, key.shard, buf)
+        loaded = model.load(key.shard, host[(t.job, key.shard)]) if t.load_bytes else 0
         start = clock()
         (model.forward if key.kind == FORWARD else model.backward)(key.step, key.shard)
-        executed.append([t.job, key.step, key.shard, key.kind, start, clock()])
+        end = clock()
+        written = model.write_back(key.shard, host[(t.job, key.shard)]) if t.writeback_bytes else 0
+        executed.append([t.job, key.step, key.shard, key.kind, start, end, loaded, written])
         for x in sends[(t.job, key)]:
             send(model.payload(key.step, x.what, key.shard), x.dst, x.tag)
     return executed
+
+
+def host_memory(spec: dict[str, Any], models: list[ShardedModel], rank: int) -> dict[tuple[int, int], torch.Tensor]:
+    """(job, shard) -> the spilled shard's flat float32 tensor in host memory, mapped from its file
+    (module docstring); rank 0 writes the initial weights (a barrier must follow)."""
+    host = {}
+    for j, (job, model) in enumerate(zip(spec["jobs"], models)):
+        for s in range(model.shards) if job.get("spill") else ():
+            flat = model.payload(0, "params", s)
+            host[(j, s)] = torch.from_file(host_file(spec["host_dir"], j, s), shared=True, size=flat.numel(),
+                                           dtype=flat.dtype)
+            if rank == 0:
+                host[(j, s)].copy_(flat)
+    return host
+
+
+def host_file(host_dir: str, job: int, shard: int) -> str:
+    return str(Path(host_dir) / f"host-job{job}-shard{shard}.bin")
 
 
 def run(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     models = [build_job(job) for job in spec["jobs"]]
     for model in models:
         model.warm_up()
+    host = host_memory(spec, models, rank)
     tasks = [task_from_dict(t) for t in spec["tasks"]]
     pending = []
 
@@ -91,7 +118,8 @@ def run(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     dist.barrier()
     t0 = time.perf_counter()
     executed = run_tasks(models, device_order(tasks, rank), message_maps(tasks, rank),
-                         lambda buf, src, tag: dist.recv(buf, src=src, tag=tag), send, lambda: time.perf_counter() - t0)
+                         lambda buf, src, tag: dist.recv(buf, src=src, tag=tag), send, lambda: time.perf_counter() - t0,
+                         host)
     for handle, _ in pending:
         handle.wait()
     dist.barrier()

@@ -15,6 +15,15 @@ job then tries again when the next running task ends. At one instant, devices th
 before devices that look ahead (a busy device never takes a job an idle one could start now).
 Without prefetch a device places a task only when it is free. Links are not contended (each message takes its alpha-beta time).
 
+A spilled job's task (autoddl/shard_program.py: ``ShardedJob.host_copies``) also loads its shard
+from host memory on the device's ``copy_h2d`` stream (autoddl/offload.py's ``copy_stream``: one
+copy engine each way, copies one after another in placement order), from the moment it is placed
+and once the shard's last write-back has ended, and starts once the load has ended; a backward's
+write-back follows its end on the ``copy_d2h`` stream. Each copy is priced by ``host_copy_s(nbytes)``
+(``costmodel.host.host_copy_time_s``). With prefetch the load of the next task overlaps the current
+compute, so a device holds at most the running shard and the next one (and the activations its
+jobs keep for their backwards); the makespan counts the last write-back.
+
 Baselines (finish time per job and the makespan), from each job's solo times:
 
 - ``sequential``: one job at a time on all devices with its own best plan, in the listed order:
@@ -32,6 +41,7 @@ from typing import Callable, Sequence
 from autoddl.shard_program import JobPlacement, ScheduledTask, ShardedJob, device_order
 
 TransferFn = Callable[[int, int, int], float]
+HostCopyFn = Callable[[int], float]
 
 
 @dataclass
@@ -44,13 +54,13 @@ class Schedule:
 
     @property
     def makespan_s(self) -> float:
-        return max((t.end_s for t in self.tasks), default=0.0)
+        return max((t.done_s for t in self.tasks), default=0.0)
 
     def finish_s(self) -> list[float]:
-        """Per job, when its last task ends."""
+        """Per job, when its last task (and its write-back) ends."""
         out = [0.0] * len(self.jobs)
         for t in self.tasks:
-            out[t.job] = max(out[t.job], t.end_s)
+            out[t.job] = max(out[t.job], t.done_s)
         return out
 
     def on_device(self, device: int) -> list[ScheduledTask]:
@@ -70,23 +80,37 @@ class _JobState:
         self.next = 0
         self.ready_s = 0.0
         self.placement = JobPlacement(job)
+        self.host_ready_s = [0.0] * job.shards       # when each shard's last write-back ended
 
     @property
     def done(self) -> bool:
         return self.next == len(self.keys)
 
 
+class _DeviceState:
+    def __init__(self) -> None:
+        self.free_s = 0.0
+        self.h2d_free_s = 0.0
+        self.d2h_free_s = 0.0
+        self.last: tuple[int, int] | None = None     # (job, shard) of the task placed last
+
+
 def lrtf_schedule(jobs: Sequence[ShardedJob], devices: int, transfer_s: TransferFn, *,
-                  prefetch: bool = True) -> Schedule:
-    """The sharded-LRTF schedule of every task of ``jobs`` on ``devices`` (module docstring)."""
+                  prefetch: bool = True, host_copy_s: HostCopyFn | None = None) -> Schedule:
+    """The sharded-LRTF schedule of every task of ``jobs`` on ``devices`` (module docstring);
+    ``host_copy_s``: seconds of one host copy, needed when a job is spilled."""
     if devices < 1:
         raise ValueError(f"need at least one device to schedule on, got {devices}")
+    spilled = [j.name for j in jobs if j.spill]
+    if spilled and host_copy_s is None:
+        raise ValueError(f"jobs {spilled} are spilled to host memory but no host copy price was given "
+                         "(the cluster needs a host_link)")
     states = [_JobState(j) for j in jobs]
     out = Schedule(list(jobs), devices)
-    free = [0.0] * devices
+    dev = [_DeviceState() for _ in range(devices)]
 
     def event(time: float, d: int) -> tuple[float, int, int]:
-        return time, int(free[d] > time), d          # at one instant, free devices choose before busy ones
+        return time, int(dev[d].free_s > time), d          # at one instant, free devices choose before busy ones
 
     events = [event(0.0, d) for d in range(devices)]     # the device places a task then
     sleeping: set[int] = set()
@@ -100,9 +124,8 @@ def lrtf_schedule(jobs: Sequence[ShardedJob], devices: int, transfer_s: Transfer
             else:
                 sleeping.add(d)
             continue
-        task = _place(states[j], j, d, now, free[d], transfer_s)
+        task = _place(states[j], j, d, now, dev[d], transfer_s, host_copy_s)
         out.tasks.append(task)
-        free[d] = task.end_s
         for e in sleeping:
             heapq.heappush(events, event(task.end_s, e))
         sleeping.clear()
@@ -124,17 +147,28 @@ def _pick(states: list[_JobState], device: int, now: float) -> int | None:
     return best
 
 
-def _place(state: _JobState, j: int, device: int, now: float, free_s: float, transfer_s: TransferFn
-           ) -> ScheduledTask:
+def _place(state: _JobState, j: int, device: int, now: float, dev: _DeviceState, transfer_s: TransferFn,
+           host_copy_s: HostCopyFn | None) -> ScheduledTask:
     key = state.keys[state.next]
     inbox = state.placement.task_inputs(key, device)
     moved = sum(transfer_s(m.src, device, m.nbytes) for m in inbox)
-    start = max(free_s, now + moved)
-    end = start + state.durations[state.next]
+    load, writeback = state.placement.job.host_copies(key, dev.last == (j, key.shard))
+    load_start = load_end = now
+    if load:
+        load_start = max(now, dev.h2d_free_s, state.host_ready_s[key.shard])
+        load_end = dev.h2d_free_s = load_start + host_copy_s(load)
+    start = max(dev.free_s, now + moved, load_end)
+    end = dev.free_s = start + state.durations[state.next]
+    wb_start = wb_end = 0.0
+    if writeback:
+        wb_start = max(end, dev.d2h_free_s)
+        wb_end = dev.d2h_free_s = state.host_ready_s[key.shard] = wb_start + host_copy_s(writeback)
+    dev.last = (j, key.shard)
     state.placement.place(key, device)
     state.next += 1
     state.ready_s = end
-    return ScheduledTask(j, key, device, start, end, moved, inbox)
+    return ScheduledTask(j, key, device, start, end, moved, inbox, load, load_start if load else 0.0,
+                         load_end if load else 0.0, writeback, wb_start, wb_end)
 
 
 # -- baselines ---------------------------------------------------------------------------------------

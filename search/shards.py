@@ -25,6 +25,7 @@ from autoddl.shard_program import ShardedJob, param_homes, shard_flows
 from autoddl.training import Training
 from costmodel.breakdown import plan_cost
 from costmodel.collectives import send_recv_time_s
+from costmodel.compute import optimizer_state_bytes
 from search.planner import inner_tp_plan
 from search.stages import BlockCosts, balanced_cuts, block_costs
 
@@ -64,9 +65,10 @@ def shard_job(name: str, graph: OpGraph, cluster: Cluster, steps: int, shards: i
     cuts = tuple(costs.blocks[i] for i in starts[1:])
     shard_of = stages_from_cuts(graph, cuts)
     ranges = list(zip(starts, starts[1:] + [len(costs.blocks)]))
-    params = [0] * k
+    params, numel = [0] * k, [0] * k
     for node_name, s in param_homes(graph, shard_of).items():
         params[s] += graph[node_name].outputs[0].nbytes
+        numel[s] += graph[node_name].outputs[0].numel
     total_params = sum(params) or 1
     share = cluster.time_sharing((cluster.num_devices,))      # every device busy at once
     job = ShardedJob(
@@ -74,7 +76,8 @@ def shard_job(name: str, graph: OpGraph, cluster: Cluster, steps: int, shards: i
         forward_s=tuple(share * sum(costs.forward_s[a:b]) for a, b in ranges),
         backward_s=tuple(share * (sum(costs.backward_s[a:b]) + costs.optimizer_s * params[s] / total_params)
                          for s, (a, b) in enumerate(ranges)),
-        param_bytes=tuple(params), flows=shard_flows(graph, shard_of), cuts=cuts)
+        param_bytes=tuple(params), flows=shard_flows(graph, shard_of), cuts=cuts,
+        state_bytes=tuple(int(optimizer_state_bytes(n, optimizer)) for n in numel))
     bd = plan_cost(graph, plan, one)
     return job, SoloCost(share * bd.step_time_s, bd.memory_bytes_per_device, bd.fits_memory)
 

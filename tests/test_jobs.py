@@ -55,3 +55,29 @@ def test_bad_files_name_the_file_job_and_field(tmp_path, text, message):
 def test_a_missing_file_says_what_to_write(tmp_path):
     with pytest.raises(JobsFileError, match="no such jobs file; write one as in examples/sweep.yaml"):
         load_jobs(tmp_path / "none.yaml")
+
+
+def test_per_job_settings_and_what_the_run_refuses(tmp_path):
+    (tmp_path / "best.json").write_text("{}")
+    (job,) = load_jobs(_write(tmp_path, "jobs:\n  - {name: a, model: m.py, steps: 3, spill: host, precision: bf16,"
+                                        " recompute: full, optimizer: adamw, plan: best.json}\n"))
+    assert (job.spill, job.precision, job.recompute, job.optimizer) == ("host", "bf16", "full", "adamw")
+    assert job.plan == str(tmp_path / "best.json")
+    assert job.unrunnable() == ["precision: bf16", "recompute: full", "optimizer: adamw"]
+    (plain,) = load_jobs(_write(tmp_path, "jobs:\n  - {model: m.py, steps: 3}\n"))
+    assert (plain.spill, plain.precision, plain.recompute, plain.optimizer, plain.plan) == (
+        "none", "fp32", "none", "sgd", None) and plain.unrunnable() == []
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("spill", "disk", "field 'spill': expected none or host or auto, got 'disk'"),
+    ("precision", "fp16", "field 'precision': expected fp32 or bf16, got 'fp16'"),
+    ("recompute", "selective", "field 'recompute': expected none or full, got 'selective'"),
+    ("optimizer", "adam", "field 'optimizer': expected sgd or adamw, got 'adam'"),
+    ("plan", "nope.json", "field 'plan': 'nope.json' is not a file"),
+])
+def test_bad_settings_name_the_file_job_and_field(tmp_path, field, value, message):
+    path = _write(tmp_path, f"jobs:\n  - {{name: a, model: m.py, steps: 1, {field}: {value}}}\n")
+    with pytest.raises(JobsFileError) as info:
+        load_jobs(path)
+    assert f"{path}: jobs[0] ('a'): {message}" in str(info.value)

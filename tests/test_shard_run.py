@@ -51,3 +51,40 @@ def test_shards_moved_between_two_emulated_ranks_train_as_the_job_alone():
     trained = dict(model.named_parameters(remove_duplicate=False))
     for node, fqn in ranks[0][0].fqns.items():
         assert torch.allclose(final[node], trained[fqn], rtol=1e-5, atol=1e-7), fqn
+
+
+def test_a_spilled_job_moved_between_two_emulated_ranks_through_host_memory_trains_as_alone():
+    ranks = {r: [build_job(JOB)] for r in (0, 1)}
+    model = ranks[0][0]
+    flat = [model.payload(0, "params", s) for s in range(model.shards)]
+    job = ShardedJob("gpt", 2, (1.0, 1.0), (1.0, 1.0), param_bytes=tuple(4 * f.numel() for f in flat),
+                     flows=model.flows, cuts=tuple(JOB["cuts"]), spill=True)
+    placement, last, tasks = JobPlacement(job), {0: None, 1: None}, []
+    for i, key in enumerate(job.tasks()):             # DEVICE's placement, each copy as the scheduler prices it
+        device = DEVICE[(key.step, key.shard)]
+        load, writeback = job.host_copies(key, last[device] == key.shard)
+        inbox = placement.task_inputs(key, device)
+        placement.place(key, device)
+        last[device] = key.shard
+        tasks.append(ScheduledTask(0, key, device, float(i), i + 1.0, 0.0, inbox, load_bytes=load,
+                                   writeback_bytes=writeback))
+    kinds = {x.what.split(":")[0] for x in transfers(tasks)}
+    assert kinds == {"host", "act", "grad"}           # no params message: the shards go through host memory
+    host = {(0, s): f.clone() for s, f in enumerate(flat)}
+    mailbox: dict[int, torch.Tensor] = {}
+    maps = {r: message_maps(tasks, r) for r in ranks}
+    executed = []
+    for t in tasks:
+        executed += run_tasks(ranks[t.device], [t], maps[t.device], lambda buf, src, tag: buf.copy_(mailbox.pop(tag)),
+                              lambda x, dst, tag: mailbox.__setitem__(tag, x.clone()), lambda: 0.0, host)
+    assert [tuple(e[6:8]) for e in executed] == [(t.load_bytes, t.writeback_bytes) for t in tasks]
+    p0, p1 = job.param_bytes                          # a task after the same shard on its device does not load
+    assert [t.load_bytes for t in tasks] == [p0, p1, 0, 0, p0, p1, 0, 0]
+    assert [t.writeback_bytes for t in tasks] == [0, 0, p1, p0, 0, 0, p1, p0]
+    alone, trained = train_alone(JOB, 2)
+    assert [ranks[1][0].losses[0], ranks[0][0].losses[1]] == pytest.approx(alone, rel=1e-5)
+    # host memory holds the trained weights after the last write-backs
+    final = dict(trained.named_parameters(remove_duplicate=False))
+    for s in range(model.shards):
+        want = torch.cat([final[model.fqns[n]].detach().reshape(-1) for n in model.own[s]])
+        assert torch.allclose(host[(0, s)], want, rtol=1e-5, atol=1e-7)

@@ -157,4 +157,98 @@ def test_a_tiny_gpt_cut_in_two_prices_its_shards_from_the_one_device_timeline():
     assert job4.forward_s == pytest.approx(tuple(2 * x for x in job.forward_s))
     assert job4.backward_s == pytest.approx(tuple(2 * x for x in job.backward_s))
     assert solo4.step_s == pytest.approx(2 * solo.step_s)
+    # a spilled shard's optimizer states move with it before and after its backward: AdamW's two
+    # float32 states per element are twice the float32 parameters, SGD has none
+    assert job.state_bytes == (0, 0)
+    adamw, _ = shard_job("gpt", graph, cluster, steps=3, shards=2, optimizer="adamw")
+    assert adamw.state_bytes == tuple(2 * p for p in job.param_bytes)
     assert transfer_fn(four)(0, 1, 10**6) == pytest.approx(2 * transfer_fn(cluster)(0, 1, 10**6))
+
+
+# -- spilled jobs: shards in host memory ------------------------------------------------------------
+
+def _spilled_pair() -> list[ShardedJob]:
+    return [ShardedJob("A", 1, forward_s=(2.0, 2.0), backward_s=(3.0, 3.0), param_bytes=(10, 10), spill=True),
+            ShardedJob("B", 1, forward_s=(1.0, 1.0), backward_s=(1.0, 1.0), param_bytes=(10, 10), spill=True)]
+
+
+def _copies(schedule) -> list[tuple]:
+    names = [j.name for j in schedule.jobs]
+    return [(t.label(names), t.load_start_s, t.load_end_s, t.start_s, t.end_s, t.writeback_start_s,
+             t.writeback_end_s) for t in schedule.tasks]
+
+
+# Worked by hand; a copy takes 1 s (10 bytes at 10 B/s). Without prefetch A (10 s of compute) goes
+# first while it is ready; a shard is not loaded again when the device's previous task was that shard
+# (A:B1 after A:F1); every backward writes its shard back after it ends (d2h stream, not delaying the
+# next load): 14 s of compute + 6 loads in series + the last write-back. With prefetch the next task is
+# placed when the current one starts, so its load overlaps that compute; LRTF interleaves A and B (each
+# ready while the other runs), every task loads its shard: 1 s first load + 14 s + 1 s write-back.
+SPILLED_BY_HAND = {
+    False: (21.0, [("A:F0@0", 0.0, 1.0, 1.0, 3.0, 0.0, 0.0), ("A:F1@0", 3.0, 4.0, 4.0, 6.0, 0.0, 0.0),
+                   ("A:B1@0", 0.0, 0.0, 6.0, 9.0, 9.0, 10.0), ("B:F0@0", 9.0, 10.0, 10.0, 11.0, 0.0, 0.0),
+                   ("A:B0@0", 11.0, 12.0, 12.0, 15.0, 15.0, 16.0), ("B:F1@0", 15.0, 16.0, 16.0, 17.0, 0.0, 0.0),
+                   ("B:B1@0", 0.0, 0.0, 17.0, 18.0, 18.0, 19.0), ("B:B0@0", 18.0, 19.0, 19.0, 20.0, 20.0, 21.0)]),
+    True: (16.0, [("A:F0@0", 0.0, 1.0, 1.0, 3.0, 0.0, 0.0), ("B:F0@0", 1.0, 2.0, 3.0, 4.0, 0.0, 0.0),
+                  ("A:F1@0", 3.0, 4.0, 4.0, 6.0, 0.0, 0.0), ("B:F1@0", 4.0, 5.0, 6.0, 7.0, 0.0, 0.0),
+                  ("A:B1@0", 6.0, 7.0, 7.0, 10.0, 10.0, 11.0), ("B:B1@0", 7.0, 8.0, 10.0, 11.0, 11.0, 12.0),
+                  ("A:B0@0", 10.0, 11.0, 11.0, 14.0, 14.0, 15.0), ("B:B0@0", 11.0, 12.0, 14.0, 15.0, 15.0, 16.0)]),
+}
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_two_spilled_jobs_of_two_shards_on_one_device_load_each_shard_as_worked_by_hand(prefetch):
+    s = lrtf_schedule(_spilled_pair(), 1, _one_second, prefetch=prefetch, host_copy_s=lambda n: n / 10)
+    makespan, rows = SPILLED_BY_HAND[prefetch]
+    assert _copies(s) == rows and s.makespan_s == makespan
+    assert all(t.load_bytes == (10 if t.load_end_s else 0) for t in s.tasks)
+    assert [t.writeback_bytes for t in s.tasks] == [10 if t.key.kind == BACKWARD else 0 for t in s.tasks]
+    # at most the running shard and the next one are on the device: a load never starts before the
+    # task placed before it has started
+    assert all(t.load_start_s >= s.tasks[i - 1].start_s for i, t in enumerate(s.tasks) if i and t.load_bytes)
+    if not prefetch:
+        assert s.finish_s() == [16.0, 21.0]
+
+
+def test_a_spilled_shard_is_not_reloaded_where_it_just_ran_and_moves_through_host_memory():
+    # B (not spilled, longer) takes device 0, A runs on device 1 and loads its only shard once: each
+    # later task follows the same shard on that device. A spilled forward on another device gets no
+    # params message, only the order of the shard's write-back (a 0-byte host message).
+    jobs = [ShardedJob("A", 2, (1.0,), (1.0,), (10,), spill=True), ShardedJob("B", 1, (5.0,), (5.0,), (10,))]
+    s = lrtf_schedule(jobs, 2, lambda src, dst, n: 0.0 if n == 0 else 99.0, prefetch=False,
+                      host_copy_s=lambda n: n / 10)
+    a = [t for t in s.tasks if t.job == 0]
+    assert [(str(t.key), t.device) for t in a] == [("F0@0", 1), ("B0@0", 1), ("F0@1", 1), ("B0@1", 1)]
+    assert [t.load_bytes for t in a] == [10, 0, 0, 0]          # the same device keeps it after its write-back
+    b = s.tasks[[t.job for t in s.tasks].index(1)]
+    assert b.load_bytes == 0 and b.writeback_bytes == 0        # B is not spilled
+    p = JobPlacement(jobs[0])
+    p.place(TaskKey(0, 0, FORWARD), 0)
+    (host,) = p.task_inputs(TaskKey(1, 0, FORWARD), 1)
+    assert (host.src, host.nbytes, host.what, host.producer) == (0, 0, "host", TaskKey(0, 0, BACKWARD))
+
+
+def test_a_spilled_load_is_priced_by_the_host_link_formula():
+    from autoddl.cluster import Cluster
+    from costmodel.host import host_copy_time_s
+
+    cluster = Cluster.from_yaml("configs/dgx-a100-8.yaml")
+    link = cluster.host_link
+    nbytes = 64 * 2**20
+    by_hand = link.latency_us * 1e-6 + nbytes / (link.bandwidth_gbps * 1e9)
+    job = ShardedJob("A", 1, (1e-3,), (1e-3,), (nbytes,), spill=True)
+    (f, b) = lrtf_schedule([job], 1, _one_second, host_copy_s=lambda n: host_copy_time_s(n, cluster)).tasks
+    assert f.load_end_s - f.load_start_s == pytest.approx(by_hand, rel=1e-12) and f.start_s == f.load_end_s
+    assert b.load_bytes == 0 and b.writeback_end_s - b.writeback_start_s == pytest.approx(by_hand, rel=1e-12)
+    with pytest.raises(ValueError, match=r"jobs \['A'\] are spilled to host memory but no host copy price"):
+        lrtf_schedule([job], 1, _one_second)
+
+
+def test_a_spilled_backward_also_loads_and_writes_back_its_optimizer_states():
+    job = ShardedJob("A", 1, (1.0,), (1.0,), (10,), spill=True, state_bytes=(20,))
+    assert job.host_copies(TaskKey(0, 0, FORWARD), resident=False) == (10, 0)
+    assert job.host_copies(TaskKey(0, 0, FORWARD), resident=True) == (0, 0)
+    assert job.host_copies(TaskKey(0, 0, BACKWARD), resident=True) == (20, 30)      # the states only
+    assert job.host_copies(TaskKey(0, 0, BACKWARD), resident=False) == (30, 30)
+    assert ShardedJob("B", 1, (1.0,), (1.0,), (10,), state_bytes=(20,)).host_copies(
+        TaskKey(0, 0, BACKWARD), resident=False) == (0, 0)                           # not spilled

@@ -2,7 +2,8 @@
 
 Prints one row per job (steps, shards, its solo times, its finish time under each schedule) and the
 three makespans with their ratios; writes ``gantt.png`` (device x time, one colour per job) and
-``schedule.csv`` (every task: job, device, kind, shard, step, start, end, transfer) to ``--out``.
+``schedule.csv`` (every task: job, device, kind, shard, step, start, end, transfer, and a spilled
+shard's host copies: bytes, start and end of its load and write-back) to ``--out``.
 With ``--run`` the schedule runs on gloo ranks (autoddl/scheduling_run.py): measured
 against predicted makespan, each job's losses against the job trained alone in one process.
 """
@@ -16,7 +17,7 @@ from autoddl.atomic import write_csv_atomic
 from autoddl.charts import gantt_chart
 from autoddl.cli import EXPECTED_ERRORS, common_options, register, table
 from autoddl.cluster import DEFAULT_CLUSTER_PATH, Cluster
-from autoddl.jobs import JobsFileError
+from autoddl.jobs import JobsFileError, load_jobs
 from autoddl.scheduling import CSV_COLUMNS, SweepPlan, job_rows, plan_sweep, task_rows
 
 if JobsFileError not in EXPECTED_ERRORS:
@@ -50,7 +51,8 @@ def _ms(seconds: float | None) -> str:
 
 
 def print_sweep(sweep: SweepPlan) -> None:
-    rows = [(r["job"], str(r["steps"]), str(r["shards"]), _ms(r["solo_one_device_s"]), _ms(r["solo_best_plan_s"]),
+    rows = [(r["job"], str(r["steps"]), str(r["shards"]) + (" (host)" if r["spilled"] else ""),
+             _ms(r["solo_one_device_s"]), _ms(r["solo_best_plan_s"]),
              _ms(r["finish_lrtf_s"]), _ms(r["finish_sequential_s"]), _ms(r["finish_one_per_device_s"]))
             for r in job_rows(sweep)]
     n = sweep.cluster.num_devices
@@ -61,6 +63,14 @@ def print_sweep(sweep: SweepPlan) -> None:
     print(f"  sharded-LRTF ({'with' if sweep.prefetch else 'without'} prefetch): {_ms(lrtf)} ms, devices busy "
           f"{sweep.schedule.busy_fraction():.0%} (the schedule {'without' if sweep.prefetch else 'with'} prefetch: "
           f"{_ms(sweep.other_makespan_s)} ms)")
+    copies = [t for t in sweep.schedule.tasks if t.load_bytes or t.writeback_bytes]
+    if copies:
+        load_s = sum(t.load_end_s - t.load_start_s for t in copies)
+        back_s = sum(t.writeback_end_s - t.writeback_start_s for t in copies)
+        print(f"  host copies of spilled shards: {sum(1 for t in copies if t.load_bytes)} loads "
+              f"({sum(t.load_bytes for t in copies) / 1e6:.2f} MB, {_ms(load_s)} ms), "
+              f"{sum(1 for t in copies if t.writeback_bytes)} write-backs "
+              f"({sum(t.writeback_bytes for t in copies) / 1e6:.2f} MB, {_ms(back_s)} ms) on the copy streams")
     for base, what in ((sweep.sequential, "one model at a time, each with its best plan on all devices"),
                        (sweep.one_per_device, "one model per device")):
         if base.makespan_s is None:
@@ -69,9 +79,21 @@ def print_sweep(sweep: SweepPlan) -> None:
             print(f"  {base.name} ({what}): {_ms(base.makespan_s)} ms ({base.makespan_s / lrtf:.2f}x sharded-LRTF)")
 
 
+def refuse_unrunnable(jobs_yaml: str) -> None:
+    """``--run`` executes fp32, no recompute, SGD (autoddl/jobs.py): refuse a job asking for more."""
+    for i, spec in enumerate(load_jobs(jobs_yaml)):
+        bad = spec.unrunnable()
+        if bad:
+            raise JobsFileError(f"{jobs_yaml}: jobs[{i}] ({spec.name!r}): {', '.join(bad)}: --run executes only "
+                                "precision: fp32, recompute: none, optimizer: sgd; plan without --run, or remove "
+                                "these fields to run the job")
+
+
 def run_schedule(args: argparse.Namespace) -> int:
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps {args.steps}: must be >= 1")
+    if args.run:
+        refuse_unrunnable(args.jobs_yaml)
     cluster = Cluster.from_yaml(args.cluster)
     sweep = plan_sweep(args.jobs_yaml, cluster, args.devices, args.steps)
     print_sweep(sweep)
