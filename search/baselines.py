@@ -76,8 +76,8 @@ def exchanged_specs(mesh_ndim: int) -> list[BaselineSpec]:
     the outer one a step may be cheaper so (issue 14: two hosts at 10 Gbit/s). None on other meshes."""
     if mesh_ndim != 2:
         return []
-    return [BaselineSpec(EXCHANGED[s.name], s.roles[::-1], f"{s.name} with its mesh axes' roles exchanged "
-                                                           f"({s.roles[1]} on the outer axis, {s.roles[0]} inside)")
+    return [BaselineSpec(EXCHANGED[s.name], s.roles[::-1], f"{s.name} with its mesh axes' roles exchanged: "
+                                                           f"{s.roles[1]} on the outer axis, {s.roles[0]} inside")
             for s in baseline_specs(2) if s.name in EXCHANGED]
 
 
