@@ -66,6 +66,21 @@ def baseline_specs(mesh_ndim: int) -> list[BaselineSpec]:
     return [BaselineSpec("dp", ("dp",) * mesh_ndim, "data parallel over every mesh axis")]
 
 
+EXCHANGED = {"dp_tp": "tp_dp", "fsdp_tp": "tp_fsdp"}    # a 2-D baseline -> its twin with the axes' roles exchanged
+
+
+def exchanged_specs(mesh_ndim: int) -> list[BaselineSpec]:
+    """The 2-D baselines whose axes play different roles, with the roles exchanged: Megatron on
+    the outer axis, the batch split on the inner one (``tp_dp``, ``tp_fsdp``). No expert runs
+    them by default (tp goes inside a node), but where the inner link is not much faster than
+    the outer one a step may be cheaper so (issue 14: two hosts at 10 Gbit/s). None on other meshes."""
+    if mesh_ndim != 2:
+        return []
+    return [BaselineSpec(EXCHANGED[s.name], s.roles[::-1], f"{s.name} with its mesh axes' roles exchanged: "
+                                                           f"{s.roles[1]} on the outer axis, {s.roles[0]} inside")
+            for s in baseline_specs(2) if s.name in EXCHANGED]
+
+
 @dataclass(frozen=True)
 class Baseline:
     spec: BaselineSpec

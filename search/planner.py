@@ -3,8 +3,10 @@
 For each mesh shape (every 1-D and 2-D factorisation of the device count with
 the inner axis inside a node, or the one the user gave) the graph is turned
 into a SearchProblem, the baselines that exist on that mesh are built, and
-coordinate descent starts from them and from a greedy plan. Every candidate
-plan is then priced by the full cost model (``costmodel.plan_cost``), and the
+coordinate descent starts from them and from a greedy plan (on a 2-D mesh
+whose outer axis crosses nodes, also from DP x TP and FSDP x TP with their axes'
+roles exchanged, when near the best start: ``_Search.exchanged_starts``). Every
+candidate plan is then priced by the full cost model (``costmodel.plan_cost``), and the
 cheapest one that fits the per-device memory limit is the found plan. The
 found plan is never worse than a baseline: each baseline is itself a start,
 and a baseline whose full cost beats the descent's result would be returned.
@@ -39,7 +41,7 @@ from autoddl.program import lower
 from autoddl.training import Training
 from costmodel.breakdown import CostBreakdown, plan_cost, predicted_collectives
 from costmodel.memory import activation_bytes, memory_bytes, recomputed_bytes
-from search.baselines import BaselineSpec, baseline_specs, build_baseline
+from search.baselines import BaselineSpec, baseline_specs, build_baseline, exchanged_specs
 from search.formulate import Formulation, FormulationCache, formulate
 from search.meshes import inner_axis_in_node, mesh_shapes
 from search.stages import stage_cuts
@@ -48,7 +50,8 @@ from search.problem import NoFeasiblePlanError, memory_tolerance
 from search.zero import ZERO_STAGES, data_parallel_axes, with_zero
 
 
-NEAR_BEST = 1.05    # meshes whose search objective is within 5% of the best get the full cost model
+NEAR_BEST = 1.05    # meshes (and exchanged starts) whose search objective is within 5% of the best
+                    # get the full cost model
 
 
 SCHEMES = ("found", "dp", "zero1", "zero2", "zero3", "tp", "sp", "dp_tp", "fsdp_tp")   # `autoddl plan --scheme`
@@ -338,6 +341,7 @@ class _Search:
         self.formulations: dict[tuple[int, ...], Formulation] = {}
         self.min_memory = math.inf
         self.descended: list[tuple] = []  # (mesh, formulation, search result, level, priced plan or None, breakdown)
+        self.exchanged: list[tuple[BaselineSpec, Formulation, np.ndarray]] = []    # kept starts (exchanged_starts)
 
     def at(self, level: int) -> Training:
         return at_level(self.training, self.levels[level])
@@ -395,13 +399,42 @@ class _Search:
             if base.applicable:
                 starts[spec.name] = base.assignment
                 if is_canonical:
-                    plan = self.plan_of(spec.name, form, base.assignment, self.at(0))
-                    plan, bd = fit_recompute(self.graph, plan, self.cluster, self.limit, self.levels) if self.auto \
-                        else (plan, price(self.graph, plan, self.cluster, self.limit))
-                    self.baselines[spec.name] = Scheme(spec.name, plan, bd)
+                    self.baselines[spec.name] = Scheme(spec.name, *self.priced(spec.name, form, base.assignment))
             elif is_canonical:
                 self.baselines[spec.name] = Scheme(spec.name, None, None, base.reason)
-        return starts
+        return {**starts, **self.exchanged_starts(shape, form, starts)}
+
+    def priced(self, name: str, form: Formulation, assignment: np.ndarray) -> tuple[Plan, CostBreakdown]:
+        """A fixed assignment (a baseline's) as a plan priced by the full cost model, at the first
+        recompute level at which it fits under auto."""
+        plan = self.plan_of(name, form, assignment, self.at(0))
+        return fit_recompute(self.graph, plan, self.cluster, self.limit, self.levels) if self.auto \
+            else (plan, price(self.graph, plan, self.cluster, self.limit))
+
+    def exchanged_starts(self, shape: tuple[int, ...], form: Formulation,
+                         starts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """On a 2-D mesh whose axes cross different links (the outer one across nodes, the inner one
+        inside), the 2-D baselines with their axes' roles exchanged (search/baselines.py's
+        ``exchanged_specs``: ``tp_dp`` runs Megatron across the outer axis). Descent cannot reach
+        such a plan from its twin (every op's roles would have to move at once), and the search
+        objective can rank the descent's own plan above it where the full cost model does not
+        (issue 14, llama tiny at 256 wide on two hosts at 10 Gbit/s: tp_dp 76.9 ms, the found plan
+        dp_tp's 82.9), so a kept one is both a start and a candidate :meth:`choose` prices; it is
+        not a baseline of the table. Kept only when its search objective is within ``NEAR_BEST`` of
+        the best baseline start's on the mesh (the objective ranks plans this close only roughly:
+        gpt there, tp_dp 2% above dp_tp by it, 7% below the found dp by the full cost model), so
+        that where tp across nodes is hopeless (Llama-3-8B on 8x8 of h100-4x8: 4x the best start's
+        objective) it costs two greedy builds and no descent or pricing."""
+        if len(shape) != 2 or self.cluster.link_for_axis(shape, 0) is self.cluster.link_for_axis(shape, 1):
+            return {}
+        best = min((form.problem.cost(a) for a in starts.values()), default=math.inf)
+        kept: dict[str, np.ndarray] = {}
+        for spec in exchanged_specs(2):
+            base = build_baseline(form, spec)
+            if base.applicable and form.problem.cost(base.assignment) <= NEAR_BEST * best:
+                kept[spec.name] = base.assignment
+                self.exchanged.append((spec, form, base.assignment))
+        return kept
 
     def descend(self, form_at: Callable[[int], Formulation], starts: dict[str, np.ndarray]) -> tuple:
         """Coordinate descent from ``starts`` at the first recompute level where the mesh's best plan
@@ -452,15 +485,17 @@ class _Search:
         for scheme in self.baselines.values():
             if scheme.plan is not None:
                 candidates.append((scheme.plan, scheme.breakdown))
+        candidates += [self.priced(spec.name, form, a) for spec, form, a in self.exchanged]
         fitting = [(p, bd) for p, bd in candidates if bd.fits_memory]
         if not fitting:
             need = min([bd.memory_bytes_per_device for _, bd in candidates] + [self.min_memory])
             raise NoFeasiblePlanError(need, self.limit)
         best_plan, best_bd = min(fitting, key=lambda pb: pb[1].step_time_s)
         if best_plan.name != "found":               # a baseline beat the descent under the full cost model
-            kept = best_plan.name
+            kept = next((f"{s.name} start ({s.description})" for s, *_ in self.exchanged if s.name == best_plan.name),
+                        f"{best_plan.name} baseline")
             best_plan = Plan.from_dict({**best_plan.to_dict(), "name": "found"})
-            best_plan.notes.append(f"the search kept the {kept} baseline: no plan it visited was cheaper "
+            best_plan.notes.append(f"the search kept the {kept}: no plan it visited was cheaper "
                                    "under the full cost model")
         return best_plan, best_bd
 

@@ -16,7 +16,7 @@ from autoddl.plan import Plan
 from autoddl.training import Training
 from autoddl.sbp import B, NdSbp, S
 from costmodel.breakdown import plan_cost, predicted_collectives
-from search.baselines import baseline_specs, build_baseline
+from search.baselines import baseline_specs, build_baseline, exchanged_specs
 from search.formulate import formulate
 from search.planner import PlanningError, assignment_plan, search
 from search.problem import NoFeasiblePlanError
@@ -330,3 +330,49 @@ def test_cli_explain_fits_100_columns_names_modules_and_weight_layouts(tmp_path,
     assert main(["explain", str(out), "--op", fc]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len([line for line in lines if line.startswith("linear")]) == 1     # the one op reading it
+
+
+def _two_hosts_at_10_gbit() -> Cluster:
+    """configs/two-hosts.yaml with the link between the hosts as the two-hosts study calibrated it at
+    10 Gbit/s (benchmarks/two_hosts_study.py's ``cluster_for_rate``: ``python benchmarks/two_hosts.py
+    --rate-mbit 10000 -- -m autoddl calibrate --across-hosts``, 2026-11-23 16:35, links.inter_node:
+    median over the 5 kinds, 0.3296 GB/s per device, 868.7 us; the cluster of results/two_hosts.csv's
+    10 Gbit/s rows)."""
+    d = Cluster.from_yaml(ROOT / "configs" / "two-hosts.yaml").to_dict()
+    d["links"]["inter_node"] = {"bandwidth_gbps": 0.3296, "latency_us": 868.7}
+    return Cluster.from_dict(d, "two-hosts at 10 Gbit/s")
+
+
+def test_search_reaches_tp_across_the_hosts_when_the_cost_model_ranks_it_first():
+    """Issue 14: llama tiny at 256 wide on two hosts at 10 Gbit/s (benchmarks/two_hosts_study.py's
+    MODELS). dp_tp with its mesh axes swapped (tp_dp: Megatron across the link, data parallel inside
+    the hosts) is cheaper under the full cost model than every plan the descent reached from the
+    baselines; the search now starts from it too and prices it, and returns it."""
+    graph = autoddl.trace_model_file(ROOT / "examples" / "llama.py", preset="tiny", dim=256, ffn_dim=768,
+                                     batch_size=8)[1]
+    cluster = _two_hosts_at_10_gbit()
+    assert cluster.link_for_axis((2, 2), 0) == cluster.inter_node != cluster.link_for_axis((2, 2), 1)
+    outcome = search(graph, cluster, model_name="llama", mesh=(2, 2))
+    schemes = {s.name: s for s in outcome.schemes}
+    assert "tp_dp" not in schemes                  # a start and a candidate, not a baseline of the table
+    form = outcome.formulations[(2, 2)]
+    spec = next(s for s in exchanged_specs(2) if s.name == "tp_dp")
+    assert spec.roles == ("tp", "dp")
+    tp_dp = assignment_plan("tp_dp", form, build_baseline(form, spec).assignment, graph.fingerprint(), "llama",
+                            cluster, "adamw", Training())
+    dp_tp = schemes["dp_tp"].plan
+
+    def swapped(nd):
+        return NdSbp(tuple(reversed(nd.sbps)))
+    assert tp_dp.signatures == {k: type(s)(tuple(map(swapped, s.inputs)), tuple(map(swapped, s.outputs)))
+                                for k, s in dp_tp.signatures.items()}          # the study's tp_dp exactly
+    tp_dp_s = plan_cost(graph, tp_dp, cluster).step_time_s
+    found = outcome.found_breakdown.step_time_s
+    assert found <= tp_dp_s * (1 + 1e-9) < schemes["dp_tp"].step_time_s      # was dp_tp's, 7% above tp_dp
+    sigs, storage = outcome.found.signatures, outcome.found.param_storage
+    assert storage["layers.0.attention.wq.weight"] == NdSbp.of(S(0), B)       # column parallel on axis 0
+    assert storage["layers.0.attention.wo.weight"] == NdSbp.of(S(1), B)       # row parallel on axis 0
+    assert storage["layers.0.feed_forward.w2.weight"] == NdSbp.of(S(1), B)
+    tokens = next(n for n in form.nodes if n.kind is NodeKind.INPUT)
+    assert sigs[tokens.name].outputs[0] == NdSbp.of(B, S(0))                  # the batch split inside the hosts
+    assert any("tp_dp start" in note for note in outcome.found.notes)
