@@ -232,11 +232,20 @@ class LinkSpec:
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Fractions of peak really reached (derating); ``autoddl calibrate`` measures them."""
+    """Fractions of peak really reached (derating); ``autoddl calibrate`` measures compute, memory
+    and network. ``attention`` (optional, from a published attention-kernel measurement): the
+    fraction of the dtype's peak a fused attention kernel (scaled_dot_product_attention, forward +
+    backward) reaches, counted as FlashAttention-2 counts its FLOPs (costmodel/compute.py
+    ``attention_time_s``); None prices attention like any matmul, at ``compute``."""
 
     compute: float = 1.0
     memory: float = 1.0
     network: float = 1.0
+    attention: float | None = None
+
+    def to_dict(self) -> dict[str, float]:
+        """The YAML ``efficiency`` section (``attention`` only when set)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -437,7 +446,10 @@ _SHARED_LINK_FIELDS = {     # links.inter_node only (module docstring)
     "measured_flows": ("a positive integer: the flows (groups with a rank on each node) crossing the link at once "
                        "while bandwidth_gbps was measured", "int"),
 }
-_EFFICIENCY_FIELDS = {k: ("a fraction in (0, 1]", "frac") for k in ("compute", "memory", "network")}
+_EFFICIENCY_FIELDS = {**{k: ("a fraction in (0, 1]", "frac") for k in ("compute", "memory", "network")},
+                      "attention": ("a fraction in (0, 1] of the dtype's peak a fused attention kernel reaches "
+                                    "(forward + backward, FlashAttention-2's FLOP count); leave it out to price "
+                                    "attention at efficiency.compute", "frac")}
 _EXECUTOR_FIELDS = {k: (f"a non-negative number of microseconds {what}", "nonneg") for k, what in (
     ("op_forward_us", "per op the executor runs (views included), forward"),
     ("op_backward_us", "per op with a backward (views included)"),
@@ -1004,7 +1016,7 @@ class Cluster:
             "device": self.device.to_dict(),
             "links": {"intra_node": self.intra_node.to_dict(), "inter_node": self.inter_node.to_dict()},
             "backend": Backend(self.backend).value,
-            "efficiency": dataclasses.asdict(self.efficiency),
+            "efficiency": self.efficiency.to_dict(),
             "op_overhead_us": self.op_overhead_us,
             **({"collectives": {k: v.to_dict() for k, v in self.collectives.items()}}
                if self.collectives else {}),
@@ -1128,7 +1140,8 @@ class Cluster:
         return (f"{self.name}: {self.nodes}x{self.devices_per_node} {d.name} ({d.kind}, "
                 f"{d.peak_text()}, {d.memory_gb:g} GB, {d.memory_bandwidth_gbps:g} GB/s) "
                 f"| intra {a.bandwidth_gbps:g} GB/s {a.latency_us:g} us{inter} | {Backend(self.backend).value} "
-                f"| eff compute {f.compute:g} memory {f.memory:g} network {f.network:g} "
+                f"| eff compute {f.compute:g} memory {f.memory:g} network {f.network:g}"
+                + (f" attention {f.attention:g}" if f.attention is not None else "") + " "
                 f"| op overhead {self.op_overhead_us:g} us"
                 + (f" | fitted collectives: {', '.join(k for k, _ in self.collectives.items())}"
                    if self.collectives else "")

@@ -22,8 +22,9 @@ every sync.
 
 Activation recompute (``Training.recompute``): when backward reaches the last op of a recomputed
 block, the block's recomputed ops (``recomputed_ops``) run forward again first, with the forward
-collectives of the edges they box (``full``; ``selective`` keeps matmul and collective outputs, so
-it recomputes element-wise work only). A resharded ZeRO-3 group is gathered again before.
+collectives of the edges they box (``full``; ``selective`` keeps collective and matmul outputs, so
+it recomputes element-wise work and every second 2-D product of the block only). A resharded
+ZeRO-3 group is gathered again before.
 
 Micro-steps (``Training.micro_batches`` = k): the one-micro-step program runs k times; the
 micro-steps before the last skip the gradient syncs that are not reduce-scatters alone (DDP's

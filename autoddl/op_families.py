@@ -66,5 +66,10 @@ MOE_OPS = frozenset({"autoddl.moe_experts.default"})
 
 MATMUL_LIKE = MATMUL_OPS | {"baddbmm"} | CONV_OPS | SDPA_OPS | MOE_OPS
 
+# The aten ops of one 2-D product (a linear, mm, addmm; a matmul folded to one): torchtitan's op-level
+# selective activation checkpointing counts them in each block and recomputes every second one
+# (autoddl/program.py ``recomputed_ops``, executor/recompute.py ``selective_context``).
+ALTERNATE_MM_ATEN = frozenset({"mm", "addmm"})
+
 # Ops that cost nothing to run: views, aliases and reading one output of a multi-output op.
 ZERO_COST = VIEW_OPS | {"getitem"}

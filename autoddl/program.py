@@ -171,16 +171,53 @@ def block_of(node: OpNode) -> str:
     return layer_group(f"{node.module_path}.op") if node.module_path else "root"
 
 
+def runs_as_one_mm(node: OpNode) -> bool:
+    """Whether ``node`` runs as exactly one aten ``mm`` / ``addmm`` (``ALTERNATE_MM_ATEN``): mm, addmm,
+    a linear (a 2-D weight; its input's leading dims folded), a matmul of a 2-D second operand and an
+    at least 2-D first (torch folds it into one mm: aten/src/ATen/native/LinearAlgebra.cpp
+    ``_matmul_impl``)."""
+    if node.op_name in ("mm", "addmm", "linear"):
+        return True
+    metas = node.input_metas
+    return node.op_name == "matmul" and len(metas) == 2 and len(metas[1].shape) == 2 and len(metas[0].shape) >= 2
+
+
+def selective_recomputes(ops: Sequence[OpNode]) -> list[OpNode]:
+    """The ops of one block (forward order) that torchtitan's op-level selective activation
+    checkpointing recomputes: every op but views, the matmul-like ops (whose outputs it saves) and
+    every odd 2-D product; the 2nd, 4th, ... product of the block (``runs_as_one_mm``) is recomputed
+    too. torchtitan (torchtitan/models/llama/parallelize_llama.py, ``_apply_ac_to_transformer_block``
+    at commit 9dec370): ``_save_list`` = {aten.mm, SDPA flash / efficient, reduce_scatter, ...}, and
+    "Saves output of all compute ops, except every second mm", counting ``aten.mm`` per checkpointed
+    block (a fresh ``meta`` per ``context_fn`` call). Its Llama's linears have no bias; a biased one
+    (addmm) counts here as one mm."""
+    out, products = [], 0
+    for node in ops:
+        if node.op_name in ZERO_COST:
+            continue
+        if runs_as_one_mm(node):
+            products += 1
+            if products % 2 == 0:
+                out.append(node)
+        elif node.op_name not in MATMUL_LIKE:
+            out.append(node)
+    return out
+
+
 def recomputed_ops(graph: OpGraph, plan: Plan) -> dict[str, list[OpNode]]:
     """Per block recomputed under ``plan.training``, the ops its backward runs forward again, in
-    forward order: every op of the block (``full``), or its ops that are neither matmul-like
-    (their outputs are kept) nor free views (``selective``, torchtitan's selective-op policy)."""
-    out: dict[str, list[OpNode]] = {}
+    forward order: every op of the block (``full``), or ``selective_recomputes`` of its ops
+    (``selective``, torchtitan's selective-op policy)."""
+    blocks: dict[str, list[OpNode]] = {}
     for node in graph.ops():
         block = block_of(node)
-        policy = plan.training.recompute_of(block)
-        if policy == "full" or (policy == "selective" and node.op_name not in MATMUL_LIKE | ZERO_COST):
-            out.setdefault(block, []).append(node)
+        if plan.training.recompute_of(block) != "none":
+            blocks.setdefault(block, []).append(node)
+    out = {}
+    for block, ops in blocks.items():
+        chosen = ops if plan.training.recompute_of(block) == "full" else selective_recomputes(ops)
+        if chosen:
+            out[block] = chosen
     return out
 
 

@@ -11,8 +11,8 @@ tasks of the step program, which the cost model prices and the executor runs.
   ``param_dtype`` (activations in it too); gradients are reduced across ranks in
   ``reduce_dtype`` (None: ``param_dtype``, as FSDP2) and accumulated into float32.
 - ``recompute``: activation recompute per repeated block (``layer_group``): ``none``
-  keeps every activation, ``selective`` keeps matmul outputs and recomputes the rest
-  in backward (torchtitan's selective-op policy), ``full`` keeps only the block's
+  keeps every activation, ``selective`` keeps matmul outputs but every second 2-D product
+  of the block and recomputes the rest in backward (torchtitan's selective-op policy), ``full`` keeps only the block's
   inputs and recomputes the whole block forward before its backward. ``auto`` is a
   request: the planner chooses per block and writes its choices to ``recompute_blocks``.
 - ``recompute_blocks``: block -> policy, overriding ``recompute`` for those blocks.

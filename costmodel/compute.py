@@ -20,6 +20,15 @@ getitem and copies-by-view (autoddl.flops.VIEW_OPS) cost 0, forward and
 backward, no launch overhead either. An op none of whose inputs needs a
 gradient has no backward (``needs_backward=False``).
 
+Attention (``cluster.efficiency.attention``, when set): a fused attention op (``SDPA_OPS``) is
+priced as a FlashAttention kernel, in FlashAttention-2's own FLOP count (Dao, arXiv:2307.08691,
+section 4.1), the count the field's published fractions are measured in: forward FLOPs halved when
+the op is causal ("only half of the entries are calculated"), backward 2.5 x the forward ("2 matmuls in
+the forward pass and 5 matmuls in the backward pass, due to recomputation"), both at ``attention`` x
+the dtype's peak (the memory roofline as for any op), plus the op's overhead
+(:func:`attention_time_s`). Without the field it is one more matmul-like op (2 x backward, full
+FLOPs, ``compute``), as CPU clusters price it.
+
 Executor overheads (``cluster.executor``, 0 unless calibrated): autoddl's executor runs
 every op, views included, as one call of its compiled local program. An op whose family
 ``autoddl calibrate`` measured (``executor.op_us`` / ``op_work`` for the op's compute dtype, else
@@ -51,7 +60,7 @@ import math
 from typing import Sequence
 
 from autoddl.cluster import Cluster, OpCost
-from autoddl.op_families import MATMUL_LIKE, ZERO_COST  # noqa: F401  (read from here too)
+from autoddl.op_families import MATMUL_LIKE, SDPA_OPS, ZERO_COST  # noqa: F401  (read from here too)
 from autoddl.graph import OpNode
 from autoddl.program import work_divisor  # noqa: F401  (re-exported: the search prices with it)
 from autoddl.sbp import Signature
@@ -104,6 +113,30 @@ def roofline_time_s(flops: float, nbytes: float, cluster: Cluster, op_flops: flo
     eff_compute = compute_efficiency(flops if op_flops is None else op_flops, cluster)
     return max(flops / (dev.peak_tflops_for(dtype) * 1e12 * eff_compute),
                nbytes / (dev.memory_bandwidth_gbps * 1e9 * eff.memory))
+
+
+ATTENTION_BACKWARD_FACTOR = 2.5   # FlashAttention-2 (arXiv:2307.08691, 4.1): 5 backward matmuls vs 2 forward
+_SDPA_IS_CAUSAL_ARG = 5            # scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, ...)
+
+
+def is_causal(node: OpNode) -> bool:
+    """Whether an attention op masks causally (its ``is_causal`` argument, keyword or positional)."""
+    if "is_causal" in node.kwargs:
+        return bool(node.kwargs["is_causal"])
+    return len(node.args) > _SDPA_IS_CAUSAL_ARG and node.args[_SDPA_IS_CAUSAL_ARG] is True
+
+
+def attention_time_s(node: OpNode, flops: float, nbytes: float, cluster: Cluster, backward: bool) -> float | None:
+    """Roofline seconds of one fused attention op's local work (``flops``, ``nbytes``: its forward's)
+    under ``efficiency.attention`` (module docstring), forward or backward, without overhead; None
+    when the op is no attention op or the cluster gives no attention efficiency."""
+    eff = cluster.efficiency.attention
+    if eff is None or node.op_name not in SDPA_OPS:
+        return None
+    work = (0.5 if is_causal(node) else 1.0) * (ATTENTION_BACKWARD_FACTOR if backward else 1.0)
+    dev = cluster.device
+    return max(work * flops / (dev.peak_tflops_for(compute_dtype(node)) * 1e12 * eff),
+               (2.0 if backward else 1.0) * nbytes / (dev.memory_bandwidth_gbps * 1e9 * cluster.efficiency.memory))
 
 
 def executor_cost(node: OpNode, cluster: Cluster) -> OpCost | None:
@@ -174,8 +207,9 @@ def op_forward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], c
     if node.op_name in ZERO_COST:
         return executor_forward_s(node, cluster) * share
     d = work_divisor(sig, mesh_shape)
-    work = roofline_time_s(node.flops / d, (node.bytes_read + node.bytes_written) / d, cluster,
-                           dtype=compute_dtype(node))
+    flops, nbytes = node.flops / d, (node.bytes_read + node.bytes_written) / d
+    attention = attention_time_s(node, flops, nbytes, cluster, backward=False)
+    work = attention if attention is not None else roofline_time_s(flops, nbytes, cluster, dtype=compute_dtype(node))
     fam = executor_cost(node, cluster)
     if fam is not None:
         return (fam.work_at(work * 1e6)[0] * work + fam.forward_us * 1e-6) * share
@@ -191,7 +225,9 @@ def op_backward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], 
         return executor_backward_s(node, cluster) * share
     d = work_divisor(sig, mesh_shape)
     flops, nbytes, dtype = node.flops / d, (node.bytes_read + node.bytes_written) / d, compute_dtype(node)
-    work = roofline_time_s(factor * flops, factor * nbytes, cluster, op_flops=flops, dtype=dtype)
+    attention = attention_time_s(node, flops, nbytes, cluster, backward=True)
+    work = attention if attention is not None else roofline_time_s(factor * flops, factor * nbytes, cluster,
+                                                                   op_flops=flops, dtype=dtype)
     fam = executor_cost(node, cluster)
     if fam is not None:       # the work scale at the op's size: its forward roofline
         size_us = roofline_time_s(flops, nbytes, cluster, dtype=dtype) * 1e6

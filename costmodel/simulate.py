@@ -34,7 +34,8 @@ from autoddl.pipeline import schedule_makespan
 from autoddl.program import COMPUTE, StepProgram, Task, block_of, recomputed_ops, signature_of
 from autoddl.collective_kinds import CollectiveKind
 from costmodel.collectives import cluster_collective_time_s, send_recv_time_s, stage_device
-from costmodel.compute import op_backward_time_s, op_forward_time_s, optimizer_time_s, recompute_overhead_s
+from costmodel.compute import (is_causal, op_backward_time_s, op_forward_time_s, optimizer_time_s,
+                               recompute_overhead_s)
 from costmodel.host import host_copy_time_s, host_optimizer_time_s
 from costmodel.memory import master_parameters
 
@@ -146,7 +147,7 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
 def _kernel_key(node: OpNode) -> tuple:
     """All of ``node`` that op_forward_time_s / op_backward_time_s read (costmodel/compute.py)."""
     return (node.kind, node.target, node.flops, node.bytes_read, node.bytes_written, node.input_metas,
-            node.outputs, len(node.inputs), len(node.params))
+            node.outputs, len(node.inputs), len(node.params), is_causal(node))
 
 
 def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster) -> Timeline:

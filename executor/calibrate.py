@@ -273,8 +273,8 @@ class FamilyTiming:
 
 @dataclass(frozen=True)
 class RecomputeTiming:
-    """Blocks of ``ops`` ops (``kind``: element-wise, or matmuls whose outputs selective recompute
-    keeps) run plainly (``policy`` none) or checkpointed as the executor does (full, selective):
+    """Blocks of ``ops`` ops (``kind``: element-wise, or matmuls, every second of which selective
+    recompute runs again) run plainly (``policy`` none) or checkpointed as the executor does (full, selective):
     median forward and forward + backward, max over ranks."""
 
     kind: str                         # "elementwise" | "matmul"
@@ -288,8 +288,9 @@ def fit_recompute(timings: Sequence[RecomputeTiming]) -> dict[str, RecomputeCost
     """Per policy, what checkpointing adds, from blocks of two lengths: per kind (element-wise,
     matmul) and policy, the slope over the block length of the forward ``f`` and of the backward
     ``b`` (step - forward) and their intercepts (the block's own cost). Per op: forward
-    ``f_policy - f_none``; backward ``b_policy - b_none``, less ``f_none`` where the op runs again
-    (full: every op; selective: the element-wise ones). Per block: the intercepts' differences,
+    ``f_policy - f_none``; backward ``b_policy - b_none``, less ``f_none`` times the share of ops run
+    again (full: every op; selective: the element-wise ones and every second matmul, torchtitan's
+    policy as executor/recompute.py runs it; the chains have even lengths). Per block: the intercepts' differences,
     averaged over the two kinds. Every cost at least 0."""
     by = {(t.kind, t.policy, t.ops): t for t in timings}
     kinds, policies = ("elementwise", "matmul"), ("full", "selective")
@@ -314,8 +315,8 @@ def fit_recompute(timings: Sequence[RecomputeTiming]) -> dict[str, RecomputeCost
         for kind in kinds:
             (f0, F0), (fp, Fp) = line(kind, "none", "f"), line(kind, policy, "f")
             (b0, B0), (bp, Bp) = line(kind, "none", "b"), line(kind, policy, "b")
-            rerun = policy == "full" or kind == "elementwise"
-            per[kind] = (max(0.0, fp - f0), max(0.0, bp - b0 - (f0 if rerun else 0.0)))
+            rerun = 1.0 if policy == "full" or kind == "elementwise" else 0.5
+            per[kind] = (max(0.0, fp - f0), max(0.0, bp - b0 - rerun * f0))
             blocks_f.append(Fp - F0)
             blocks_b.append(Bp - B0)
         out[policy] = RecomputeCost(op_forward_us=per["elementwise"][0], op_backward_us=per["elementwise"][1],

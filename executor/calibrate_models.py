@@ -83,7 +83,8 @@ def _make_block_class():
 
     class Block(nn.Module):
         """``n`` ops in a row: ``elementwise`` tanh / relu (selective recompute runs them again);
-        ``matmul`` mm by its own weight (outputs selective recompute keeps)."""
+        ``matmul`` mm by its own weight (selective recompute keeps every
+        odd one's output and runs every second one again)."""
 
         def __init__(self, kind: str, n: int) -> None:
             super().__init__()

@@ -6,8 +6,8 @@ non-reentrant ``torch.utils.checkpoint``: ``full`` saves only the block's inputs
 runs the whole block (its boxing collectives included) forward again when backward
 reaches it (without early stop: the ops after the last one that saves a tensor run too,
 as Megatron's full recompute does); ``selective`` (``create_selective_checkpoint_contexts``) keeps the outputs
-of matmul-like ops and of collectives, and recomputes the rest, as torchtitan's
-selective-op policy. That is what the step program prices (autoddl/lowering.py:
+of matmul-like ops and of collectives but recomputes every second 2-D product (mm / addmm) of the
+block and everything else, as torchtitan's selective-op policy. That is what the step program prices (autoddl/lowering.py:
 ``recomputed_ops`` and the recompute tasks). Parameter uses are made outside the block
 (they are leaves with gradient hooks, made once per step) and passed in; while a block
 is recomputed the collectives it runs are labelled ``recompute`` for the audit.
@@ -24,7 +24,7 @@ import torch.fx
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                     set_checkpoint_early_stop)
 
-from autoddl.op_families import MATMUL_LIKE
+from autoddl.op_families import ALTERNATE_MM_ATEN, MATMUL_LIKE
 from autoddl.training import Training
 
 OP_META = "autoddl_op"        # fx node meta: the graph op the node was made for ("" for none)
@@ -34,12 +34,24 @@ class PlanRecomputeError(RuntimeError):
     """A block cannot be recomputed as one region; the message names the ops in the way."""
 
 
-def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """Keep matmul-like and collective outputs; recompute everything else."""
+def selective_policy(counts: dict[bool, int], ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """torchtitan's op-level policy (autoddl/program.py ``selective_recomputes``): keep collective and
+    matmul-like outputs but recompute every second 2-D product (aten mm / addmm) of the block,
+    counted apart in the forward and in the recompute (``ctx.is_recompute``) as torchtitan counts."""
     if getattr(func, "namespace", "") in ("_c10d_functional", "_c10d_functional_autograd"):
         return CheckpointPolicy.MUST_SAVE
     name = getattr(func, "_opname", "")
+    if name in ALTERNATE_MM_ATEN:
+        counts[ctx.is_recompute] = counts.get(ctx.is_recompute, 0) + 1
+        return CheckpointPolicy.MUST_SAVE if counts[ctx.is_recompute] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE if name in MATMUL_LIKE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context(policy: Callable = selective_policy):
+    """The checkpoint contexts of one run of a selectively recomputed block, with a fresh count of its
+    2-D products (``checkpoint`` calls this ``context_fn`` once per forward of the block, as
+    torchtitan's ``selective_checkpointing_context_fn``)."""
+    return create_selective_checkpoint_contexts(partial(policy, {}))
 
 
 class Checkpointed(torch.nn.Module):
@@ -50,8 +62,7 @@ class Checkpointed(torch.nn.Module):
         self.body, self.policy, self.set_phase = body, policy, set_phase
 
     def forward(self, *inputs):
-        context = (partial(create_selective_checkpoint_contexts, selective_policy) if self.policy == "selective"
-                   else None)
+        context = selective_context if self.policy == "selective" else None
         kwargs = {"context_fn": context} if context is not None else {}
         with set_checkpoint_early_stop(False):     # recompute the whole block, as the program says
             return checkpoint(self._run, *inputs, use_reentrant=False, **kwargs)

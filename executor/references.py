@@ -82,17 +82,13 @@ def _recomputed(model: nn.Module, training: Training | None) -> nn.Module:
     """Each block wrapped in ``checkpoint_wrapper`` under the training's recompute policy."""
     if training is None or training.recompute == "none":
         return model
-    from functools import partial
-
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    from executor.recompute import selective_policy
+    from executor.recompute import selective_context
 
     for blocks, i in _blocks(model):
         if training.recompute_of(f"block{i}") == "selective":
-            blocks[i] = checkpoint_wrapper(blocks[i], context_fn=partial(create_selective_checkpoint_contexts,
-                                                                         selective_policy))
+            blocks[i] = checkpoint_wrapper(blocks[i], context_fn=selective_context)
         elif training.recompute_of(f"block{i}") == "full":
             blocks[i] = checkpoint_wrapper(blocks[i])
     return model

@@ -436,9 +436,9 @@ def test_fit_recompute_recovers_per_op_and_per_block_costs():
             rows.append(RecomputeTiming(kind, "none", n, (50 + f * n) * 1e-6, (50 + f * n + 80 + b * n) * 1e-6))
             for policy in ("full", "selective"):
                 fx, bx = add[(policy, kind)]
-                rerun = policy == "full" or kind == "elementwise"
+                rerun = 1.0 if policy == "full" or kind == "elementwise" else 0.5   # every second mm
                 fwd = 50 + block[policy][0] + (f + fx) * n
-                bwd = 80 + block[policy][1] + (b + bx + (f if rerun else 0)) * n
+                bwd = 80 + block[policy][1] + (b + bx + f * rerun) * n
                 rows.append(RecomputeTiming(kind, policy, n, fwd * 1e-6, (fwd + bwd) * 1e-6))
     got = fit_recompute(rows)
     for policy in ("full", "selective"):

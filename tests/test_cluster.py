@@ -73,7 +73,7 @@ def test_bundled_config_loads_with_yaml_values(name):
     assert c.intra_node.to_dict() == raw["links"]["intra_node"]
     assert c.inter_node.to_dict() == raw["links"]["inter_node"]
     assert c.backend is Backend(raw["backend"])
-    assert dataclasses.asdict(c.efficiency) == raw["efficiency"]
+    assert c.efficiency.to_dict() == raw["efficiency"]
     assert c.op_overhead_us == raw["op_overhead_us"]
     assert c.source == str(path)
     assert "\n" not in c.summary() and name in c.summary()
@@ -84,7 +84,7 @@ def test_bundled_hardware_numbers():
     assert DEFAULT_CLUSTER_PATH.name == "dgx-a100-8.yaml"
     assert (a100.num_devices, a100.device.peak_tflops, a100.device.memory_bandwidth_gbps) == (8, 19.5, 2039)
     assert a100.device.peaks == {"float32": 19.5, "bfloat16": 312, "float16": 312}
-    assert a100.efficiency == Efficiency(compute=0.869, memory=0.841, network=0.783)
+    assert a100.efficiency == Efficiency(compute=0.869, memory=0.841, network=0.783, attention=0.737)
     assert a100.intra_node == LinkSpec(300, 2.0) and a100.inter_node.bandwidth_gbps == 25
     h100 = Cluster.from_yaml(bundled_config("h100-4x8"))
     assert (h100.nodes, h100.devices_per_node, h100.device.peak_tflops) == (4, 8, 67)
@@ -113,7 +113,9 @@ def test_gpu_configs_cite_every_efficiency(name, assumed):
     published measurement backs say "assumption"."""
     lines = bundled_config(name).read_text().splitlines()
     said = set()
-    for key in ("compute", "memory", "network", "op_overhead_us"):
+    optional = tuple(k for k in ("attention",) if any(line.strip().startswith(f"{k}:") for line in lines))
+    assert optional == (("attention",) if name in ("dgx-a100-8", "h100-4x8") else ())
+    for key in ("compute", "memory", "network", "op_overhead_us") + optional:
         at = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{key}:"))
         assert "  # " in lines[at], (name, key)
         if "assumption" in " ".join(lines[max(0, at - 3):at + 1]).split(f"# {key}:")[-1]:
@@ -250,6 +252,10 @@ def test_from_dict_and_defaults():
     assert one.inter_node == one.intra_node == LinkSpec(300, 2.0)     # nodes 1: inter defaults to intra
     partial = Cluster.from_dict(edited(efficiency={"network": 0.5}))
     assert partial.efficiency == Efficiency(1.0, 1.0, 0.5)
+    assert partial.efficiency.attention is None and "attention" not in partial.to_dict()["efficiency"]
+    attention = Cluster.from_dict(edited(efficiency__attention=0.339))
+    assert attention.efficiency == Efficiency(0.6, 0.7, 0.8, attention=0.339)
+    assert Cluster.from_dict(attention.to_dict()) == attention and "attention 0.339" in attention.summary()
     assert Cluster.from_dict(edited(device__peak_tflops="1e3")).device.peak_tflops == 1000.0
 
 
@@ -286,6 +292,11 @@ def test_direct_construction_is_validated():
     ({"device__kind": "cpu"}, "backend", "nccl needs cuda devices but device.kind is 'cpu'; use backend: gloo"),
     ({"efficiency__compute": 1.5}, "efficiency.compute", "expected a fraction in (0, 1], got 1.5"),
     ({"efficiency__network": 0}, "efficiency.network", "expected a fraction in (0, 1], got 0"),
+    ({"efficiency__attention": 1.5}, "efficiency.attention", "expected a fraction in (0, 1] of the dtype's peak a "
+     "fused attention kernel reaches (forward + backward, FlashAttention-2's FLOP count); leave it out to price "
+     "attention at efficiency.compute, got 1.5"),
+    ({"efficiency__attention": "fast"}, "efficiency.attention", "got 'fast'"),
+    ({"efficiency__atention": 0.3}, "efficiency.atention", "unknown key; did you mean 'attention'?"),
     ({"device": "A100"}, "device", "expected a mapping with keys name, kind, peak_tflops"),
     ({"device__peak_tflop": 1}, "device.peak_tflop", "unknown key; did you mean 'peak_tflops'?"),
     ({"links__inter": {"bandwidth_gbps": 1, "latency_us": 1}}, "links.inter", "unknown key; did you mean 'inter_node'?"),

@@ -283,6 +283,61 @@ def test_backward_factor_per_family(a100):
     assert op_backward_time_s(mm, sig2, (8,), no_ov) == pytest.approx(2 * op_forward_time_s(mm, sig2, (8,), no_ov))
 
 
+def _sdpa(batch, heads, seq, head_dim, causal):
+    q = TensorMeta((batch, heads, seq, head_dim), "bfloat16")
+    scores = batch * heads * seq * seq
+    flops = 4 * scores * head_dim + 5 * scores                 # autoddl/flops.py: Q.K^T, A.V, softmax
+    node = _op("aten.scaled_dot_product_attention.default", [q, q, q], [q], flops, 3 * q.nbytes, q.nbytes)
+    return dataclasses.replace(node, args=(None, None, None, None, 0.0, causal)), flops
+
+
+def test_attention_priced_at_its_own_efficiency_in_flash_attention_flop_count():
+    """``efficiency.attention`` set (configs/h100-4x8.yaml: FlashAttention-2 on H100, 0.339): an SDPA op's
+    forward is FLOPs (halved when causal) / (bf16 peak x 0.339) + overhead, its backward 2.5 x that work;
+    a matmul keeps ``efficiency.compute``; without the field SDPA is a matmul (2x backward, full FLOPs)."""
+    h100 = Cluster.from_yaml(DEFAULT_CLUSTER_PATH.parent / "h100-4x8.yaml")
+    assert h100.efficiency.attention == 0.339 and h100.efficiency.compute == 0.803
+    peak, ov = 989e12, 10e-6
+    node, flops = _sdpa(1, 32, 8192, 128, causal=True)
+    sig = Signature((nd(B),) * 3, (nd(B),))
+    fwd = 0.5 * flops / (peak * 0.339)
+    assert op_forward_time_s(node, sig, (8,), h100) == pytest.approx(fwd + ov)
+    assert op_backward_time_s(node, sig, (8,), h100) == pytest.approx(2.5 * fwd + ov)
+    full, _ = _sdpa(1, 32, 8192, 128, causal=False)                # not causal: every entry computed
+    assert op_forward_time_s(full, sig, (8,), h100) == pytest.approx(2 * fwd + ov)
+    heads = Signature((nd(S(1)),) * 3, (nd(S(1)),))                # heads split 8 ways: an eighth
+    assert op_forward_time_s(node, heads, (8,), h100) == pytest.approx(fwd / 8 + ov)
+    plain = dataclasses.replace(h100, efficiency=dataclasses.replace(h100.efficiency, attention=None))
+    as_matmul = flops / (peak * 0.803)
+    assert op_forward_time_s(node, sig, (8,), plain) == pytest.approx(as_matmul + ov)
+    assert op_backward_time_s(node, sig, (8,), plain) == pytest.approx(2 * as_matmul + ov)
+    n = 8192
+    a_ = TensorMeta((n, n), "bfloat16")
+    mm = _op("aten.mm.default", [a_, a_], [a_], 2 * n**3, 2 * a_.nbytes, a_.nbytes)
+    sig2 = Signature((nd(B), nd(B)), (nd(B),))
+    assert op_forward_time_s(mm, sig2, (8,), h100) == op_forward_time_s(mm, sig2, (8,), plain) == \
+        pytest.approx(2 * n**3 / (peak * 0.803) + ov)
+
+
+def test_cpu_cluster_has_no_attention_efficiency_so_attention_costs_are_unchanged():
+    """configs/local-cpu.yaml gives no attention field: an SDPA op costs what it cost before the field
+    (a matmul-like op at ``efficiency.compute``: FLOPs / (fp32 peak x compute) + overhead + its executor
+    fixed cost)."""
+    cpu = Cluster.from_yaml(DEFAULT_CLUSTER_PATH.parent / "local-cpu.yaml")
+    assert cpu.efficiency.attention is None and "attention" not in cpu.to_dict()["efficiency"]
+    node, flops = _sdpa(2, 4, 64, 16, causal=True)
+    node = dataclasses.replace(node, input_metas=tuple(dataclasses.replace(m, dtype="float32")
+                                                       for m in node.input_metas))
+    sig = Signature((nd(B),) * 3, (nd(B),))
+    no_fixed = dataclasses.replace(cpu, executor=dataclasses.replace(cpu.executor, op_us={}, op_work={}),
+                                   compute_curve=None, op_overhead_us=0.0)
+    expected = max(flops / (no_fixed.device.peak_tflops_for("float32") * 1e12 * no_fixed.efficiency.compute),
+                   4 * node.input_metas[0].nbytes / (no_fixed.device.memory_bandwidth_gbps * 1e9
+                                                     * no_fixed.efficiency.memory))
+    assert op_forward_time_s(node, sig, (1,), no_fixed) == pytest.approx(
+        expected + (no_fixed.executor.op_forward_us + 3 * no_fixed.executor.input_forward_us) * 1e-6)
+
+
 def test_optimizer_sgd_vs_adamw(a100):
     numel = 10_000_000
     pbytes = 4 * numel
@@ -483,7 +538,7 @@ def test_simulated_step_adds_the_checkpoint_costs_of_every_task_of_a_recomputed_
         if task.phase == "forward":
             want += (25 if mat else 10) + (220 if node.name == first[block_of(node)] else 0)
         elif task.phase == "recompute":
-            want += 36 + (100 if node.name in first_recomputed else 0)
+            want += (30 if mat else 36) + (100 if node.name in first_recomputed else 0)   # every 2nd linear too
         elif node.name not in recomputed:
             want += 30 if mat else (6 + 36 if node.op_name in ZERO_COST else 36)
     assert want > 2 * (220 + 100)                      # two blocks, each op priced

@@ -57,8 +57,8 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
                         "float32 master weights and optimizer states (default fp32)")
     t.add_argument("--reduce-dtype", choices=PRECISIONS, help="dtype gradients are reduced in (default: --precision)")
     t.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="none",
-                   help="activation recompute per repeated block: none, selective (recompute all but matmul "
-                        "outputs), full, or auto (the planner chooses per block under the memory limit)")
+                   help="activation recompute per repeated block: none, selective (torchtitan's: recompute all but "
+                        "matmul outputs, and every second 2-D product), full, or auto (the planner chooses per block under the memory limit)")
     t.add_argument("--offload", choices=OFFLOAD_CHOICES, default="none",
                    help="spill to host memory: none, optimizer (fp32 masters, optimizer states and step on the "
                         "host), params (and each block's parameters, copied in one block ahead), activations (and "

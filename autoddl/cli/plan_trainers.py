@@ -238,7 +238,8 @@ def write_emitted(args: argparse.Namespace, emitted: Emitted, result: Planned) -
         header.append(f"launch on {emitted.config.devices} GPUs: Megatron-LM's data-parallel size is the world size "
                       "/ (tensor x pipeline sizes)")
         if emitted.config.recompute == "selective":
-            header.append("autoddl priced selective recompute as torchtitan's per-op policy (matmul outputs kept); "
+            header.append("autoddl priced selective recompute as torchtitan's per-op policy (matmul outputs kept but every "
+                          "second mm); "
                           "Megatron's recomputes --recompute-modules (default core_attn)")
     else:
         header.append("sections of a torchtitan job TOML (torchtitan/config/job_config.py); torchtitan after #2386 "

@@ -19,7 +19,7 @@ no_shard / optim / optim_grads / optim_grads_params = DDP / ZeRO-1 / ZeRO-2 / Ze
   (--use-megatron-fsdp) shards by --data-parallel-sharding-strategy: optim (ZeRO-1), optim_grads (ZeRO-2),
   optim_grads_params (ZeRO-3, the default); --use-torch-fsdp2 is FSDP2 (ZeRO-3).
 - --recompute-granularity selective recomputes the modules of --recompute-modules (default core_attn)
-  where autoddl prices torchtitan's per-op policy (matmul outputs kept); full with --recompute-method
+  where autoddl prices torchtitan's per-op policy (matmul outputs kept but every second mm); full with --recompute-method
   uniform recomputes every layer.
 """
 

@@ -19,7 +19,7 @@ Every section and key below is torchtitan's own, checked against its source:
     - tensor parallel always applies SequenceParallel to the norms (apply_tp), so tp > 1 is sequence parallel.
     - mixed_precision_param is "bfloat16" | "float32"; mixed_precision_reduce only "float32".
     - activation_checkpoint.mode "selective" with selective_ac_option "op" is the per-op policy (save
-      matmul outputs); a number n checkpoints every n-th layer in full (``_layer_sac_count % n == 0``).
+      matmul outputs but every second mm); a number n checkpoints every n-th layer in full (``_layer_sac_count % n == 0``).
 """
 
 from __future__ import annotations
