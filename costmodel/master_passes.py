@@ -54,14 +54,14 @@ class Pass:
 
 
 def use_passes(use: ParamUse, training: Training, mesh_shape: Sequence[int], every_micro_step: bool,
-               casts_per_micro_step: int = 1) -> list[Pass]:
-    """The passes one parameter use makes per optimizer step (module docstring);
-    ``casts_per_micro_step``: 2 for a use of an FSDP group gathered again for backward."""
+               casts: int | None = None) -> list[Pass]:
+    """The passes one parameter use makes per optimizer step (module docstring); ``casts``: its
+    working-copy casts per step when not one per micro-step (:func:`step_passes`)."""
     if use.grad is None and not training.mixed:
         return []
     k, work, red = training.micro_batches, training.param_dtype, training.grad_reduce_dtype
     n_master = math.prod(use.storage.local_shape(use.meta.shape, mesh_shape))
-    out = [Pass("to", MASTER_DTYPE, work, n_master, k * casts_per_micro_step)] if training.mixed else []
+    out = [Pass("to", MASTER_DTYPE, work, n_master, k if casts is None else casts)] if training.mixed else []
     if use.grad is None:
         return out
     n = math.prod(use.dst.local_shape(use.meta.shape, mesh_shape))
@@ -78,11 +78,16 @@ def use_passes(use: ParamUse, training: Training, mesh_shape: Sequence[int], eve
 
 
 def step_passes(program: StepProgram, training: Training, only: frozenset[str] | None = None) -> list[Pass]:
-    """The passes of every parameter use of ``program`` (``only``: of these parameters) in one step."""
+    """The passes of every parameter use of ``program`` (``only``: of these parameters) in one step.
+    Working-copy casts: one per micro-step; two for a use of an FSDP group gathered again for
+    backward (each gather casts the shards); one per step for a parameter kept on the host
+    (``Training.offload``: its host copy is refreshed after the optimizer step, executor/offload.py)."""
+    k = training.micro_batches
     regathered = {i for g in program.gathers if g.reshard for i in g.uses}
+    spilled = {f for g in program.spills for f in g.fqns}
     return [p for u in program.param_uses if only is None or u.fqn in only
             for p in use_passes(u, training, program.mesh_shape, syncs_every_micro_step([u]),
-                                2 if u.index in regathered else 1)]
+                                1 if u.fqn in spilled else 2 * k if u.index in regathered else k)]
 
 
 def passes_time_s(passes: Iterable[Pass], cluster: Cluster, mesh_shape: Sequence[int]) -> float:
