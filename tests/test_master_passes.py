@@ -4,7 +4,8 @@ micro-steps, on 2 gloo ranks, dp (gradients synced once, at the last micro-step)
 recompute; reduce-scattered every micro-step, groups gathered again for backward). Every float32 <-> bfloat16
 cast and every float32 add that ran, as a multiset of (op, source dtype, destination dtype,
 elements), is a priced pass, or the forward input's cast to bf16 (one per micro-step, of the whole
-micro-batch before this rank's piece is taken: not priced, a few elements)."""
+micro-batch before this rank's piece is taken: not priced, a few elements). And the losses are read
+(their all-reduces waited for) after the last micro-step's backward, as the program prices them."""
 
 from __future__ import annotations
 
@@ -56,8 +57,11 @@ def _ran(path: Path):
         dmodel.recorder = rec
         with rec:
             train_step(dmodel, batch, opt)
-        out[name] = [(o.op, o.in_dtypes[-1], o.out_dtypes[0], o.out_numels[0]) for o in rec.ops
-                     if _pass_like(o)]      # an add's last input: the gradient added to the float32 sum
+        passes = [(o.op, o.in_dtypes[-1], o.out_dtypes[0], o.out_numels[0]) for o in rec.ops
+                  if _pass_like(o)]         # an add's last input: the gradient added to the float32 sum
+        last_backward = max(i for i, o in enumerate(rec.ops) if o.phase == "backward")
+        reads = [i for i, o in enumerate(rec.ops) if o.op == "_local_scalar_dense"]
+        out[name] = passes, len(reads), min(reads) > last_backward
     return out
 
 
@@ -89,8 +93,12 @@ def test_priced_master_passes_are_the_casts_and_adds_that_ran(model_path):
         for p in step_passes(lower(graph, plan), plan.training):
             priced[(p.op if p.op == "add" else "_to_copy", p.src, p.dst, p.numel)] += p.count
         priced[("_to_copy", "float32", "bfloat16", ROWS * D)] += K     # the input x's cast, before it is placed
-        for rank, ops in enumerate(ran):
-            assert Counter(ops[name]) == priced, (name, rank, Counter(ops[name]) - priced, priced - Counter(ops[name]))
+        for rank, runs in enumerate(ran):
+            ops, n_reads, after_backward = runs[name]
+            assert Counter(ops) == priced, (name, rank, Counter(ops) - priced, priced - Counter(ops))
+            # the micro-steps' losses (their all-reduces in flight) are read once the last backward is
+            # done, where the program waits for them, not between micro-steps
+            assert n_reads == K and after_backward, (name, rank, n_reads)
 
 
 def test_pass_counts_by_hand():
