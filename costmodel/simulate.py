@@ -18,7 +18,8 @@ activations: the bubble, priced as the schedule runs. Durations:
   to the previous one) on the link between the two stages (``send_recv_time_s``);
 - optimizer: the memory-bound step over the local parameters (a pp rank's own), plus the
   executor's fixed per-step cost (``cluster.executor.step_us``); on the ``host`` stream (offload) at
-  the host's memory bandwidth (costmodel/host.py);
+  the host's memory bandwidth (costmodel/host.py); plus the step's passes over the masters and
+  their gradients (working-copy casts, micro-step gradient accumulation: costmodel/master_passes.py);
 - host copy (``copy`` stream, offload): latency + bytes / bandwidth of the host link (costmodel/host.py).
 """
 
@@ -37,6 +38,7 @@ from costmodel.collectives import cluster_collective_time_s, send_recv_time_s, s
 from costmodel.compute import (is_causal, op_backward_time_s, op_forward_time_s, optimizer_time_s,
                                recompute_overhead_s)
 from costmodel.host import host_copy_time_s, host_optimizer_time_s
+from costmodel.master_passes import passes_time_s, step_passes
 from costmodel.memory import master_parameters
 
 
@@ -106,11 +108,13 @@ class RecomputeInfo:
 
 
 def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recompute: RecomputeInfo | None = None,
-                params: frozenset[str] | None = None, op_times: dict | None = None) -> float:
+                params: frozenset[str] | None = None, op_times: dict | None = None,
+                program: StepProgram | None = None) -> float:
     """Duration of one task (module docstring); ``recompute``: :meth:`RecomputeInfo.of` the plan
     (found when not given); ``params``: the parameters an optimizer task updates (None: all);
     ``op_times``: a memo of op kernel times for this plan and cluster (the blocks of a decoder
-    repeat the same ops)."""
+    repeat the same ops); ``program``: the step's program, whose parameter uses' master passes the
+    optimizer task also pays (none when not given)."""
     mesh = tuple(plan.mesh.shape)
     if task.collective is CollectiveKind.SEND_RECV:
         peer = (task.pp_rank + (1 if task.phase == "forward" else -1)) % mesh[0]
@@ -125,7 +129,8 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
             step_s = host_optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster)
         else:
             step_s = optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster, mesh)
-        return step_s + cluster.executor.step_us * 1e-6
+        passes_s = passes_time_s(step_passes(program, plan.training, params), cluster, mesh) if program else 0.0
+        return step_s + cluster.executor.step_us * 1e-6 + passes_s
     node = graph[task.op]
     sig = signature_of(plan, node)
     forward = task.phase in ("forward", "recompute")
@@ -163,7 +168,7 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
         key = (task.phase, task.op, task.stream, task.collective, task.axis, task.nbytes, task.pp_rank, task.copy)
         if key not in memo:
             params = rank_params[task.pp_rank] if rank_params and task.phase == "optimizer" else None
-            memo[key] = task_time_s(task, graph, plan, cluster, recompute, params, op_times)
+            memo[key] = task_time_s(task, graph, plan, cluster, recompute, params, op_times, program)
         stream = (task.pp_rank, task.stream)
         start = max([end[d] for d in task.deps] + [stream_free.get(stream, 0.0)])
         finish = start + memo[key]

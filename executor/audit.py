@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 import torch
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoddl.boxing import Group, group_axes, group_name
@@ -123,6 +124,40 @@ class CommRecorder(TorchDispatchMode):
                 nbytes *= n  # the gathered output
             self.records.append(CommRecord(ran, axis, int(nbytes), self.phase, self.tensor,
                                            str(t.dtype).removeprefix("torch.")))
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One aten op dispatched while an :class:`OpRecorder` was active (tests compare these with what
+    the step program prices, e.g. costmodel/master_passes.py)."""
+
+    phase: str
+    op: str                       # the aten op's name (``_to_copy``, ``add``, ``mm``)
+    in_dtypes: tuple[str, ...]    # of its tensor inputs, in order
+    out_dtypes: tuple[str, ...]
+    in_numels: tuple[int, ...]
+    out_numels: tuple[int, ...]
+
+
+class OpRecorder(CommRecorder):
+    """A :class:`CommRecorder` that also records every aten op run (``ops``), labelled with the phase."""
+
+    def __init__(self, mesh, groups: Mapping[Group, str] | None = None) -> None:
+        super().__init__(mesh, groups)
+        self.ops: list[OpRecord] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        ins = [t for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.ops.append(OpRecord(self.phase, func.overloadpacket.__name__,
+                                 tuple(_dtype(t) for t in ins), tuple(_dtype(t) for t in outs),
+                                 tuple(t.numel() for t in ins), tuple(t.numel() for t in outs)))
+        return out
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
 def _backend_name(group) -> str:

@@ -322,15 +322,18 @@ class DistributedModel(nn.Module):
     def forward_backward(self, inputs: Sequence[torch.Tensor]) -> float:
         """Forward and backward of one optimizer step's ``inputs``, micro-step by micro-step (losses
         scaled by 1 / micro-steps, so that the gradient is the whole batch's mean; the gradient sync
-        finishes inside the last backward); returns the loss (mean over the micro-steps)."""
+        finishes inside the last backward); returns the loss (mean over the micro-steps). The losses
+        are read after the last micro-step: with ``program.loss_async`` each read waits for that
+        micro-step's loss all-reduce, which the program waits for at the step's end, not between
+        micro-steps."""
         micro = self.micro_batches(inputs)
-        total = 0.0
+        losses = []
         for i, chunk in enumerate(micro):
             self.grad_sync.last_micro_step = i == len(micro) - 1
             loss = self(*chunk)
             (loss / len(micro) if len(micro) > 1 else loss).backward()
-            total += self.loss_value(loss)
-        return total / len(micro)
+            losses.append(loss)
+        return sum(self.loss_value(loss) for loss in losses) / len(micro)
 
     def compile_local(self) -> None:
         """Run the local program through ``torch.compile`` (``autoddl run --compile``)."""

@@ -428,7 +428,8 @@ def nb01():
         GPU per micro-step (`--micro-batch-size 1`), a global batch of 8 sequences, on one node of 8 H100
         80GB (`configs/h100-4x8.yaml`, 8 devices). For each precision policy (fp32; bf16 working copies
         with fp32 masters, as FSDP2's `MixedPrecisionPolicy`) and activation recompute (none; selective:
-        matmul outputs kept, the rest recomputed; full: each block recomputed from its input), the search
+        torchtitan's op policy, matmul and attention outputs kept except every second matmul's, the rest
+        recomputed; full: each block recomputed from its input), the search
         runs on every mesh of 8 devices, and every expert baseline is priced with the same settings.
         Command-line equivalent of one cell of the table:
 

@@ -1,0 +1,121 @@
+"""The passes over the float32 masters and their gradients (costmodel/master_passes.py) against the
+aten ops that ran: a stack of Linear + ReLU blocks, bf16 compute, selective recompute, 2
+micro-steps, on 2 gloo ranks, dp (gradients synced once, at the last micro-step) and zero3 (no
+recompute; reduce-scattered every micro-step, groups gathered again for backward). Every float32 <-> bfloat16
+cast and every float32 add that ran, as a multiset of (op, source dtype, destination dtype,
+elements), is a priced pass, or the forward input's cast to bf16 (one per micro-step, of the whole
+micro-batch before this rank's piece is taken: not priced, a few elements). And the losses are read
+(their all-reduces waited for) after the last micro-step's backward, as the program prices them."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import block_stack_source, run_ranks, step_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+D, ROWS, K = 16, 4, 2          # width, micro-batch rows (traced), micro-steps
+SCHEMES = ("dp", "zero3")
+
+
+def _plans(path: Path):
+    from autoddl.cluster import Cluster
+    from autoddl.loader import load_model_file
+    from autoddl.training import Training
+    from search.planner import search
+
+    training = Training(param_dtype="bf16", recompute="selective", micro_batches=K)
+    torch.manual_seed(0)
+    mf = load_model_file(path, device="cpu")
+    graph = mf.trace(training.param_dtype)
+    cluster = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml").resized(2)
+    schemes = {s.name: s.plan for s in search(graph, cluster, mesh=(2,), training=training).schemes}
+    # zero3 without recompute: a group's reshard hook would sit inside the last block's region
+    settings = {"dp": training, "zero3": dataclasses.replace(training, recompute="none")}
+    return mf, graph, {n: dataclasses.replace(schemes[n], training=settings[n]) for n in SCHEMES}
+
+
+def _ran(path: Path):
+    from executor.audit import OpRecorder
+    from executor.runtime import DistributedModel, build_optimizer, init_mesh, train_step
+
+    mf, graph, plans = _plans(path)
+    out = {}
+    for name, plan in plans.items():
+        mesh = init_mesh(plan)
+        dmodel = DistributedModel(mf.model, graph, plan, mesh)
+        opt = build_optimizer("sgd", dmodel.parameters())
+        batch = step_batch(mf.example_inputs, K)
+        train_step(dmodel, batch, opt)                 # the first step, as every step
+        rec = OpRecorder(dmodel.mesh, dmodel.boxer.groups)
+        dmodel.recorder = rec
+        with rec:
+            train_step(dmodel, batch, opt)
+        passes = [(o.op, o.in_dtypes[-1], o.out_dtypes[0], o.out_numels[0]) for o in rec.ops
+                  if _pass_like(o)]         # an add's last input: the gradient added to the float32 sum
+        last_backward = max(i for i, o in enumerate(rec.ops) if o.phase == "backward")
+        reads = [i for i, o in enumerate(rec.ops) if o.op == "_local_scalar_dense"]
+        out[name] = passes, len(reads), min(reads) > last_backward
+    return out
+
+
+def _pass_like(o) -> bool:
+    """A cast between float32 and bfloat16, or an add whose result is float32."""
+    if o.op == "_to_copy":
+        return {o.in_dtypes[0], o.out_dtypes[0]} == {"float32", "bfloat16"}
+    return o.op == "add" and o.out_dtypes == ("float32",)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    import textwrap
+
+    path = tmp_path_factory.mktemp("passes") / "blocks.py"
+    path.write_text(textwrap.dedent(block_stack_source(D, 2, rows=ROWS, root=True, loss=True)))
+    return path
+
+
+@pytest.mark.distributed
+def test_priced_master_passes_are_the_casts_and_adds_that_ran(model_path):
+    from autoddl.program import lower
+    from costmodel.master_passes import step_passes
+
+    ran = run_ranks(_ran, 2, model_path, timeout_s=300)
+    _, graph, plans = _plans(model_path)
+    for name, plan in plans.items():
+        priced = Counter()
+        for p in step_passes(lower(graph, plan), plan.training):
+            priced[(p.op if p.op == "add" else "_to_copy", p.src, p.dst, p.numel)] += p.count
+        priced[("_to_copy", "float32", "bfloat16", ROWS * D)] += K     # the input x's cast, before it is placed
+        for rank, runs in enumerate(ran):
+            ops, n_reads, after_backward = runs[name]
+            assert Counter(ops) == priced, (name, rank, Counter(ops) - priced, priced - Counter(ops))
+            # the micro-steps' losses (their all-reduces in flight) are read once the last backward is
+            # done, where the program waits for them, not between micro-steps
+            assert n_reads == K and after_backward, (name, rank, n_reads)
+
+
+def test_pass_counts_by_hand():
+    """dp (deferred) bf16, k = 4, a 100-element parameter, bf16 reduce: 4 working-copy casts; the
+    first micro-step's gradient to fp32, 3 adds, the sum to bf16 for the all-reduce and back: 3 casts."""
+    from autoddl.graph import TensorMeta
+    from autoddl.program import ParamUse
+    from autoddl.sbp import B, NdSbp
+    from autoddl.training import Training
+    from costmodel.master_passes import use_passes
+
+    use = ParamUse(0, "w", TensorMeta((10, 10), "bfloat16"), NdSbp((B,)), NdSbp((B,)), NdSbp((B,)), (), ())
+    got = use_passes(use, Training(param_dtype="bf16", micro_batches=4), (2,), every_micro_step=False)
+    assert [(p.op, p.src, p.dst, p.numel, p.count) for p in got] == [
+        ("to", "float32", "bfloat16", 100, 4), ("to", "bfloat16", "float32", 100, 1),
+        ("to", "float32", "bfloat16", 100, 1), ("to", "bfloat16", "float32", 100, 1),
+        ("add", "bfloat16", "float32", 100, 3)]
+    assert got[-1].bytes_per_pass == 100 * (2 + 4 + 4)
+    assert use_passes(use, Training(), (2,), every_micro_step=False) == []
+    assert math.isclose(sum(p.count for p in got), 10)
