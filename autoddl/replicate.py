@@ -62,14 +62,15 @@ def find_stack(model: nn.Module) -> Stack | None:
     return None if best is None or not best[1] else Stack(best[1], best[2])
 
 
-def _plain(m: nn.Module) -> dict[tuple[str, str], Any]:
-    """(submodule, attribute) -> value of every plain (non-tensor, non-module) attribute, and class names."""
-    out: dict[tuple[str, str], Any] = {}
+def _plain(m: nn.Module, reprs: dict[int, str]) -> dict[tuple[str, str], str]:
+    """(submodule, attribute) -> repr of every plain (non-tensor, non-module) attribute, and class names;
+    ``reprs`` keeps the repr of objects the children share (a Hugging Face config) by id."""
+    out: dict[tuple[str, str], str] = {}
     for name, sub in m.named_modules():
         out[(name, "__class__")] = type(sub).__name__
         for k, v in vars(sub).items():
             if not k.startswith("_") and not isinstance(v, (torch.Tensor, nn.Module)):
-                out[(name, k)] = repr(v)
+                out[(name, k)] = reprs[id(v)] if id(v) in reprs else reprs.setdefault(id(v), repr(v))
     return out
 
 
@@ -78,7 +79,8 @@ def _alike(children: list[nn.Module]) -> bool:
     attributes that hold each child's own index (a ``layer_idx``)."""
     tensors = [[(k, tuple(t.shape), t.dtype) for k, t in [*c.named_parameters(), *c.named_buffers()]]
                for c in children]
-    plains = [_plain(c) for c in children]
+    reprs: dict[int, str] = {}
+    plains = [_plain(c, reprs) for c in children]
     index = {key for key in plains[0] if all(p.get(key) == repr(i) for i, p in enumerate(plains))}
     return all(type(c) is type(children[0]) and t == tensors[0]
                and {k: v for k, v in p.items() if k not in index} == {k: v for k, v in plains[0].items()
