@@ -23,6 +23,7 @@ tests/test_trace_replicate.py compares replicated graphs and their plans with fu
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 import re
@@ -94,8 +95,8 @@ def truncated(model: nn.Module, stack: Stack, k: int) -> Iterator[None]:
     parent_path, _, attr = stack.path.rpartition(".")
     parent = model.get_submodule(parent_path)
     whole = getattr(parent, attr)
-    children = list(whole)
-    cut = type(whole)(children[:k]) if isinstance(whole, nn.Sequential) else nn.ModuleList(children[:k])
+    cut = copy.copy(whole)                     # same class (a subclass keeps its forward), first k children
+    cut._modules = dict(list(whole._modules.items())[:k])
     setattr(parent, attr, cut)
     try:
         yield

@@ -118,10 +118,24 @@ def test_falls_back_to_the_full_export_with_one_line(model, why):
     assert rep.exported is not None and first_difference(rep, full) == ""
 
 
-def test_unscaled_loop_is_replicated():
+class Stacked(nn.Module):
+    """Blocks in an nn.Sequential between two layers."""
+
+    def __init__(self, n: int = 6):
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 8), nn.Linear(8, 2)
+        self.blocks = nn.Sequential(*(Block(i) for i in range(n)))
+
+    def forward(self, x):
+        return self.out(self.blocks(self.inp(x))).sum()
+
+
+@pytest.mark.parametrize("model,n_blocks", [(Looped(), 5), (Stacked(), 6)])
+def test_a_loop_or_a_sequential_is_replicated(model, n_blocks):
+    torch.manual_seed(0)
     x = torch.randn(4, 8)
     lines: list[str] = []
-    model = Looped()
     rep = trace(model, (x,), replicate=True, say=lines.append)
     assert lines == [] and rep.exported is None
     assert first_difference(rep, trace(model, (x,))) == ""
+    assert len(model.blocks) == n_blocks                 # the caller's model is left whole
