@@ -127,8 +127,8 @@ def replicated(model: nn.Module, stack: Stack, export: Callable[[nn.Module], OpG
 
 
 def first_difference(a: OpGraph, b: OpGraph) -> str:
-    """"" when the graphs hold the same nodes in the same order (every OpNode field), else the first
-    difference."""
+    """The first difference between the graphs' nodes (any OpNode field, or their order or count);
+    empty when they are the same."""
     a_nodes, b_nodes = list(a.topo()), list(b.topo())
     for x, y in zip(a_nodes, b_nodes):
         if x != y:
