@@ -60,7 +60,8 @@ def plan(model: nn.Module, example_inputs: Sequence[torch.Tensor], cluster: Clus
     """Trace ``model`` on the meta device (under ``training``'s precision; ``example_inputs`` are one
     micro-step's batch) and return the cheapest plan found for ``cluster``."""
     training = training or Training()
-    graph = trace(model, example_inputs, loss_fn, name=type(model).__name__, param_dtype=training.param_dtype)
+    graph = trace(model, example_inputs, loss_fn, name=type(model).__name__, param_dtype=training.param_dtype,
+                  replicate=True)
     found = search_model(graph, cluster, devices=devices, mesh=mesh, memory_gb=memory_gb, optimizer=optimizer,
                          training=training).found
     return found.set_provenance(cluster_file=cluster if isinstance(cluster, (str, os.PathLike)) else "")
@@ -72,7 +73,8 @@ def compare(model: nn.Module, example_inputs: Sequence[torch.Tensor], cluster: C
             training: Training | None = None) -> pd.DataFrame:
     """Every scheme (each baseline and the found plan) with its predicted breakdown, one row each."""
     training = training or Training()
-    graph = trace(model, example_inputs, loss_fn, name=type(model).__name__, param_dtype=training.param_dtype)
+    graph = trace(model, example_inputs, loss_fn, name=type(model).__name__, param_dtype=training.param_dtype,
+                  replicate=True)
     outcome = search_model(graph, cluster, devices=devices, mesh=mesh, memory_gb=memory_gb, optimizer=optimizer,
                            training=training)
     return schemes_frame(outcome)

@@ -91,10 +91,13 @@ class ModelFile:
         or sharded on the batch dim); default: ``example_inputs`` themselves."""
         return self.example_inputs.step_loss(self.model if model is None else model, self.loss_fn, values)
 
-    def trace(self, param_dtype: str = "float32") -> OpGraph:
+    def trace(self, param_dtype: str = "float32", *, replicate: bool = False,
+              say: Callable[[str], None] | None = None) -> OpGraph:
         """The whole training step's forward (loss included) as an OpGraph, traced under the
-        mixed-precision policy ``param_dtype`` (a plan's ``training.param_dtype``)."""
-        return trace(self.model, self.example_inputs, self.loss_fn, name=self.name, param_dtype=param_dtype)
+        mixed-precision policy ``param_dtype`` (a plan's ``training.param_dtype``); ``replicate``:
+        a repeated stack of blocks exported cut and replicated, for planning (autoddl/trace.py)."""
+        return trace(self.model, self.example_inputs, self.loss_fn, name=self.name, param_dtype=param_dtype,
+                     replicate=replicate, say=say)
 
     @property
     def batch_size(self) -> int:

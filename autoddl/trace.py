@@ -32,6 +32,7 @@ from autoddl.flops import op_bytes, op_flops, short_name
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
 from autoddl.moe import fuse_experts
 from autoddl.precision import cast_forward_inputs, working_copy
+from autoddl.replicate import find_stack, replicated
 
 
 class TraceError(RuntimeError):
@@ -145,7 +146,8 @@ def _positional_names(fn: Callable[..., Any]) -> list[str]:
 
 
 def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[..., torch.Tensor] | None = None, *,
-          targets: Any = None, name: str = "", param_dtype: str = "float32") -> OpGraph:
+          targets: Any = None, name: str = "", param_dtype: str = "float32", replicate: bool = False,
+          say: Callable[[str], None] | None = None) -> OpGraph:
     """Export ``model`` (and ``loss_fn`` if given) to an OpGraph on the meta device.
 
     ``example_inputs`` is a tuple of tensors (``model(*inputs)``), a dict of keyword
@@ -155,6 +157,9 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[..., torch.Te
     step's forward (its output is the loss) and its inputs are ``StepInputs`` order;
     parameter fqns and module paths are those of ``model``. ``param_dtype``: traced under that
     mixed-precision policy (autoddl/precision.py): parameters and floating forward inputs in it.
+    ``replicate``: export a repeated stack of blocks cut to 2 and 3 blocks and replicate it
+    (autoddl/replicate.py; for planning: the graph has no ``exported`` program for the executor);
+    when that is not trusted, ``say`` (default: stderr) gets one line why and the model is exported whole.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"trace() needs an nn.Module, got {type(model).__name__}")
@@ -165,7 +170,29 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[..., torch.Te
     meta_model = to_meta(model, param_dtype)
     fuse_experts(meta_model)           # MoE layers as one op (autoddl/moe.py)
     plain = loss_fn is None and not step.kwarg_names and not step.has_targets
-    root: nn.Module = meta_model if plain else _Step(meta_model, loss_fn, step.layout())
+
+    def export(m: nn.Module) -> OpGraph:
+        return _export_graph(m if plain else _Step(m, loss_fn, step.layout()), meta_inputs, name,
+                             plain=plain, loss_wrapped=loss_fn is not None)
+
+    graph = None
+    stack = find_stack(meta_model) if replicate else None
+    if stack is not None:
+        graph, why = replicated(meta_model, stack, export)
+        if graph is None:
+            (say or _to_stderr)(f"trace: {name}: exporting all {stack.n} blocks ({why})")
+    if graph is None:
+        graph = export(meta_model)
+    warn_uncovered(graph)
+    return graph
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def _export_graph(root: nn.Module, meta_inputs: tuple, name: str, *, plain: bool, loss_wrapped: bool) -> OpGraph:
+    """torch.export of ``root`` on meta, its higher-order regions inlined, as an OpGraph."""
     with _captured_torch_output() as printed:
         try:
             with torch.device("meta"):
@@ -175,10 +202,8 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[..., torch.Te
     if printed.getvalue():
         sys.stderr.write(printed.getvalue())  # export succeeded: pass its warnings on
     inline_higher_order_ops(exported, name)
-    graph = graph_from_exported(exported, name=name, strip_prefix="" if plain else "model.",
-                                loss_wrapped=loss_fn is not None)
-    warn_uncovered(graph)
-    return graph
+    return graph_from_exported(exported, name=name, strip_prefix="" if plain else "model.",
+                               loss_wrapped=loss_wrapped)
 
 
 def warn_uncovered(graph: OpGraph) -> None:

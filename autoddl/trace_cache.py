@@ -31,7 +31,7 @@ from autoddl.graph import OpGraph
 
 CACHE_ENV = "AUTODDL_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/autoddl")
-TRACER_SOURCES = ("trace.py", "flops.py", "graph.py", "moe.py", "precision.py", "loader.py")   # under autoddl/
+TRACER_SOURCES = ("trace.py", "replicate.py", "flops.py", "graph.py", "moe.py", "precision.py", "loader.py")   # under autoddl/
 FORMAT = 1                                       # bumped when the file layout changes
 
 

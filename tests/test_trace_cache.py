@@ -93,7 +93,8 @@ def test_the_tracer_reads_the_cache_without_building_the_model(cache, monkeypatc
                               global_batch_size=None)
     traced = []
     real_trace = ModelFile.trace
-    monkeypatch.setattr(ModelFile, "trace", lambda self, dt="float32": traced.append(dt) or real_trace(self, dt))
+    monkeypatch.setattr(ModelFile, "trace",
+                        lambda self, dt="float32", **kw: traced.append(dt) or real_trace(self, dt, **kw))
     first = plan_cli._Tracer(args).at(8, "bfloat16")
     assert traced == ["bfloat16"]
     assert "trace cache" not in capsys.readouterr().err
@@ -129,7 +130,8 @@ def test_the_tracer_reads_a_third_batch_off_two_traces(cache, monkeypatch, capsy
     tracer.at(1, "bfloat16"), tracer.at(2, "bfloat16")
     traced = []
     real_trace = ModelFile.trace
-    monkeypatch.setattr(ModelFile, "trace", lambda self, dt="float32": traced.append(dt) or real_trace(self, dt))
+    monkeypatch.setattr(ModelFile, "trace",
+                        lambda self, dt="float32", **kw: traced.append(dt) or real_trace(self, dt, **kw))
     capsys.readouterr()
     derived = tracer.at(12, "bfloat16")
     assert traced == [] and "read off its traces at batches 1 and 2" in capsys.readouterr().err

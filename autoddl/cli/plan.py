@@ -188,7 +188,7 @@ class _Tracer:
         if derived is not None:
             return derived
         def trace() -> OpGraph:
-            return (self.mf.with_batch_size(batch) if batch else self.mf).trace(param_dtype)
+            return (self.mf.with_batch_size(batch) if batch else self.mf).trace(param_dtype, replicate=True, say=_say)
         if not os.path.isfile(self.path):              # load_model_file says what is wrong with it
             return trace()
         return trace_cache.traced(self.path, model_overrides(self.args), batch, param_dtype, trace, _say)
