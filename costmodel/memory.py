@@ -40,12 +40,13 @@ saved activations at once (the one computing and the one in flight: double buffe
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 from autoddl.activations import activation_bytes, local_bytes  # noqa: F401  (read from here too)
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.offload import grad_bytes, kept_parameters, spill_groups
-from autoddl.pipeline import Boundary, in_flight_peak, input_stage
+from autoddl.pipeline import Boundary, in_flight_peak, input_stage, pipeline_degree
 from autoddl.plan import Plan
 from autoddl.precision import MASTER_ITEMSIZE, itemsize
 from autoddl.program import (StepProgram, block_of, grad_storage_of, optimizer_storage_of, recomputed_ops,
@@ -210,26 +211,54 @@ def _rank_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective], p
                 only: frozenset[str] | None, activations: int) -> dict[str, int]:
     """The categories of one device holding the parameters ``only`` (None: all) and ``activations``."""
     mesh = plan.mesh.shape
-    master_bytes, master_numel = master_parameters(graph, plan, only)
-    # the parameters kept whole in their storage are the masters too, unless working copies stand in
-    # for them (mixed precision: float32 masters only in the optimizer storage)
-    param_bytes = master_bytes if plan.training.mixed else local_parameters(graph, plan, only=only)[0]
-    mem = {
-        "parameters": param_bytes,
-        "gradients": local_parameters(graph, plan, grad_storage_of, only)[0] + accumulated_grad_bytes(plan, program, only),
-        "optimizer_states": int(optimizer_state_bytes(master_numel, plan.optimizer)),
+    state = _state_bytes(graph, plan, program, only, activations)
+    rest = {
         "working_params": working_param_bytes(graph, plan, program, only),
-        "buffers": buffer_bytes(graph, plan),
-        "activations": activations,
-        "recomputed": recomputed_bytes(graph, plan),
         "gathered_params": gathered_param_bytes(graph, plan, program, only),
         "boxing_buffer": boxing_buffer_bytes(collectives, graph, mesh),
         "spilled_params": 0, "spilled_grads": 0, "spilled_acts": 0,
     }
+    mem = {k: state[k] if k in state else rest[k] for k in CATEGORIES}
     if plan.training.offload_level != "none":
         mem.update(offloaded_bytes(graph, plan, program, activations))
     mem["total"] = sum(mem[k] for k in CATEGORIES)
     return mem
+
+
+def _state_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None, only: frozenset[str] | None,
+                 activations: int) -> dict[str, int]:
+    """The categories that need no step program without pipeline stages: parameters, gradients,
+    optimizer states, buffers, activations (given), recomputed."""
+    master_bytes, master_numel = master_parameters(graph, plan, only)
+    # the parameters kept whole in their storage are the masters too, unless working copies stand in
+    # for them (mixed precision: float32 masters only in the optimizer storage)
+    param_bytes = master_bytes if plan.training.mixed else local_parameters(graph, plan, only=only)[0]
+    return {
+        "parameters": param_bytes,
+        "gradients": local_parameters(graph, plan, grad_storage_of, only)[0] + accumulated_grad_bytes(plan, program, only),
+        "optimizer_states": int(optimizer_state_bytes(master_numel, plan.optimizer)),
+        "buffers": buffer_bytes(graph, plan),
+        "activations": activations,
+        "recomputed": recomputed_bytes(graph, plan),
+    }
+
+
+def memory_floor_bytes(graph: OpGraph, plan: Plan, enough_bytes: float = math.inf) -> int | None:
+    """A lower bound of ``memory_bytes(graph, plan, ...)["total"]`` without lowering the plan: the
+    categories that need no step program (:func:`_state_bytes`), and the working copies of the
+    parameters stored whole (B on every axis: no use of them is a gather, so none is left to
+    ``gathered_params``); the rest (other working copies, gathers, the boxing buffer) is >= 0.
+    Activations are counted only while the sum is not over ``enough_bytes`` yet (the floor is a
+    floor either way). None for a plan with pipeline stages or spilling (their categories depend
+    on the schedule / what is spilled)."""
+    if pipeline_degree(plan) > 1 or plan.training.offload_level != "none":
+        return None
+    whole = frozenset(fqn for fqn in used_parameters(graph) if storage_of(plan, fqn).is_broadcast)
+    state = _state_bytes(graph, plan, None, None, 0)
+    floor = sum(state.values()) - state["recomputed"] + working_param_bytes(graph, plan, None, whole)
+    if floor > enough_bytes:
+        return floor
+    return floor + state["recomputed"] + sum(activation_bytes(graph, plan).values())
 
 
 def offloaded_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None, activations: int) -> dict[str, int]:

@@ -40,7 +40,7 @@ from autoddl.plan import Mesh, Plan, axis_roles
 from autoddl.program import lower
 from autoddl.training import Training
 from costmodel.breakdown import CostBreakdown, plan_cost, predicted_collectives
-from costmodel.memory import activation_bytes, memory_bytes, recomputed_bytes
+from costmodel.memory import activation_bytes, memory_bytes, memory_floor_bytes, recomputed_bytes
 from search.baselines import BaselineSpec, baseline_specs, build_baseline, exchanged_specs
 from search.formulate import Formulation, FormulationCache, formulate
 from search.meshes import inner_axis_in_node, mesh_shapes
@@ -71,10 +71,17 @@ class Scheme:
     reason: str = ""
     no_offload_s: float | None = None        # spilled (search/offload.py): the step of the plan without it
     no_offload_fits: bool = True             # ... and whether that fits the memory limit
+    estimate_s: float | None = None          # estimated (not priced): the search objective, where there is one
+    floor_bytes: int = 0                     # ... and its memory floor, over the limit (price_unless_unfit)
 
     @property
     def step_time_s(self) -> float:
         return self.breakdown.step_time_s if self.breakdown else math.inf
+
+    @property
+    def estimated(self) -> bool:
+        """A plan left unpriced by the full cost model because it cannot fit (:func:`price_unless_unfit`)."""
+        return self.plan is not None and self.breakdown is None
 
 
 @dataclass
@@ -89,7 +96,7 @@ class SearchOutcome:
 
     @property
     def best_baseline(self) -> Scheme | None:
-        fitting = [s for s in self.schemes if s.name != "found" and s.plan is not None and s.breakdown.fits_memory]
+        fitting = [s for s in self.schemes if s.name != "found" and s.breakdown is not None and s.breakdown.fits_memory]
         return min(fitting, key=lambda s: s.step_time_s, default=None)
 
 
@@ -199,6 +206,22 @@ def price(graph: OpGraph, plan: Plan, cluster: Cluster, limit_bytes: float) -> C
     return bd
 
 
+def price_unless_unfit(graph: OpGraph, plan: Plan, cluster: Cluster, limit_bytes: float,
+                       estimate_s: float | None = None) -> Scheme:
+    """``plan`` priced by the full cost model, unless it provably cannot fit ``limit_bytes``: what it
+    keeps that needs no step program (costmodel/memory.py ``memory_floor_bytes``: parameters,
+    gradients, optimizer states, buffers, working copies stored whole, activations) is already over
+    the limit, so the full cost model would say it does not fit and no search could choose it. Such a plan is *estimated*: not
+    lowered or simulated, its Scheme holds ``estimate_s`` (the search objective, when the caller has
+    one) and the floor (`autoddl plan` marks it in the table; ``--price-all-baselines`` prices it)."""
+    floor = memory_floor_bytes(graph, plan, enough_bytes=limit_bytes)
+    if floor is not None and floor > limit_bytes:
+        return Scheme(plan.name, plan, None, f"cannot fit: at least {gb(floor)} per device (parameters, gradients, "
+                      f"optimizer states, ...) over the {gb(limit_bytes)} limit",
+                      estimate_s=estimate_s, floor_bytes=floor)
+    return Scheme(plan.name, plan, price(graph, plan, cluster, limit_bytes))
+
+
 def plan_memory(graph: OpGraph, plan: Plan, cluster: Cluster) -> int:
     """Per-device bytes of ``plan`` as the full cost model counts them, without simulating its timeline."""
     program = lower(graph, plan)
@@ -291,9 +314,12 @@ def fit_recompute(graph: OpGraph, plan: Plan, cluster: Cluster, limit: float,
 def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tuple[int, ...] | None = None,
            memory_gb: float | None = None, optimizer: str = "adamw", cd_time_limit_s: float | None = None,
            progress: Callable[[str], None] | None = None, training: Training | None = None,
-           tie_blocks: bool = True) -> SearchOutcome:
+           tie_blocks: bool = True, price_all_baselines: bool = True) -> SearchOutcome:
     """Search every mesh; return the found plan and each baseline, all priced by the full cost model
     and all carrying ``training`` (module docstring; ``recompute="auto"`` chooses per block).
+    ``price_all_baselines=False`` (`autoddl plan`'s default) leaves the baselines that provably
+    cannot fit unpriced (:func:`price_unless_unfit`; not under ``recompute="auto"``, which prices a
+    baseline per level): the found plan and the best baseline are the same either way.
     ``tie_blocks``: search repeated blocks once, each given the first's choices (search/tied.py).
     ``cd_time_limit_s``: None (default) bounds coordinate descent by its work alone (restarts and
     sweeps: search/coordinate_descent.py), so the same inputs give the same plan on any machine,
@@ -310,10 +336,14 @@ def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tupl
     limit = (memory_gb if memory_gb is not None else cluster.device.memory_gb) * 1e9
     meshes = resolve_meshes(cluster, mesh)
     run = _Search(graph, cluster, model_name, mesh, limit, optimizer, cd_time_limit_s, progress or (lambda _m: None),
-                  training, tie_blocks)
+                  training, tie_blocks, price_all_baselines)
     for shape in meshes:
         run.on_mesh(shape)
     best_plan, best_bd = run.choose()
+    unpriced = [s.name for s in run.baselines.values() if s.estimated]
+    if unpriced:
+        best_plan.notes.append(f"baselines {', '.join(unpriced)} were not priced by the full cost model: they cannot "
+                               f"fit {gb(limit)} per device (what they keep without lowering is over it)")
     order = [s.name for spec_nd in (1, 2) for s in baseline_specs(spec_nd)] + ["zero1", "zero2"]
     schemes = sorted(run.baselines.values(), key=lambda s: order.index(s.name))
     schemes.append(Scheme("found", best_plan, best_bd))
@@ -328,12 +358,13 @@ class _Search:
 
     def __init__(self, graph: OpGraph, cluster: Cluster, model_name: str, mesh: tuple[int, ...] | None,
                  limit: float, optimizer: str, cd_time_limit_s: float | None, say: Callable[[str], None],
-                 training: Training, tie_blocks: bool):
+                 training: Training, tie_blocks: bool, price_all_baselines: bool = True):
         self.graph, self.cluster, self.model_name, self.mesh, self.limit = graph, cluster, model_name, mesh, limit
         self.optimizer, self.cd_time_limit_s, self.say = optimizer, cd_time_limit_s, say
         self.training, self.tie_blocks = training, tie_blocks
         self.graph_hash = graph.fingerprint()
         self.auto = training.recompute == "auto"
+        self.estimate = not price_all_baselines and not self.auto       # price_unless_unfit the baselines
         self.levels = recompute_levels(graph, training) if self.auto else [dict(training.recompute_blocks)]
         self.top = len(self.levels) - 1
         self.baselines: dict[str, Scheme] = {}
@@ -399,7 +430,12 @@ class _Search:
             if base.applicable:
                 starts[spec.name] = base.assignment
                 if is_canonical:
-                    self.baselines[spec.name] = Scheme(spec.name, *self.priced(spec.name, form, base.assignment))
+                    if self.estimate:
+                        plan = self.plan_of(spec.name, form, base.assignment, self.at(0))
+                        self.baselines[spec.name] = price_unless_unfit(self.graph, plan, self.cluster, self.limit,
+                                                                       form.problem.cost(base.assignment))
+                    else:
+                        self.baselines[spec.name] = Scheme(spec.name, *self.priced(spec.name, form, base.assignment))
             elif is_canonical:
                 self.baselines[spec.name] = Scheme(spec.name, None, None, base.reason)
         return {**starts, **self.exchanged_starts(shape, form, starts)}
@@ -479,14 +515,21 @@ class _Search:
             elif result.cost <= NEAR_BEST * best_objective:
                 plan = self.plan_of("found", form, result.assignment, self.at(level))
                 candidates.append((plan, price(self.graph, plan, self.cluster, self.limit)))
-        self.baselines.update(zero_baselines(self.graph, self.baselines.get("dp"), self.cluster, self.limit))
+        self.baselines.update(zero_baselines(self.graph, self.baselines.get("dp"), self.cluster, self.limit,
+                                             self.estimate))
         candidates += [zero_variant(self.graph, p, stage, self.cluster, self.limit) for p, _ in list(candidates)
                        for stage in ZERO_STAGES if p.name == "found" and data_parallel_axes(p)]
         for scheme in self.baselines.values():
-            if scheme.plan is not None:
+            if scheme.breakdown is not None:
                 candidates.append((scheme.plan, scheme.breakdown))
         candidates += [self.priced(spec.name, form, a) for spec, form, a in self.exchanged]
         fitting = [(p, bd) for p, bd in candidates if bd.fits_memory]
+        if not fitting and any(s.estimated for s in self.baselines.values()):
+            # nothing fits: the error names the least memory of any plan, so price those left unpriced
+            self.estimate = False
+            self.baselines = {k: Scheme(k, s.plan, price(self.graph, s.plan, self.cluster, self.limit))
+                              if s.estimated else s for k, s in self.baselines.items()}
+            return self.choose()
         if not fitting:
             need = min([bd.memory_bytes_per_device for _, bd in candidates] + [self.min_memory])
             raise NoFeasiblePlanError(need, self.limit)
@@ -508,11 +551,17 @@ def zero_variant(graph: OpGraph, plan: Plan, stage: int, cluster: Cluster, limit
     return zeroed, price(graph, zeroed, cluster, limit)
 
 
-def zero_baselines(graph: OpGraph, dp: Scheme | None, cluster: Cluster, limit: float) -> dict[str, Scheme]:
-    """``zero1`` and ``zero2``: the data-parallel baseline with ZeRO-1 / ZeRO-2 storages."""
+def zero_baselines(graph: OpGraph, dp: Scheme | None, cluster: Cluster, limit: float,
+                   estimate: bool = False) -> dict[str, Scheme]:
+    """``zero1`` and ``zero2``: the data-parallel baseline with ZeRO-1 / ZeRO-2 storages
+    (``estimate``: :func:`price_unless_unfit`, with no search objective to show)."""
     if dp is None or dp.plan is None or not data_parallel_axes(dp.plan):
-        why = dp.reason if dp is not None and dp.reason else "no data-parallel axis of more than one device"
+        why = dp.reason if dp is not None and dp.plan is None and dp.reason \
+            else "no data-parallel axis of more than one device"
         return {f"zero{s}": Scheme(f"zero{s}", None, None, why) for s in ZERO_STAGES}
+    if estimate:
+        return {f"zero{s}": price_unless_unfit(graph, with_zero(graph, dp.plan, s, name=f"zero{s}"), cluster, limit)
+                for s in ZERO_STAGES}
     return {f"zero{s}": Scheme(f"zero{s}", *zero_variant(graph, dp.plan, s, cluster, limit, name=f"zero{s}"))
             for s in ZERO_STAGES}
 

@@ -245,7 +245,8 @@ def _search(args: argparse.Namespace, progress, training: Training | None = None
         graph, batch, tr = tracer(planned.num_devices, training)
         try:
             outcome = search(graph, planned, model_name=graph.model_name, mesh=mesh, memory_gb=args.memory_gb,
-                             optimizer=args.optimizer, progress=progress, training=tr)
+                             optimizer=args.optimizer, progress=progress, training=tr,
+                             price_all_baselines=getattr(args, "price_all_baselines", True) or args.scheme != "found")
         except NoFeasiblePlanError as exc:
             if given is None and not args.pipeline:
                 raise
@@ -313,6 +314,9 @@ def add_plan(subparsers) -> None:
     p.add_argument("--scheme", default="found", choices=SCHEMES,
                    help="which plan to write: found (default) or a baseline (with --degrees: the given one)")
     p.add_argument("--verbose", action="store_true", help="print the per-op table of the found plan")
+    p.add_argument("--price-all-baselines", action="store_true",
+                   help="price every baseline with the full cost model; by default those that cannot fit the "
+                        "memory limit (what they keep without lowering is over it) are shown estimated")
     from autoddl.cli.plan_trainers import add_trainer_options
 
     add_trainer_options(p)

@@ -55,15 +55,23 @@ def memory_header(breakdown: bool) -> tuple[str, ...]:
 
 
 def print_schemes(schemes: list[Scheme], graphs: dict[str, OpGraph | None], breakdown: bool = False) -> None:
-    """One row per scheme: step time, its parts, recompute (when any), throughput, memory."""
+    """One row per scheme: step time, its parts, recompute (when any), throughput, memory. A scheme
+    left unpriced (``Scheme.estimated``) shows the search objective as its step time, ``-`` for what
+    only the full cost model gives, and ``estimated`` in a ``priced`` column, with the reason below."""
     rows, skipped = [], []
     show_recompute = any(s.plan is not None and recompute_label(s.plan, graphs.get(s.name)) != "none"
                          for s in schemes)
-    show_bubble = any(s.plan is not None and s.breakdown.bubble_s > 0 for s in schemes)
+    show_bubble = any(s.breakdown is not None and s.breakdown.bubble_s > 0 for s in schemes)
     show_offload = any(s.plan is not None and s.plan.training.offload_level != "none" for s in schemes)
+    show_priced = any(s.estimated for s in schemes)
     for s in schemes:
         if s.plan is None:
             skipped.append(f"{s.name}: not applicable: {s.reason}")
+            continue
+        if s.estimated:
+            rows.append(_estimated_row(s, graphs, show_bubble, show_recompute, show_offload, breakdown))
+            skipped.append(f"{s.name}: estimated, not priced by the full cost model (step ms: the search objective"
+                           f"{'' if s.estimate_s is not None else ', none for this plan'}): {s.reason}")
             continue
         bd, c = s.breakdown, s.plan.cost
         rows.append((s.name, str(s.plan.mesh), f"{bd.step_time_s * 1e3:.3f}", f"{bd.compute_s * 1e3:.3f}",
@@ -73,18 +81,31 @@ def print_schemes(schemes: list[Scheme], graphs: dict[str, OpGraph | None], brea
                     + ((recompute_label(s.plan, graphs.get(s.name)),) if show_recompute else ())
                     + (_offload_cells(s) if show_offload else ())
                     + (rate(s.plan), f"{c.model_tflops_per_device:.1f}" if c.model_tflops_per_device else "-")
-                    + memory_cells(bd, breakdown) + ("yes" if bd.fits_memory else "NO",))
+                    + memory_cells(bd, breakdown) + ("yes" if bd.fits_memory else "NO",)
+                    + (("full",) if show_priced else ()))
     header = (("scheme", "mesh", "step ms", "compute ms", "boxing ms", "grad sync ms", "optimizer ms")
               + (("bubble ms",) if show_bubble else ()) + (("recompute",) if show_recompute else ())
               + (OFFLOAD_HEADER if show_offload else ()) + (rate_column(schemes), "TFLOP/s/dev")
-              + memory_header(breakdown) + ("fits",))
-    numeric = [i for i, h in enumerate(header) if h not in ("scheme", "mesh", "recompute", "fits") + OFFLOAD_HEADER]
+              + memory_header(breakdown) + ("fits",) + (("priced",) if show_priced else ()))
+    numeric = [i for i, h in enumerate(header)
+               if h not in ("scheme", "mesh", "recompute", "fits", "priced") + OFFLOAD_HEADER]
     print(table(header, rows, numeric=numeric))
     for line in skipped:
         print(line)
 
 
 OFFLOAD_HEADER = ("offload", "copies ms", "vs no offload", "host GB")
+
+
+def _estimated_row(s: Scheme, graphs: dict[str, OpGraph | None], show_bubble: bool, show_recompute: bool,
+                   show_offload: bool, breakdown: bool) -> tuple[str, ...]:
+    """An unpriced scheme's row: the search objective as step ms, its memory floor (``>`` it) in the
+    total memory column, ``NO`` fits, ``-`` elsewhere."""
+    step = f"{s.estimate_s * 1e3:.3f}" if s.estimate_s is not None else "-"
+    memory = ("-",) * (len(MEMORY_PARTS) if breakdown else 0) + (f">{s.floor_bytes / 1e9:.3f}",)
+    return ((s.name, str(s.plan.mesh), step) + ("-",) * 4 + (("-",) if show_bubble else ())
+            + ((recompute_label(s.plan, graphs.get(s.name)),) if show_recompute else ())
+            + (("-",) * len(OFFLOAD_HEADER) if show_offload else ()) + ("-", "-") + memory + ("NO", "estimated"))
 
 
 def _offload_cells(s: Scheme) -> tuple[str, ...]:
