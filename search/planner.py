@@ -211,9 +211,10 @@ def price_unless_unfit(graph: OpGraph, plan: Plan, cluster: Cluster, limit_bytes
     """``plan`` priced by the full cost model, unless it provably cannot fit ``limit_bytes``: what it
     keeps that needs no step program (costmodel/memory.py ``memory_floor_bytes``: parameters,
     gradients, optimizer states, buffers, working copies stored whole, activations) is already over
-    the limit, so the full cost model would say it does not fit and no search could choose it. Such a plan is *estimated*: not
-    lowered or simulated, its Scheme holds ``estimate_s`` (the search objective, when the caller has
-    one) and the floor (`autoddl plan` marks it in the table; ``--price-all-baselines`` prices it)."""
+    the limit, so the full cost model would say it does not fit and no search could choose it. Such
+    a plan is *estimated*: not lowered or simulated, its Scheme holds ``estimate_s`` (the search
+    objective, when the caller has one) and the floor (`autoddl plan` marks it in the table;
+    ``--price-all-baselines`` prices it)."""
     floor = memory_floor_bytes(graph, plan, enough_bytes=limit_bytes)
     if floor is not None and floor > limit_bytes:
         return Scheme(plan.name, plan, None, f"cannot fit: at least {gb(floor)} per device (parameters, gradients, "
