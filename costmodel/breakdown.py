@@ -27,11 +27,13 @@ import pandas as pd
 from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph
 from autoddl.offload import HOST
+from autoddl.pipeline import pipeline_degree
 from autoddl.plan import CostReport, Plan
-from autoddl.program import COMPUTE, StepProgram, lower, signature_of
+from autoddl.program import COMPUTE, StepProgram, lower, recomputed_ops, requires_grad, signature_of
 from costmodel.collectives import Collective, carried_out_as
 from costmodel.memory import activation_bytes, memory_bytes
-from costmodel.simulate import Timeline, bubble_s, simulate
+from costmodel.compute import op_backward_time_s, op_forward_time_s
+from costmodel.simulate import Timeline, _kernel_key, bubble_s, simulate
 
 PER_OP_COLUMNS = ["op", "target", "output_shape", "signature", "compute_us", "comm_us", "memory_mb"]
 
@@ -139,6 +141,29 @@ def plan_cost(graph: OpGraph, plan: Plan, cluster: Cluster) -> CostBreakdown:
         bubble_s=bubble, offload_s=timeline.busy_s(phase="offload"), host_limit_bytes=host_limit,
         timeline=timeline,
     )
+
+
+def compute_floor_s(graph: OpGraph, plan: Plan, cluster: Cluster) -> float:
+    """A lower bound of ``plan_cost(graph, plan, cluster).step_time_s`` without lowering the plan:
+    the kernels the one compute stream runs one after another (costmodel/simulate.py: a stream
+    runs one task at a time), each micro-step: every op's forward, the backward of those a gradient
+    reaches, the recomputed ops' forward again. Recompute's per-op overheads (measured >= 0; 0 when
+    any is negative) and the optimizer are left out, so this is ``compute_s`` where recompute costs
+    nothing extra and below it otherwise. 0.0 with pipeline stages (the busiest rank's is not this)."""
+    costs = [cluster.executor.recompute_cost(p) for p in ("selective", "full")]
+    if pipeline_degree(plan) > 1 or any(v < 0 for c in costs for v in vars(c).values()):
+        return 0.0
+    mesh, rg, memo = tuple(plan.mesh.shape), requires_grad(graph), {}
+
+    def kernel(node, forward: bool) -> float:
+        sig = signature_of(plan, node)
+        key = (forward, sig, *_kernel_key(node))
+        if key not in memo:
+            memo[key] = (op_forward_time_s if forward else op_backward_time_s)(node, sig, mesh, cluster)
+        return memo[key]
+    total = sum(kernel(n, True) + (kernel(n, False) if n.name in rg else 0.0) for n in graph.ops())
+    total += sum(kernel(n, True) for ops in recomputed_ops(graph, plan).values() for n in ops)
+    return total * plan.training.micro_batches
 
 
 def _exposed_comm_s(timeline: Timeline, bubble: float, rank: int) -> float:

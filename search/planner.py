@@ -39,7 +39,7 @@ from autoddl.pipeline import pipeline_degree, repeated_blocks, with_pp_axis
 from autoddl.plan import Mesh, Plan, axis_roles
 from autoddl.program import lower
 from autoddl.training import Training
-from costmodel.breakdown import CostBreakdown, plan_cost, predicted_collectives
+from costmodel.breakdown import CostBreakdown, compute_floor_s, plan_cost, predicted_collectives
 from costmodel.memory import activation_bytes, memory_bytes, memory_floor_bytes, recomputed_bytes
 from search.baselines import BaselineSpec, baseline_specs, build_baseline, exchanged_specs
 from search.formulate import Formulation, FormulationCache, formulate
@@ -73,6 +73,7 @@ class Scheme:
     no_offload_fits: bool = True             # ... and whether that fits the memory limit
     estimate_s: float | None = None          # estimated (not priced): the search objective, where there is one
     floor_bytes: int = 0                     # ... and its memory floor, over the limit (price_unless_unfit)
+    floor_s: float = 0.0                     # ... or its compute floor, over the found plan's step
 
     @property
     def step_time_s(self) -> float:
@@ -80,8 +81,9 @@ class Scheme:
 
     @property
     def estimated(self) -> bool:
-        """A plan left unpriced by the full cost model because it cannot fit (:func:`price_unless_unfit`)."""
-        return self.plan is not None and self.breakdown is None
+        """A plan left unpriced by the full cost model: it cannot fit or cannot be chosen
+        (:func:`price_unless_unfit`)."""
+        return self.plan is not None and self.breakdown is None and self.reason != PENDING
 
 
 @dataclass
@@ -206,20 +208,29 @@ def price(graph: OpGraph, plan: Plan, cluster: Cluster, limit_bytes: float) -> C
     return bd
 
 
+PENDING = "not priced yet"      # a baseline Scheme :meth:`_Search.choose` prices or estimates
+
+
 def price_unless_unfit(graph: OpGraph, plan: Plan, cluster: Cluster, limit_bytes: float,
-                       estimate_s: float | None = None) -> Scheme:
-    """``plan`` priced by the full cost model, unless it provably cannot fit ``limit_bytes``: what it
-    keeps that needs no step program (costmodel/memory.py ``memory_floor_bytes``: parameters,
-    gradients, optimizer states, buffers, working copies stored whole, activations) is already over
-    the limit, so the full cost model would say it does not fit and no search could choose it. Such
-    a plan is *estimated*: not lowered or simulated, its Scheme holds ``estimate_s`` (the search
-    objective, when the caller has one) and the floor (`autoddl plan` marks it in the table;
-    ``--price-all-baselines`` prices it)."""
+                       estimate_s: float | None = None, beat_s: float = math.inf) -> Scheme:
+    """``plan`` priced by the full cost model, unless it provably cannot fit ``limit_bytes`` or be
+    faster than ``beat_s`` (the best fitting plan already priced): what it keeps that needs no step
+    program (costmodel/memory.py ``memory_floor_bytes``: parameters, gradients, optimizer states,
+    buffers, working copies stored whole, activations) is already over the limit, or its kernels
+    alone (costmodel/breakdown.py ``compute_floor_s``) take longer than ``beat_s``; either way no
+    search could choose it. Such a plan is *estimated*: not lowered or simulated, its Scheme holds
+    ``estimate_s`` (the search objective, when the caller has one) and the floor (`autoddl plan`
+    marks it in the table; ``--price-all-baselines`` prices it)."""
     floor = memory_floor_bytes(graph, plan, enough_bytes=limit_bytes)
     if floor is not None and floor > limit_bytes:
         return Scheme(plan.name, plan, None, f"cannot fit: at least {gb(floor)} per device (parameters, gradients, "
                       f"optimizer states, ...) over the {gb(limit_bytes)} limit",
                       estimate_s=estimate_s, floor_bytes=floor)
+    kernels = compute_floor_s(graph, plan, cluster) if beat_s < math.inf else 0.0
+    if kernels > beat_s:
+        return Scheme(plan.name, plan, None, f"cannot be chosen: its kernels alone take {kernels * 1e3:.3f} ms, more "
+                      f"than the {beat_s * 1e3:.3f} ms step of the best plan priced", estimate_s=estimate_s,
+                      floor_s=kernels)
     return Scheme(plan.name, plan, price(graph, plan, cluster, limit_bytes))
 
 
@@ -341,10 +352,13 @@ def search(graph: OpGraph, cluster: Cluster, *, model_name: str = "", mesh: tupl
     for shape in meshes:
         run.on_mesh(shape)
     best_plan, best_bd = run.choose()
-    unpriced = [s.name for s in run.baselines.values() if s.estimated]
-    if unpriced:
-        best_plan.notes.append(f"baselines {', '.join(unpriced)} were not priced by the full cost model: they cannot "
-                               f"fit {gb(limit)} per device (what they keep without lowering is over it)")
+    unfit = [s.name for s in run.baselines.values() if s.estimated and s.floor_bytes]
+    slower = [s.name for s in run.baselines.values() if s.estimated and not s.floor_bytes]
+    if unfit or slower:
+        why = ([f"{', '.join(unfit)} cannot fit {gb(limit)} per device (what they keep without lowering is over it)"]
+               if unfit else []) + ([f"{', '.join(slower)} cannot be chosen (their kernels alone take longer than the "
+                                     "found plan's step)"] if slower else [])
+        best_plan.notes.append(f"baselines not priced by the full cost model: {'; '.join(why)}")
     order = [s.name for spec_nd in (1, 2) for s in baseline_specs(spec_nd)] + ["zero1", "zero2"]
     schemes = sorted(run.baselines.values(), key=lambda s: order.index(s.name))
     schemes.append(Scheme("found", best_plan, best_bd))
@@ -431,10 +445,10 @@ class _Search:
             if base.applicable:
                 starts[spec.name] = base.assignment
                 if is_canonical:
-                    if self.estimate:
+                    if self.estimate:           # priced or estimated once the found plan is priced (choose)
                         plan = self.plan_of(spec.name, form, base.assignment, self.at(0))
-                        self.baselines[spec.name] = price_unless_unfit(self.graph, plan, self.cluster, self.limit,
-                                                                       form.problem.cost(base.assignment))
+                        self.baselines[spec.name] = Scheme(spec.name, plan, None, PENDING,
+                                                           estimate_s=form.problem.cost(base.assignment))
                     else:
                         self.baselines[spec.name] = Scheme(spec.name, *self.priced(spec.name, form, base.assignment))
             elif is_canonical:
@@ -520,10 +534,14 @@ class _Search:
                                              self.estimate))
         candidates += [zero_variant(self.graph, p, stage, self.cluster, self.limit) for p, _ in list(candidates)
                        for stage in ZERO_STAGES if p.name == "found" and data_parallel_axes(p)]
+        exchanged = [self.priced(spec.name, form, a) for spec, form, a in self.exchanged]
+        beat = min((bd.step_time_s for _, bd in candidates + exchanged if bd.fits_memory), default=math.inf)
+        self.baselines = {k: price_unless_unfit(self.graph, s.plan, self.cluster, self.limit, s.estimate_s, beat)
+                          if s.reason == PENDING else s for k, s in self.baselines.items()}
         for scheme in self.baselines.values():
             if scheme.breakdown is not None:
                 candidates.append((scheme.plan, scheme.breakdown))
-        candidates += [self.priced(spec.name, form, a) for spec, form, a in self.exchanged]
+        candidates += exchanged
         fitting = [(p, bd) for p, bd in candidates if bd.fits_memory]
         if not fitting and any(s.estimated for s in self.baselines.values()):
             # nothing fits: the error names the least memory of any plan, so price those left unpriced
@@ -555,13 +573,13 @@ def zero_variant(graph: OpGraph, plan: Plan, stage: int, cluster: Cluster, limit
 def zero_baselines(graph: OpGraph, dp: Scheme | None, cluster: Cluster, limit: float,
                    estimate: bool = False) -> dict[str, Scheme]:
     """``zero1`` and ``zero2``: the data-parallel baseline with ZeRO-1 / ZeRO-2 storages
-    (``estimate``: :func:`price_unless_unfit`, with no search objective to show)."""
+    (``estimate``: unpriced, ``PENDING`` for :meth:`_Search.choose`; no search objective to show)."""
     if dp is None or dp.plan is None or not data_parallel_axes(dp.plan):
         why = dp.reason if dp is not None and dp.plan is None and dp.reason \
             else "no data-parallel axis of more than one device"
         return {f"zero{s}": Scheme(f"zero{s}", None, None, why) for s in ZERO_STAGES}
-    if estimate:
-        return {f"zero{s}": price_unless_unfit(graph, with_zero(graph, dp.plan, s, name=f"zero{s}"), cluster, limit)
+    if estimate:            # priced or estimated by _Search.choose
+        return {f"zero{s}": Scheme(f"zero{s}", with_zero(graph, dp.plan, s, name=f"zero{s}"), None, PENDING)
                 for s in ZERO_STAGES}
     return {f"zero{s}": Scheme(f"zero{s}", *zero_variant(graph, dp.plan, s, cluster, limit, name=f"zero{s}"))
             for s in ZERO_STAGES}

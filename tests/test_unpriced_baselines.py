@@ -5,6 +5,7 @@ an unpriced row's step is the baseline's search objective, and its memory floor 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,11 @@ from autoddl.cli import main
 from autoddl.cluster import Cluster
 from autoddl.program import used_parameters
 from autoddl.training import Training
-from costmodel.breakdown import plan_cost
+from costmodel.breakdown import compute_floor_s, plan_cost
 from costmodel.memory import memory_floor_bytes, working_param_bytes
 from search.baselines import baseline_specs, build_baseline
 from search.formulate import formulate
-from search.planner import search, with_training
+from search.planner import price_unless_unfit, search, with_training
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "configs" / "local-cpu.yaml"
@@ -65,7 +66,8 @@ def test_unpriced_baselines_change_no_choice(case):
     assert {k: v for k, v in fast.found.to_dict().items() if k != "notes"} == \
         {k: v for k, v in full.found.to_dict().items() if k != "notes"}
     assert fast.found.notes[:-1] == full.found.notes
-    assert fast.found.notes[-1].startswith(f"baselines {', '.join(s.name for s in unpriced)} were not priced")
+    assert fast.found.notes[-1].startswith(f"baselines not priced by the full cost model: "
+                                          f"{', '.join(s.name for s in unpriced)} cannot fit")
     assert fast.found_breakdown.step_time_s == full.found_breakdown.step_time_s
     assert (fast.best_baseline.name, fast.best_baseline.step_time_s) == \
         (full.best_baseline.name, full.best_baseline.step_time_s)
@@ -76,7 +78,7 @@ def test_unpriced_baselines_change_no_choice(case):
             assert s.step_time_s == priced[s.name].step_time_s
             continue
         bd = priced[s.name].breakdown
-        assert not bd.fits_memory and limit < s.floor_bytes <= bd.memory_bytes_per_device
+        assert s.floor_bytes and not bd.fits_memory and limit < s.floor_bytes <= bd.memory_bytes_per_device
         spec = next((sp for sp in baseline_specs(s.plan.mesh.ndim) if sp.name == s.name), None)
         if spec is None:                                   # zero1 / zero2: no search objective
             assert s.estimate_s is None
@@ -102,3 +104,25 @@ def test_cli_marks_unpriced_rows(case, tmp_path, capsys):
     assert rows and all(r[-2] == "NO" and r[-3].startswith(">") for r in rows)
     assert fast_plan["notes"][:-1] == full_plan["notes"]
     assert {k: v for k, v in fast_plan.items() if k != "notes"} == {k: v for k, v in full_plan.items() if k != "notes"}
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_compute_floor_bounds_the_step(case, recompute):
+    """compute_floor_s is the compute stream's kernels: the breakdown's compute_s without recompute
+    overheads (equal with recompute none), never above the step; price_unless_unfit estimates a plan
+    exactly when that floor is over the step to beat."""
+    graph, cluster, _, _ = case
+    plans = [with_training(s.plan, Training(recompute=recompute, micro_batches=2))
+             for s in search(graph, cluster, mesh=MESH).schemes if s.plan is not None]
+    for plan in plans:
+        bd = plan_cost(graph, plan, cluster)
+        floor = compute_floor_s(graph, plan, cluster)
+        assert floor <= bd.step_time_s
+        if recompute == "none":
+            assert floor == pytest.approx(bd.compute_s, rel=1e-12)
+        else:                                                           # local-cpu's measured overheads
+            assert 0 < floor < bd.compute_s
+        estimated = price_unless_unfit(graph, plan, cluster, 1e18, 1.0, beat_s=floor * (1 - 1e-9))
+        assert estimated.estimated and estimated.floor_s == floor and estimated.estimate_s == 1.0
+        priced = price_unless_unfit(graph, plan, cluster, 1e18, 1.0, beat_s=floor)
+        assert not priced.estimated and priced.step_time_s == bd.step_time_s

@@ -347,7 +347,8 @@ def run_plan(args: argparse.Namespace) -> int:
         line = plan_line("found plan", found, bd)
         best = outcome.best_baseline
         if best is not None:
-            line += f"; {best.step_time_s / bd.step_time_s:.2f}x the speed of the best baseline " \
+            priced = " priced" if any(s.estimated and not s.floor_bytes for s in outcome.schemes) else ""
+            line += f"; {best.step_time_s / bd.step_time_s:.2f}x the speed of the best baseline{priced} " \
                     f"({best.name}, {best.step_time_s * 1e3:.3f} ms)"
         print(line)
         for note in found.notes:

@@ -100,12 +100,16 @@ OFFLOAD_HEADER = ("offload", "copies ms", "vs no offload", "host GB")
 def _estimated_row(s: Scheme, graphs: dict[str, OpGraph | None], show_bubble: bool, show_recompute: bool,
                    show_offload: bool, breakdown: bool) -> tuple[str, ...]:
     """An unpriced scheme's row: the search objective as step ms, its memory floor (``>`` it) in the
-    total memory column, ``NO`` fits, ``-`` elsewhere."""
+    total memory column and ``NO`` fits when it cannot fit, its kernels' floor (``>``) as compute ms
+    when it cannot be chosen, ``-`` elsewhere."""
     step = f"{s.estimate_s * 1e3:.3f}" if s.estimate_s is not None else "-"
-    memory = ("-",) * (len(MEMORY_PARTS) if breakdown else 0) + (f">{s.floor_bytes / 1e9:.3f}",)
-    return ((s.name, str(s.plan.mesh), step) + ("-",) * 4 + (("-",) if show_bubble else ())
+    compute = f">{s.floor_s * 1e3:.3f}" if s.floor_s else "-"
+    memory = ("-",) * (len(MEMORY_PARTS) if breakdown else 0) + (f">{s.floor_bytes / 1e9:.3f}" if s.floor_bytes
+                                                                else "-",)
+    return ((s.name, str(s.plan.mesh), step, compute) + ("-",) * 3 + (("-",) if show_bubble else ())
             + ((recompute_label(s.plan, graphs.get(s.name)),) if show_recompute else ())
-            + (("-",) * len(OFFLOAD_HEADER) if show_offload else ()) + ("-", "-") + memory + ("NO", "estimated"))
+            + (("-",) * len(OFFLOAD_HEADER) if show_offload else ()) + ("-", "-") + memory
+            + ("NO" if s.floor_bytes else "-", "estimated"))
 
 
 def _offload_cells(s: Scheme) -> tuple[str, ...]:
