@@ -116,7 +116,8 @@ def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int
             sync = 0.0
         else:
             sync = cluster_collective_time_s(CollectiveKind.ALL_REDUCE, grad, mesh, 1, cluster)
-        tail_s = max(tail_s, sync + costs.optimizer_s * len(chunks) / n / (dp if role == "fsdp" else 1))
+        tail_s = max(tail_s, sync + (costs.optimizer_s / (dp if role == "fsdp" else 1)
+                                     + (m - 1) * costs.passes_per_micro_step_s) * len(chunks) / n)
         held = in_flight_peak(actions[rank], [saved[c] for c in chunks])
         peak = max(peak, state + sum(step_gathered_bytes(gathered, inner.training)) + held + costs.other_bytes
                    + max(costs.boxing_bytes, _bucket_bytes(costs, [runs[c] for c in chunks], inner.training, dp)))

@@ -26,6 +26,7 @@ from autoddl.pipeline import repeated_blocks
 from autoddl.plan import Plan
 from autoddl.program import block_of, lower, storage_of, used_parameters
 from costmodel.breakdown import predicted_collectives
+from costmodel.master_passes import passes_time_s, step_passes
 from costmodel.memory import (activation_bytes, boxing_buffer_bytes, buffer_bytes, local_bytes, param_state_bytes,
                               recomputed_bytes)
 from costmodel.simulate import simulate
@@ -49,6 +50,9 @@ class BlockCosts:
     params: list[list[tuple[int, tuple[int, ...]]]] = dataclasses.field(default_factory=list)
     other_bytes: float = 0.0         # the one-micro-batch program's recomputed + buffers (costmodel/memory.py)
     boxing_bytes: float = 0.0        # and its boxing_buffer (without dp: no gradient buckets)
+    # the master passes (costmodel/master_passes.py) each micro-step beyond the first adds, whole model;
+    # those of one micro-step are in optimizer_s (the simulator adds them to the optimizer task)
+    passes_per_micro_step_s: float = 0.0
 
     @property
     def seconds(self) -> list[float]:
@@ -93,7 +97,14 @@ def block_costs(graph: OpGraph, plan: Plan, cluster: Cluster) -> BlockCosts:
     return BlockCosts(blocks, [forward[b] for b in blocks], [backward[b] for b in blocks],
                       [nbytes[b] for b in blocks], [saved[b] for b in blocks],
                       timeline.busy_s(phase="grad_sync", collective=True), timeline.busy_s(phase="optimizer"),
-                      [params[b] for b in blocks], recomputed_bytes(graph, one) + buffer_bytes(graph, one), boxing)
+                      [params[b] for b in blocks], recomputed_bytes(graph, one) + buffer_bytes(graph, one), boxing,
+                      _passes_s(program, one, cluster, 2) - _passes_s(program, one, cluster, 1))
+
+
+def _passes_s(program, plan: Plan, cluster: Cluster, micro_batches: int) -> float:
+    """Seconds of the step's master passes with ``micro_batches`` micro-steps (linear in them)."""
+    training = dataclasses.replace(plan.training, micro_batches=micro_batches)
+    return passes_time_s(step_passes(program, training), cluster, plan.mesh.shape)
 
 
 def balanced_cuts(seconds: list[float], nbytes: list[float], n: int) -> list[int]:

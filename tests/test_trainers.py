@@ -261,7 +261,7 @@ def test_cli_emit_finds_pipeline_stages_the_found_plan_did_not_try(tmp_path, cap
     """Four one-GPU nodes on 25 Gb/s Ethernet: the best Megatron-LM configuration is pp=4, priced as the
     same --degrees configuration, and said to beat the found plan (which did not search stages)."""
     flags, argv = tmp_path / "flags.txt", ["plan", str(GPT), "--preset", "tiny", "--set", "n_layer=4", "--set",
-                                           "n_embd=512", "--cluster", str(ROOT / "configs" / "v100-16x1.yaml"),
+                                           "n_embd=768", "--cluster", str(ROOT / "configs" / "v100-16x1.yaml"),
                                            "--devices", "4", "--micro-batch-size", "1", "--global-batch-size", "16"]
     assert main(argv + ["--emit", "megatron", "--emit-out", str(flags), "--out", str(tmp_path / "a.json")]) == 0
     text = flags.read_text()
