@@ -134,3 +134,23 @@ def test_the_found_plan_does_not_depend_on_the_clock(monkeypatch):
         search(graph, local, mesh=(2, 2), cd_time_limit_s=1.0)
     assert _decisions(loaded) == _decisions(calm)
     assert unbounded > 0 and not restarts          # a clock bound would have cut every restart
+
+
+def test_the_cli_collects_garbage_less_often_while_planning_and_restores_the_collector(tmp_path, monkeypatch):
+    """autoddl/cli/__init__.py: the command runs under PLANNING_GC_THRESHOLD with the traced graph frozen
+    out of the collector; both are undone on return (a user's process, or pytest's, keeps its own)."""
+    import gc
+
+    from autoddl import cli
+
+    seen = []
+    real_freeze = gc.freeze
+    monkeypatch.setattr(gc, "freeze", lambda: (seen.append(gc.get_threshold()), real_freeze()))
+    before = gc.get_threshold()
+    argv = ["plan", str(ROOT / "examples" / "mlp.py"), "--preset", "tiny", "--cluster",
+            str(ROOT / "configs" / "local-cpu.yaml"), "--devices", "2", "--out", str(tmp_path / "p.json")]
+    assert cli.main(argv) == 0
+    assert seen and all(t == cli.PLANNING_GC_THRESHOLD for t in seen)      # frozen while the threshold held
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    assert cli.main(argv + ["--devices", "0"]) == 2                          # an error restores them too
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
