@@ -104,6 +104,10 @@ class CostReport:
             raise ValueError(f"{source}: cost is missing a field ({exc}); re-run `autoddl plan`") from None
 
 
+ROLE_WORDS = {"pp": "pipeline stages", "dp": "data parallel", "fsdp": "ZeRO-3 / FSDP", "tp": "tensor parallel",
+              "sp": "sequence parallel", "rep": "replicated"}     # a mesh axis's role (axis_roles, --degrees) in words
+
+
 def axis_roles(signatures: dict[str, Signature], param_storage: dict[str, NdSbp], ndim: int) -> tuple[str, ...]:
     """Role-named mesh axes, as torchtitan's ParallelDims names them, read off the decisions: an axis
     that splits an input's batch (dim 0) is ``dp``, or ``fsdp`` when parameters are stored split on it

@@ -29,6 +29,7 @@ silently replaced.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -154,28 +155,59 @@ def _from_inputs(nodes: list[OpNode]) -> set[str]:
     return out
 
 
+class _Axes(NamedTuple):
+    """A spec's mesh axes by role: ``model`` the tp / sp axes, ``batch`` the dp / zero axes, ``seq``
+    the sp axes."""
+    roles: tuple[str, ...]
+    model: list[int]
+    batch: list[int]
+    seq: list[int]
+
+    @classmethod
+    def of(cls, roles: tuple[str, ...]) -> "_Axes":
+        return cls(roles, [axis for axis, role in enumerate(roles) if role in ("tp", "sp")],
+                   [axis for axis, role in enumerate(roles) if role in ("dp", "zero")],
+                   [axis for axis, role in enumerate(roles) if role == "sp"])
+
+
 def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, ...], params: set[str],
                assignment: np.ndarray, lazy_params: set[int], incoming, problem, index: dict[str, int],
                from_inputs: bool = True) -> tuple[int, dict[int, int]]:
-    """The allowed candidate with the smallest key: (gathers a batch-split activation on a dp / zero
-    axis, needs a forward collective on an activation,
-    reduce-scatters onto the sequence (sp), minus the weight splits on tp/sp axes, compute + boxing
-    seconds); for a linear or embedding on an sp axis (minus its weight's splits, needs a
-    collective, slices a replicated activation, seconds). The leading terms make the expert pattern
-    structural: a split batch stays split, and Megatron splits weights, even where the cost model
-    alone would replicate.
+    """The allowed candidate with the smallest :func:`_expert_key`, and the storages it picks for the
+    lazy parameters it reads (tp/sp axes: stored as their first consumer uses them).
     On tp/sp axes no activation is split on dim 0 (the all-B candidate is always allowed). On dp / zero
     axes an op that depends on no user input (``from_inputs`` False) stays replicated: data parallel
     splits the batch, and such a constant has none."""
     param_slots = {slot: ref.node for slot, ref in enumerate(node.inputs) if ref.node in params}
-    model_axes = [axis for axis, role in enumerate(roles) if role in ("tp", "sp")]
-    batch_axes = [axis for axis, role in enumerate(roles) if role in ("dp", "zero")]
-    seq_axes = [axis for axis, role in enumerate(roles) if role == "sp"]
+    axes = _Axes.of(roles)
     megatron = _megatron_layer(node, param_slots)
+    node_cost, edge_rows, stored, placed = _placed_context(i, node, param_slots, params, assignment, incoming,
+                                                           problem, index)
     best, best_key = -1, (np.inf,)
     lazy_choice: dict[int, int] = {}
-    # What does not depend on the candidate, read once: the placed producers' cost rows (as floats,
-    # added in the same order as before), the placed parameters' storages, the placed inputs' layouts.
+    for j, sig in enumerate(cands):
+        if not _candidate_allowed(node, sig, param_slots, axes, from_inputs):
+            continue
+        priced = _seconds_with_lazy_storages(node_cost[j], j, sig, edge_rows, lazy_params, problem, node, roles)
+        if priced is None:
+            continue
+        total, chosen_lazy = priced
+        sources = [(src, sig.inputs[slot]) for slot, src in placed]
+        if not _layouts_allowed(node, sig, stored, sources, axes):
+            continue
+        key = _expert_key(node, sig, param_slots, sources, axes, megatron, total)
+        if key < best_key:
+            best, best_key, lazy_choice = j, key, chosen_lazy
+    if best < 0:
+        best = 0                              # the all-B signature is always first and always allowed
+    return best, lazy_choice
+
+
+def _placed_context(i: int, node: OpNode, param_slots: dict[int, str], params: set[str], assignment: np.ndarray,
+                    incoming, problem, index: dict[str, int]) -> tuple[list, list, list, list]:
+    """What does not depend on node ``i``'s candidate, read once: its cost row, each incoming edge's
+    placed producer's cost row (as floats, added in edge order) or None, the placed parameters'
+    storages and the placed inputs' layouts, each by input slot."""
     node_cost = problem.node_cost[i].tolist()
     edge_rows = [(u, mat, mat[assignment[u]].tolist() if assignment[u] >= 0 else None) for u, mat in incoming[i]]
     stored = [(slot, problem.choices[index[name]][assignment[index[name]]].outputs[0])
@@ -183,51 +215,65 @@ def _greedy_op(i: int, node: OpNode, cands: list[Signature], roles: tuple[str, .
     placed = [(slot, problem.choices[index[ref.node]][assignment[index[ref.node]]].outputs[ref.index])
               for slot, ref in enumerate(node.inputs)
               if ref.node not in params and ref.node in index and assignment[index[ref.node]] >= 0]
-    for j, sig in enumerate(cands):
-        if (not _param_use_allowed(sig, param_slots, roles)
-                or (model_axes and _splits_batch(node, sig, param_slots, model_axes))
-                or _not_vocab_parallel(node, sig, param_slots, model_axes)):
-            continue
-        if not from_inputs and any(not nd[axis].is_broadcast() for nd in sig.outputs for axis in batch_axes):
-            continue
-        total = node_cost[j]
-        chosen_lazy: dict[int, int] = {}
-        feasible = True
-        for u, mat, row in edge_rows:
-            if row is not None:
-                total += row[j]
-            elif u in lazy_params:
-                a = _storage_matching(problem.choices[u], sig, problem.nodes[u], node, roles)
-                if a is None:
-                    feasible = False
-                    break
-                chosen_lazy[u] = a
-                total += problem.node_cost[u][a] + mat[a, j]
-        if not feasible:
-            continue
-        if not all(_use_matches_storage(storage, sig.inputs[slot], model_axes) for slot, storage in stored):
-            continue
-        sources = [(src, sig.inputs[slot]) for slot, src in placed]
-        if any(_megatron_forbids(src, dst, roles, axis, node) for src, dst in sources for axis in model_axes):
-            continue
-        if any(d[axis].is_partial() and not s[axis].is_partial() for s, d in sources for axis in batch_axes):
-            continue                          # data parallel never turns an activation into a partial sum
-        gathers = int(any(s[axis].is_split() and not d[axis].is_split() for s, d in sources for axis in batch_axes))
-        boxed = int(any(_collective_needed(src, dst) for src, dst in sources))
-        if megatron and "sp" in roles:      # the weight (not a bias) split, then as few collectives as can be
-            splits = sum(sig.inputs[slot][axis].is_split() for slot in param_slots for axis in model_axes
-                         if node.input_metas[slot].ndim == 2)
-            sliced = sum(s.is_broadcast() and d.is_split() for src, dst in sources for s, d in zip(src, dst))
-            key = (gathers, -splits, boxed, sliced, total)
-        else:
-            splits = sum(sig.inputs[slot][axis].is_split() for slot in param_slots for axis in model_axes
-                         if megatron or roles[axis] == "tp")
-            key = (gathers, boxed, -_scatters_sequence(sources, sig, seq_axes), -splits, total)
-        if key < best_key:
-            best, best_key, lazy_choice = j, key, chosen_lazy
-    if best < 0:
-        best = 0                              # the all-B signature is always first and always allowed
-    return best, lazy_choice
+    return node_cost, edge_rows, stored, placed
+
+
+def _candidate_allowed(node: OpNode, sig: Signature, param_slots: dict[int, str], axes: _Axes,
+                       from_inputs: bool) -> bool:
+    """The spec's rules on the candidate alone: its weight uses, no batch split on tp/sp axes, a
+    vocab-parallel embedding, and nothing split on dp / zero axes for a constant (no user input)."""
+    if (not _param_use_allowed(sig, param_slots, axes.roles)
+            or (axes.model and _splits_batch(node, sig, param_slots, axes.model))
+            or _not_vocab_parallel(node, sig, param_slots, axes.model)):
+        return False
+    return from_inputs or all(nd[axis].is_broadcast() for nd in sig.outputs for axis in axes.batch)
+
+
+def _seconds_with_lazy_storages(seconds: float, j: int, sig: Signature, edge_rows: list, lazy_params: set[int],
+                                problem, node: OpNode, roles: tuple[str, ...]) -> tuple[float, dict[int, int]] | None:
+    """Candidate ``j``'s compute + boxing seconds (``seconds`` its own cost) with the storage each lazy
+    parameter it reads takes (its use's layout), or None when such a parameter has no matching storage."""
+    chosen_lazy: dict[int, int] = {}
+    for u, mat, row in edge_rows:
+        if row is not None:
+            seconds += row[j]
+        elif u in lazy_params:
+            a = _storage_matching(problem.choices[u], sig, problem.nodes[u], node, roles)
+            if a is None:
+                return None
+            chosen_lazy[u] = a
+            seconds += problem.node_cost[u][a] + mat[a, j]
+    return seconds, chosen_lazy
+
+
+def _layouts_allowed(node: OpNode, sig: Signature, stored: list, sources: list, axes: _Axes) -> bool:
+    """The candidate's inputs against what is placed: each weight used as stored on the model axes,
+    no boxing Megatron forbids, and no activation turned into a partial sum on a data-parallel axis."""
+    if not all(_use_matches_storage(storage, sig.inputs[slot], axes.model) for slot, storage in stored):
+        return False
+    if any(_megatron_forbids(src, dst, axes.roles, axis, node) for src, dst in sources for axis in axes.model):
+        return False
+    return not any(d[axis].is_partial() and not s[axis].is_partial() for s, d in sources for axis in axes.batch)
+
+
+def _expert_key(node: OpNode, sig: Signature, param_slots: dict[int, str], sources: list, axes: _Axes,
+                megatron: bool, seconds: float) -> tuple:
+    """(gathers a batch-split activation on a dp / zero axis, needs a forward collective on an
+    activation, reduce-scatters onto the sequence (sp), minus the weight splits on tp/sp axes,
+    seconds); for a linear or embedding on an sp axis (minus its weight's splits, needs a
+    collective, slices a replicated activation, seconds). The leading terms make the expert pattern
+    structural: a split batch stays split, and Megatron splits weights, even where the cost model
+    alone would replicate."""
+    gathers = int(any(s[axis].is_split() and not d[axis].is_split() for s, d in sources for axis in axes.batch))
+    boxed = int(any(_collective_needed(src, dst) for src, dst in sources))
+    if megatron and "sp" in axes.roles:     # the weight (not a bias) split, then as few collectives as can be
+        splits = sum(sig.inputs[slot][axis].is_split() for slot in param_slots for axis in axes.model
+                     if node.input_metas[slot].ndim == 2)
+        sliced = sum(s.is_broadcast() and d.is_split() for src, dst in sources for s, d in zip(src, dst))
+        return (gathers, -splits, boxed, sliced, seconds)
+    splits = sum(sig.inputs[slot][axis].is_split() for slot in param_slots for axis in axes.model
+                 if megatron or axes.roles[axis] == "tp")
+    return (gathers, boxed, -_scatters_sequence(sources, sig, axes.seq), -splits, seconds)
 
 
 def _greedy_key(i: int, node: OpNode, params: set[str], assignment: np.ndarray, lazy_params: set[int], incoming,

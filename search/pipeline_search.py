@@ -101,13 +101,13 @@ def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int
     gather_s, scatter_s = [0.0] * n, [0.0] * n       # fsdp: per chunk, its step's all-gather and reduce-scatter
     for rank in range(pp):
         chunks = list(range(rank, n, pp))
-        state, gathered = _rank_state(costs, [runs[c] for c in chunks], inner.training, inner.optimizer,
-                                      dp if role == "fsdp" else 1, tp)
+        per_chunk = [_chunk_state(costs, runs[c], inner.training, inner.optimizer, dp if role == "fsdp" else 1, tp)
+                     for c in chunks]
+        state, gathered = sum(s for s, _ in per_chunk), sum(g for _, g in per_chunk)
         grad = sum(n_ for r in (runs[c] for c in chunks) for i in r for n_, _ in costs.params[i]) \
             * itemsize(inner.training.grad_reduce_dtype)
         if role == "fsdp":      # gathered in a chunk's first forward, reduce-scattered in its last backward
-            for c in chunks:
-                numel = _rank_state(costs, [runs[c]], inner.training, inner.optimizer, dp, tp)[1]
+            for c, (_, numel) in zip(chunks, per_chunk):
                 gather_s[c] = cluster_collective_time_s(CollectiveKind.ALL_GATHER,
                                                         numel * itemsize(inner.training.param_dtype), mesh, 1, cluster)
                 scatter_s[c] = cluster_collective_time_s(CollectiveKind.REDUCE_SCATTER,
@@ -140,22 +140,21 @@ def _bucket_bytes(costs: BlockCosts, runs: list[range], training: Training, dp: 
     return max((min(sum(g), training.bucket_bytes + max(g)) for g in grads if g), default=0.0)
 
 
-def _rank_state(costs: BlockCosts, runs: list[range], training: Training, optimizer: str, dp: int, tp: int
-                ) -> tuple[float, float]:
-    """(parameter state bytes, elements gathered for the step) of one device holding the blocks of
-    ``runs``, with ZeRO-3 over ``dp`` (1: none): a parameter with a dim the inner plan does not split
+def _chunk_state(costs: BlockCosts, run: range, training: Training, optimizer: str, dp: int, tp: int
+                 ) -> tuple[float, float]:
+    """(parameter state bytes, elements gathered for the step) of the blocks ``run`` of one chunk on a
+    device, with ZeRO-3 over ``dp`` (1: none): a parameter with a dim the inner plan does not split
     and ``dp`` divides is sharded and gathered, as the fsdp baseline stores it (search/baselines.py
     ``_storage_matching``; without tp, dim 0 only: ``_storage_wish``); the others stay whole.
-    Non-floating and scalar parameters: by their block's bytes."""
+    Non-floating and scalar parameters: by their block's bytes. A pp rank's are its chunks' sums."""
     numel = gathered = 0.0
-    for r in runs:
-        for i in r:
-            for local, free in costs.params[i]:
-                split = dp > 1 and any(size % dp == 0 for size in (free if tp > 1 else free[:1]))
-                numel += local / dp if split else local
-                gathered += local if split else 0
-    other = sum(costs.nbytes[i] - costs.activation_bytes[i] for r in runs for i in r) \
-        - param_state_bytes(sum(n_ for r in runs for i in r for n_, _ in costs.params[i]), training, optimizer)
+    for i in run:
+        for local, free in costs.params[i]:
+            split = dp > 1 and any(size % dp == 0 for size in (free if tp > 1 else free[:1]))
+            numel += local / dp if split else local
+            gathered += local if split else 0
+    other = sum(costs.nbytes[i] - costs.activation_bytes[i] for i in run) \
+        - param_state_bytes(sum(n_ for i in run for n_, _ in costs.params[i]), training, optimizer)
     return param_state_bytes(numel, training, optimizer) + other, gathered
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from autoddl.cluster import Cluster
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.pipeline import pipeline_degree, repeated_blocks, with_pp_axis
-from autoddl.plan import Mesh, Plan, axis_roles
+from autoddl.plan import ROLE_WORDS, Mesh, Plan, axis_roles
 from autoddl.program import lower
 from autoddl.training import Training
 from costmodel.breakdown import CostBreakdown, compute_floor_s, plan_cost, predicted_collectives
@@ -592,8 +592,8 @@ _SPEC_NAMES = {("dp",): "dp", ("zero",): "zero3", ("tp",): "tp", ("sp",): "sp", 
                ("zero", "tp"): "fsdp_tp", ("dp", "sp"): "dp_sp", ("zero", "sp"): "fsdp_sp",
                ("pp", "dp", "tp"): "megatron_3d", ("pp", "zero", "tp"): "fsdp_tp_pp",
                ("pp", "dp", "sp"): "megatron_3d_sp", ("pp", "zero", "sp"): "fsdp_sp_pp"}
-_ROLE_WORDS = {"pp": "pipeline stages", "dp": "data parallel", "fsdp": "ZeRO-3 / FSDP",
-               "tp": "Megatron tensor parallel", "sp": "Megatron tensor + sequence parallel"}
+# --degrees sp is Megatron's tensor parallel with sequence parallel (axis_roles' sp: a sequence split alone)
+_DEGREE_WORDS = {**{r: ROLE_WORDS[r] for r in DEGREE_ROLES}, "sp": f"{ROLE_WORDS['tp']} with {ROLE_WORDS['sp']}"}
 MODEL_ROLES = ("tp", "sp")      # tensor parallel, without or with sequence parallel: the innermost degree
 
 
@@ -677,7 +677,7 @@ def degrees_spec(degrees: list[tuple[str, int]], cluster: Cluster) -> tuple[Base
         roles = ["pp"] + roles
     base_roles = tuple(DEGREE_ROLES[r] for r in roles)
     name = _SPEC_NAMES.get(base_roles, "_".join(roles))
-    words = ", ".join(f"{_ROLE_WORDS[r]} over {d}" for r, d in axes)
+    words = ", ".join(f"{_DEGREE_WORDS[r]} over {d}" for r, d in axes)
     return BaselineSpec(name, base_roles, words), tuple(d for _, d in axes)
 
 

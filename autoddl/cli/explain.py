@@ -18,7 +18,7 @@ from autoddl.cli.plan import _say
 from autoddl.cluster import DEFAULT_CLUSTER_PATH, Cluster
 from autoddl.graph import NodeKind
 from autoddl.loader import load_for_plan
-from autoddl.plan import Plan
+from autoddl.plan import ROLE_WORDS, Plan
 
 
 @register
@@ -34,8 +34,6 @@ def add_explain(subparsers) -> None:
     p.set_defaults(func=run_explain)
 
 
-ROLE_WORDS = {"pp": "pipeline stages", "dp": "data parallel", "fsdp": "ZeRO-3 / FSDP", "tp": "tensor parallel", "sp": "sequence parallel",
-              "rep": "replicated"}
 NARROW = {"op": 16, "signature": 30, "runner-up": 10, "weight layouts": 18, "collectives": 18}  # 100 wide
 SHORT_PHASE = {"forward": "fwd", "backward": "bwd", "grad_sync": "sync", "optimizer": "opt"}
 SHORT_KIND = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A", "broadcast": "BC",
