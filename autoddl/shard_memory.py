@@ -28,6 +28,8 @@ workspace, every rank's initial copy of the weights in the executor.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -58,8 +60,10 @@ class MemoryLedger:
     jobs: Sequence[ShardedJob]
     devices: int
     intervals: list[_Interval] = field(default_factory=list)
+    _active: dict[int, list[_Interval]] = field(default_factory=dict)  # not ended before the latest check
     _open: dict[tuple, _Interval] = field(default_factory=dict)       # activations / a non-spilled shard
     _last: dict[int, ScheduledTask] = field(default_factory=dict)     # each device's latest task
+    _profiles: dict[int, _Profile] = field(default_factory=dict)
 
     def add(self, task: ScheduledTask) -> None:
         """Record ``task`` (placed after every task already added)."""
@@ -69,28 +73,34 @@ class MemoryLedger:
                 self._open.pop(key).end_s = end
         for key, iv in opens:
             self.intervals.append(iv)
+            self._active.setdefault(iv.device, []).append(iv)
             if key is not None:
                 self._open[key] = iv
         self._last[task.device] = task
+        self._profiles.clear()
 
     def fits(self, task: ScheduledTask, limit_bytes: float) -> bool:
-        """Whether adding ``task`` keeps its device at or under ``limit_bytes`` from then on."""
+        """Whether adding ``task`` keeps its device at or under ``limit_bytes`` from its placement on
+        (the scheduler asks in time order: intervals ended by then are dropped for good)."""
         opens, closes = self._effects(task)
         new = [iv for _, iv in opens if iv.device == task.device]
         if not new:
             return True
+        now = task.placed_s
+        active = self._active[task.device] = [iv for iv in self._active.get(task.device, []) if iv.end_s > now]
         ended = {id(self._open[key]): end for key, end in closes if key in self._open}
-        held = [_Interval(iv.device, iv.start_s, ended.get(id(iv), iv.end_s), iv.nbytes)
-                for iv in self.intervals if iv.device == task.device] + new
-        return _peak(held, min(iv.start_s for iv in new)) <= limit_bytes
+        held = [_Interval(iv.device, iv.start_s, ended.get(id(iv), iv.end_s), iv.nbytes) for iv in active] + new
+        return _Profile(held).peak(now) <= limit_bytes
 
     def releases_after(self, device: int, time_s: float) -> list[float]:
         """The known times after ``time_s`` at which ``device`` lets bytes go."""
-        return [iv.end_s for iv in self.intervals if iv.device == device and time_s < iv.end_s < math.inf]
+        return [iv.end_s for iv in self._active.get(device, []) if time_s < iv.end_s < math.inf]
 
     def peak_bytes(self, device: int, from_s: float = -math.inf, to_s: float = math.inf) -> int:
         """The most bytes ``device`` holds at once in [``from_s``, ``to_s``)."""
-        return int(_peak([iv for iv in self.intervals if iv.device == device], from_s, to_s))
+        if device not in self._profiles:
+            self._profiles[device] = _Profile([iv for iv in self.intervals if iv.device == device])
+        return int(self._profiles[device].peak(from_s, to_s))
 
     def _effects(self, task: ScheduledTask) -> tuple[list[tuple[tuple | None, _Interval]], list[tuple[tuple, float]]]:
         """(intervals ``task`` opens, keyed when their end is not known yet; open intervals it closes)."""
@@ -130,17 +140,21 @@ class MemoryLedger:
         return out
 
 
-def _peak(intervals: Sequence[_Interval], from_s: float, to_s: float = math.inf) -> float:
-    """The most bytes held at once in [``from_s``, ``to_s``) (releases before acquisitions at a tie)."""
-    events = sorted([(iv.start_s, iv.nbytes) for iv in intervals] +
-                    [(iv.end_s, -iv.nbytes) for iv in intervals if iv.end_s < math.inf])
-    held = sum(delta for time_s, delta in events if time_s <= from_s)          # what is held at from_s
-    peak = held
-    for time_s, delta in events:
-        if from_s < time_s < to_s:
-            held += delta
-            peak = max(peak, held)
-    return peak
+class _Profile:
+    """Bytes held over time by ``intervals``: after each event, in time order (releases before
+    acquisitions at a tie: a task starts once the one before it has ended)."""
+
+    def __init__(self, intervals: Sequence[_Interval]):
+        events = sorted([(iv.start_s, iv.nbytes) for iv in intervals] +
+                        [(iv.end_s, -iv.nbytes) for iv in intervals if iv.end_s < math.inf])
+        self.times = [t for t, _ in events]
+        self.held = list(itertools.accumulate(delta for _, delta in events))
+
+    def peak(self, from_s: float, to_s: float = math.inf) -> float:
+        """The most bytes held at once in [``from_s``, ``to_s``)."""
+        first = bisect.bisect_right(self.times, from_s)           # events after from_s
+        at_from = self.held[first - 1] if first else 0
+        return max([at_from] + self.held[first:bisect.bisect_left(self.times, to_s)])
 
 
 def schedule_memory(jobs: Sequence[ShardedJob], tasks: Sequence[ScheduledTask], devices: int) -> MemoryLedger:
