@@ -300,6 +300,8 @@ def test_a_memory_limit_delays_a_prefetch_by_the_hand_worked_second():
 
 
 def test_a_non_spilled_shard_is_held_where_its_forward_ran_until_it_moves_or_the_job_ends():
+    from autoddl.shard_memory import shard_need_bytes
+
     # B (5 s a task) keeps device 0; A's single shard (params 10, states 4, activations 50) runs its
     # two steps on device 1, held from its first placement until its last backward ends (at 4 s)
     jobs = [ShardedJob("A", 2, (1.0,), (1.0,), (10,), state_bytes=(4,), activation_bytes=(50,)),
@@ -308,9 +310,18 @@ def test_a_non_spilled_shard_is_held_where_its_forward_ran_until_it_moves_or_the
     assert [(str(t.key), t.device, t.start_s) for t in s.tasks if t.job == 0] == [
         ("F0@0", 1, 0.0), ("B0@0", 1, 1.0), ("F0@1", 1, 2.0), ("B0@1", 1, 3.0)]
     memory = s.memory()
-    assert memory.peak_bytes(1) == 14 + 50 + 10                 # shard, activations, gradient in a backward
+    assert memory.peak_bytes(1) == 14 + 50 + 10 == shard_need_bytes(jobs[0], 0)   # shard, activations, gradient
     assert memory.peak_bytes(1, 4.0) == 0                      # done: nothing held
     assert memory.peak_bytes(0) == 8 + 8                       # B's shard and its gradient
+    # the first hand-worked schedule: B's shard (8 bytes) is on device 1 from B:F0@0's placement (3)
+    # until B:F0@1 starts on device 0 (9), which holds it from its placement (8) to B's end (11)
+    s = lrtf_schedule(_jobs(), 2, _one_second, prefetch=False)
+    memory = s.memory()
+    assert memory.peak_bytes(1, 8.0, 9.0) == 8 and memory.peak_bytes(1, 9.0) == 0
+    assert memory.peak_bytes(0, 8.0, 10.0) == 8 and memory.peak_bytes(0, 10.0) == 8 + 8
+    # device 1 at [4, 5): C's shard and B's with B:B0's gradient; device 0 at [4, 6): A's two shards
+    # and A:B1's gradient (A's shard 1 is done at 6)
+    assert s.peak_memory_bytes() == [24, 24] and memory.peak_bytes(0, 6.0, 8.0) == 16
 
 
 def test_a_shard_that_cannot_fit_one_device_is_an_error_naming_it_and_what_to_do():

@@ -69,8 +69,9 @@ def print_sweep(sweep: SweepPlan) -> None:
           f"{sweep.schedule.busy_fraction():.0%} (the schedule {'without' if sweep.prefetch else 'with'} prefetch: "
           f"{_ms(sweep.other_makespan_s)} ms)")
     peaks = sweep.schedule.peak_memory_bytes()
-    print(f"  peak device memory (shards, gradients, saved activations): "
-          f"{', '.join(f'dev{d} {_gb(b)}' for d, b in enumerate(peaks))} of {_gb(sweep.cluster.device.memory_gb * 1e9)}")
+    each = ", ".join(f"dev{d} {_gb(b)}" for d, b in enumerate(peaks))
+    print(f"  peak device memory (shards, gradients, saved activations): {each} of "
+          f"{_gb(sweep.cluster.device.memory_gb * 1e9)}")
     copies = [t for t in sweep.schedule.tasks if t.load_bytes or t.writeback_bytes]
     if copies:
         load_s = sum(t.load_end_s - t.load_start_s for t in copies)
