@@ -160,8 +160,9 @@ def lrtf_schedule(jobs: Sequence[ShardedJob], devices: int, transfer_s: Transfer
         heapq.heappush(events, event(task.start_s if prefetch else task.end_s, d))
     left = [jobs[i].name for i, s in enumerate(states) if not s.done]
     if left and memory_bytes is not None:
-        raise ValueError(f"sharded-LRTF cannot place the next tasks of jobs {left} on any device: the devices' "
-                         f"{memory_bytes / 1e9:.3g} GB hold other jobs' saved activations (peak "
+        raise ValueError(f"sharded-LRTF cannot place the next tasks of jobs {left} on any device: each device's "
+                         f"{memory_bytes / 1e9:.3g} GB is taken by the shards and saved activations of jobs waiting "
+                         f"for their next tasks (greedy placement does not look ahead; peak "
                          f"{', '.join(f'dev{d} {ledger.peak_bytes(d) / 1e9:.3g} GB' for d in range(devices))}); "
                          "cut the jobs into more shards (shards:), keep them in host memory (spill: host), "
                          "give them smaller batches or schedule fewer jobs at once")
@@ -181,8 +182,8 @@ def _require_one_task_fits(jobs: Sequence[ShardedJob], memory_bytes: float) -> N
                     f"(parameters and their gradients {2 * job.param_bytes[s] / 1e9:.3g} GB, optimizer states "
                     f"{(job.state_bytes[s] if job.state_bytes else 0) / 1e9:.3g} GB, saved activations "
                     f"{(job.activation_bytes[s] if job.activation_bytes else 0) / 1e9:.3g} GB), above the device's "
-                    f"{memory_bytes / 1e9:.3g} GB; cut the job into more shards (shards:), keep it in host memory "
-                    "(spill: host) or give it a smaller batch")
+                    f"{memory_bytes / 1e9:.3g} GB; cut the job into more shards (shards:), "
+                    f"{'' if job.spill else 'keep it in host memory (spill: host), '}or give it a smaller batch")
 
 
 def _pick(states: list[_JobState], device: int, now: float, dev: _DeviceState, transfer_s: TransferFn,
