@@ -63,6 +63,7 @@ class MemoryLedger:
     _active: dict[int, list[_Interval]] = field(default_factory=dict)  # not ended before the latest check
     _open: dict[tuple, _Interval] = field(default_factory=dict)       # activations / a non-spilled shard
     _last: dict[int, ScheduledTask] = field(default_factory=dict)     # each device's latest task
+    _let_go: dict[int, float] = field(default_factory=dict)           # when it lets that task's spilled shard go
     _profiles: dict[int, _Profile] = field(default_factory=dict)
 
     def add(self, task: ScheduledTask) -> None:
@@ -76,6 +77,8 @@ class MemoryLedger:
             self._active.setdefault(iv.device, []).append(iv)
             if key is not None:
                 self._open[key] = iv
+        if self.jobs[task.job].spill:
+            self._let_go[task.device] = self._lets_go(task)
         self._last[task.device] = task
         self._profiles.clear()
 
@@ -131,13 +134,20 @@ class MemoryLedger:
     def _spilled(self, job: ShardedJob, task: ScheduledTask) -> list[_Interval]:
         """A spilled shard's intervals on the task's device (module docstring)."""
         d, s = task.device, task.key.shard
-        end = task.writeback_end_s if task.key.kind == BACKWARD else task.end_s
-        out = [_Interval(d, task.load_start_s, end, task.load_bytes)] if task.load_bytes else []
+        out = [_Interval(d, task.load_start_s, self._lets_go(task), task.load_bytes)] if task.load_bytes else []
         prev = self._last.get(d)
         if prev is not None and (prev.job, prev.key.shard) == (task.job, s):      # resident: nothing loaded for it
-            let_go = prev.writeback_end_s if prev.key.kind == BACKWARD else prev.end_s
-            out.append(_Interval(d, let_go, end, job.param_bytes[s]))
+            out.append(_Interval(d, self._let_go[d], self._lets_go(task), job.param_bytes[s]))
         return out
+
+    def _lets_go(self, task: ScheduledTask) -> float:
+        """When the task's device lets its spilled shard go: after the task or its write-back, or
+        later when the shard was already held until then (a write-back outlasting the next task)."""
+        own = task.writeback_end_s if task.key.kind == BACKWARD else task.end_s
+        prev = self._last.get(task.device)
+        if prev is not None and (prev.job, prev.key.shard) == (task.job, task.key.shard):
+            return max(own, self._let_go[task.device])
+        return own
 
 
 class _Profile:

@@ -349,3 +349,18 @@ def test_the_shard_count_of_a_spilled_job_fits_two_shards_and_the_step_s_activat
     assert shard_count(costs, 100, spill=True) == 3 and shard_count(costs, 99, spill=True) == 4
     with pytest.raises(ValueError, match=r"4 shards\) needs 0\.00 GB \(spilled: two shards' parameter state"):
         shard_count(costs, 79, spill=True)
+
+
+def test_a_resident_spilled_shard_is_counted_once_while_its_write_back_outlasts_the_next_task():
+    # one spilled shard (params 10, states 20, activations 5), 1 s a task, copies of 10 bytes a second:
+    # F0@0 loads [0, 1) runs [1, 2); B0@0 loads the states [2, 4), runs [4, 5), writes back [5, 8);
+    # F0@1 runs [5, 6) on the shard still there; B0@1 loads the states once the write-back is over
+    # [8, 10) and runs [10, 11). At [6, 8) the device holds the shard and states being written back
+    # and F0@1's activations: 35, not a second copy of the shard.
+    job = ShardedJob("A", 2, (1.0,), (1.0,), (10,), spill=True, state_bytes=(20,), activation_bytes=(5,))
+    s = lrtf_schedule([job], 1, _one_second, prefetch=False, host_copy_s=lambda n: n / 10)
+    assert [(t.load_start_s, t.start_s, t.writeback_end_s) for t in s.tasks] == [
+        (0.0, 1.0, 0.0), (2.0, 4.0, 8.0), (0.0, 5.0, 0.0), (8.0, 10.0, 14.0)]
+    memory = s.memory()
+    assert memory.peak_bytes(0, 6.0, 8.0) == 10 + 20 + 5
+    assert s.peak_memory_bytes() == [10 + 20 + 10 + 5]          # a backward: shard, states, gradient, activations
