@@ -13,7 +13,8 @@ ledger replayed over a finished schedule gives each device's peak):
   the start of its load (host -> device; with prefetch during the previous task: the prefetched
   shard) until its forward ends or its backward's write-back ends; a task that finds the shard
   resident (the device's previous task was the same shard, so nothing was loaded) holds it from
-  the moment the previous task let it go, so the shard is counted once and without a gap;
+  the moment the previous task let it go, so the shard is counted once and without a gap (and
+  until the later of its own end and the previous write-back's, when that outlasts it);
 - **a non-spilled shard** (parameters and optimizer states, ``param_bytes + state_bytes``) is on the
   device of its forward from the moment that forward is placed (its parameters start arriving) until
   the shard's next forward on another device starts (they were sent there) or the job's last
