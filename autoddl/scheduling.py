@@ -6,7 +6,8 @@ search its best plan on all the devices (the planner; or price the job's own ``p
 cost model; baseline (a)). A job with ``spill: host`` (or ``auto`` when it does not fit one device
 alone, or the sweep's jobs together do not fit the devices) keeps its shards in host memory, each
 copy priced by ``costmodel.host.host_copy_time_s`` (search/shard_schedule.py). Then sharded-LRTF
-schedules every shard task (search/shard_schedule.py), with and without prefetch, and the shorter is
+schedules every shard task within each device's memory (search/shard_schedule.py; what a device
+holds: autoddl/shard_memory.py), with and without prefetch, and the shorter is
 kept (the lookahead of prefetch can cost more than the transfers it hides). Baselines: (a)
 ``sequential``, each job alone on all devices with its own best plan; (b) ``one_per_device``, each
 job alone on one device when it fits.
@@ -35,7 +36,8 @@ from search.shard_schedule import BaselineResult, Schedule, lrtf_schedule, one_p
 from search.shards import SoloCost, shard_job, transfer_fn
 
 CSV_COLUMNS = ["job", "device", "kind", "shard", "step", "start_s", "end_s", "transfer_s", "load_bytes",
-               "load_start_s", "load_end_s", "writeback_bytes", "writeback_start_s", "writeback_end_s"]
+               "load_start_s", "load_end_s", "writeback_bytes", "writeback_start_s", "writeback_end_s",
+               "device_peak_bytes"]
 
 
 @dataclass
@@ -101,7 +103,8 @@ def plan_sweep(jobs_path: str | Path, cluster: Cluster, devices: int | None = No
     jobs, solo, best, meshes = [], [], [], []
     for i, spec in enumerate(specs):
         graph = load_job_model(spec).trace()
-        job, one = shard_job(spec.name, graph, cluster, spec.steps, spec.shards, spec.optimizer, job_training(spec))
+        job, one = shard_job(spec.name, graph, cluster, spec.steps, spec.shards, spec.optimizer, job_training(spec),
+                             spill=spec.spill != "none")
         key = (spec.model, repr(sorted(spec.args.items())), spec.precision, spec.recompute, spec.optimizer,
                spec.plan, cluster.name)
         if key not in best_plans and spec.plan:
@@ -118,9 +121,11 @@ def plan_sweep(jobs_path: str | Path, cluster: Cluster, devices: int | None = No
     for job in jobs:
         if job.spill:
             cluster.require_host(f"job {job.name!r}'s shards in host memory (spill in {jobs_path})")
-    move = transfer_fn(cluster)
-    with_prefetch = lrtf_schedule(jobs, n, move, prefetch=True, host_copy_s=lambda b: host_copy_time_s(b, cluster))
-    without = lrtf_schedule(jobs, n, move, prefetch=False, host_copy_s=lambda b: host_copy_time_s(b, cluster))
+    move, memory = transfer_fn(cluster), cluster.device.memory_gb * 1e9
+    with_prefetch = lrtf_schedule(jobs, n, move, prefetch=True, host_copy_s=lambda b: host_copy_time_s(b, cluster),
+                                  memory_bytes=memory)
+    without = lrtf_schedule(jobs, n, move, prefetch=False, host_copy_s=lambda b: host_copy_time_s(b, cluster),
+                            memory_bytes=memory)
     kept, other = (with_prefetch, without) if with_prefetch.makespan_s <= without.makespan_s else \
         (without, with_prefetch)
     return SweepPlan(specs, jobs, solo, best, meshes, kept, kept is with_prefetch, other.makespan_s,
@@ -146,10 +151,13 @@ def job_rows(sweep: SweepPlan) -> list[dict[str, Any]]:
 
 
 def task_rows(schedule: Schedule, names: list[str]) -> list[dict[str, Any]]:
-    """The schedule as CSV rows (``CSV_COLUMNS``), in placement order."""
+    """The schedule as CSV rows (``CSV_COLUMNS``), in placement order; ``device_peak_bytes``: the most
+    its device holds while it runs (autoddl/shard_memory.py)."""
+    memory = schedule.memory()
     return [{"job": names[t.job], "device": t.device, "kind": t.key.kind, "shard": t.key.shard, "step": t.key.step,
              "start_s": f"{t.start_s:.9f}", "end_s": f"{t.end_s:.9f}", "transfer_s": f"{t.transfer_s:.9f}",
              "load_bytes": t.load_bytes, "load_start_s": f"{t.load_start_s:.9f}", "load_end_s": f"{t.load_end_s:.9f}",
              "writeback_bytes": t.writeback_bytes, "writeback_start_s": f"{t.writeback_start_s:.9f}",
-             "writeback_end_s": f"{t.writeback_end_s:.9f}"}
+             "writeback_end_s": f"{t.writeback_end_s:.9f}",
+             "device_peak_bytes": memory.peak_bytes(t.device, t.start_s, t.end_s)}
             for t in schedule.tasks]

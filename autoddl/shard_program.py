@@ -69,13 +69,15 @@ class ShardedJob:
     cuts: tuple[str, ...] = ()        # the first repeated block of shards 1..K-1 (autoddl.pipeline)
     spill: bool = False               # the shards live in host memory (module docstring)
     state_bytes: tuple[int, ...] = () # per shard, its parameters' optimizer states (empty: none, as SGD)
+    activation_bytes: tuple[int, ...] = ()   # per shard, what its forward saves for its backward (empty: none)
 
     def __post_init__(self) -> None:
         k = len(self.forward_s)
-        if k < 1 or len(self.backward_s) != k or len(self.param_bytes) != k or len(self.state_bytes) not in (0, k):
-            raise ValueError(f"job {self.name!r}: forward_s, backward_s, param_bytes (and state_bytes) need one entry "
-                             f"per shard (got {len(self.forward_s)}, {len(self.backward_s)}, {len(self.param_bytes)}, "
-                             f"{len(self.state_bytes)})")
+        if k < 1 or len(self.backward_s) != k or len(self.param_bytes) != k or \
+                len(self.state_bytes) not in (0, k) or len(self.activation_bytes) not in (0, k):
+            raise ValueError(f"job {self.name!r}: forward_s, backward_s, param_bytes (and state_bytes, activation_bytes) "
+                             f"need one entry per shard (got {len(self.forward_s)}, {len(self.backward_s)}, "
+                             f"{len(self.param_bytes)}, {len(self.state_bytes)}, {len(self.activation_bytes)})")
         if self.steps < 1:
             raise ValueError(f"job {self.name!r}: steps {self.steps} must be >= 1")
         bad = [f for f in self.flows if not 0 <= f.src < f.dst < k]
@@ -156,6 +158,7 @@ class ScheduledTask:
     writeback_bytes: int = 0          # a spilled shard's backward: device -> host after it (d2h stream)
     writeback_start_s: float = 0.0
     writeback_end_s: float = 0.0
+    placed_s: float = 0.0             # when the scheduler placed it: its messages start arriving then
 
     @property
     def done_s(self) -> float:
@@ -240,7 +243,7 @@ def task_to_dict(t: ScheduledTask) -> dict:
 def task_from_dict(d: dict) -> ScheduledTask:
     inbox = tuple(Message(m["src"], m["nbytes"], m["what"], TaskKey(**m["producer"])) for m in d["inbox"])
     copies = {k: d[k] for k in ("load_bytes", "load_start_s", "load_end_s", "writeback_bytes", "writeback_start_s",
-                                "writeback_end_s") if k in d}
+                                "writeback_end_s", "placed_s") if k in d}
     return ScheduledTask(d["job"], TaskKey(**d["key"]), d["device"], d["start_s"], d["end_s"], d["transfer_s"], inbox,
                          **copies)
 

@@ -24,6 +24,16 @@ write-back follows its end on the ``copy_d2h`` stream. Each copy is priced by ``
 compute, so a device holds at most the running shard and the next one (and the activations its
 jobs keep for their backwards); the makespan counts the last write-back.
 
+**Memory** (given ``memory_bytes``, one device's): what a device holds over time is
+autoddl/shard_memory.py's (running and prefetched shards, gradients, saved activations, resident
+non-spilled shards). A task is placed only if its device stays within ``memory_bytes`` from then on
+(bytes whose release is not yet known count as held for good); a ready job whose next task does not
+fit is passed over for the next one by LRTF order, and when none fits the device tries again at the
+next moment it lets bytes go (a prefetch is thus skipped, or delayed until the current task or a
+write-back ends). Before scheduling, a shard whose backward alone does not fit one device is an
+error naming the job, shard and bytes; a schedule that stops with every device holding bytes of
+jobs that cannot go on (greedy placement does not look ahead) is an error too.
+
 Baselines (finish time per job and the makespan), from each job's solo times:
 
 - ``sequential``: one job at a time on all devices with its own best plan, in the listed order:
@@ -38,6 +48,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from autoddl.shard_memory import MemoryLedger, schedule_memory, shard_need_bytes
 from autoddl.shard_program import JobPlacement, ScheduledTask, ShardedJob, device_order
 
 TransferFn = Callable[[int, int, int], float]
@@ -65,6 +76,15 @@ class Schedule:
 
     def on_device(self, device: int) -> list[ScheduledTask]:
         return device_order(self.tasks, device)
+
+    def peak_memory_bytes(self) -> list[int]:
+        """Per device, the most bytes it holds at once (autoddl/shard_memory.py)."""
+        ledger = self.memory()
+        return [ledger.peak_bytes(d) for d in range(self.devices)]
+
+    def memory(self) -> MemoryLedger:
+        """What each device holds over time (autoddl/shard_memory.py)."""
+        return schedule_memory(self.jobs, self.tasks, self.devices)
 
     def busy_fraction(self) -> float:
         """Compute time over devices x makespan."""
@@ -96,18 +116,23 @@ class _DeviceState:
 
 
 def lrtf_schedule(jobs: Sequence[ShardedJob], devices: int, transfer_s: TransferFn, *,
-                  prefetch: bool = True, host_copy_s: HostCopyFn | None = None) -> Schedule:
+                  prefetch: bool = True, host_copy_s: HostCopyFn | None = None,
+                  memory_bytes: float | None = None) -> Schedule:
     """The sharded-LRTF schedule of every task of ``jobs`` on ``devices`` (module docstring);
-    ``host_copy_s``: seconds of one host copy, needed when a job is spilled."""
+    ``host_copy_s``: seconds of one host copy, needed when a job is spilled; ``memory_bytes``: each
+    device's memory (None: not limited)."""
     if devices < 1:
         raise ValueError(f"need at least one device to schedule on, got {devices}")
     spilled = [j.name for j in jobs if j.spill]
     if spilled and host_copy_s is None:
         raise ValueError(f"jobs {spilled} are spilled to host memory but no host copy price was given "
                          "(the cluster needs a host_link)")
+    if memory_bytes is not None:
+        _require_one_task_fits(jobs, memory_bytes)
     states = [_JobState(j) for j in jobs]
     out = Schedule(list(jobs), devices)
     dev = [_DeviceState() for _ in range(devices)]
+    ledger = MemoryLedger(jobs, devices)
 
     def event(time: float, d: int) -> tuple[float, int, int]:
         return time, int(dev[d].free_s > time), d          # at one instant, free devices choose before busy ones
@@ -116,39 +141,68 @@ def lrtf_schedule(jobs: Sequence[ShardedJob], devices: int, transfer_s: Transfer
     sleeping: set[int] = set()
     while events:
         now, _, d = heapq.heappop(events)
-        j = _pick(states, d, now)
-        if j is None:
+        task, blocked = _pick(states, d, now, dev[d], transfer_s, host_copy_s, ledger, memory_bytes)
+        if task is None:
             later = [s.ready_s for s in states if not s.done and s.ready_s > now]
+            if blocked:                                  # ready but too big for now: try when bytes go
+                later += ledger.releases_after(d, now) + [dev[d].free_s] * (dev[d].free_s > now)
             if later:
                 heapq.heappush(events, event(min(later), d))
             else:
                 sleeping.add(d)
             continue
-        task = _place(states[j], j, d, now, dev[d], transfer_s, host_copy_s)
+        _commit(states[task.job], dev[d], task)
+        ledger.add(task)
         out.tasks.append(task)
         for e in sleeping:
             heapq.heappush(events, event(task.end_s, e))
         sleeping.clear()
         heapq.heappush(events, event(task.start_s if prefetch else task.end_s, d))
     left = [jobs[i].name for i, s in enumerate(states) if not s.done]
+    if left and memory_bytes is not None:
+        raise ValueError(f"sharded-LRTF cannot place the next tasks of jobs {left} on any device: each device's "
+                         f"{memory_bytes / 1e9:.3g} GB is taken by the shards and saved activations of jobs waiting "
+                         f"for their next tasks (greedy placement does not look ahead; peak "
+                         f"{', '.join(f'dev{d} {ledger.peak_bytes(d) / 1e9:.3g} GB' for d in range(devices))}); "
+                         "cut the jobs into more shards (shards:), keep them in host memory (spill: host), "
+                         "give them smaller batches or schedule fewer jobs at once")
     if left:
         raise RuntimeError(f"sharded-LRTF left tasks of {left} unplaced (a scheduler bug)")
     return out
 
 
-def _pick(states: list[_JobState], device: int, now: float) -> int | None:
-    """The ready job with the longest remaining time whose next task may run on ``device``."""
-    best = None
-    for j, s in enumerate(states):
-        if s.done or s.ready_s > now or not s.placement.allowed(s.keys[s.next], device):
-            continue
-        if best is None or s.left[s.next] > states[best].left[states[best].next]:
-            best = j
-    return best
+def _require_one_task_fits(jobs: Sequence[ShardedJob], memory_bytes: float) -> None:
+    """An error naming the first shard whose backward alone does not fit one device."""
+    for job in jobs:
+        for s in range(job.shards):
+            need = shard_need_bytes(job, s)
+            if need > memory_bytes:
+                raise ValueError(
+                    f"job {job.name!r}: shard {s} needs {need / 1e9:.3g} GB on one device for its backward "
+                    f"(parameters and their gradients {2 * job.param_bytes[s] / 1e9:.3g} GB, optimizer states "
+                    f"{(job.state_bytes[s] if job.state_bytes else 0) / 1e9:.3g} GB, saved activations "
+                    f"{(job.activation_bytes[s] if job.activation_bytes else 0) / 1e9:.3g} GB), above the device's "
+                    f"{memory_bytes / 1e9:.3g} GB; cut the job into more shards (shards:), "
+                    f"{'' if job.spill else 'keep it in host memory (spill: host), '}or give it a smaller batch")
 
 
-def _place(state: _JobState, j: int, device: int, now: float, dev: _DeviceState, transfer_s: TransferFn,
-           host_copy_s: HostCopyFn | None) -> ScheduledTask:
+def _pick(states: list[_JobState], device: int, now: float, dev: _DeviceState, transfer_s: TransferFn,
+          host_copy_s: HostCopyFn | None, ledger: MemoryLedger, memory_bytes: float | None
+          ) -> tuple[ScheduledTask | None, bool]:
+    """The next task of the ready job with the longest remaining time whose next task may run on
+    ``device`` and fits its memory; and whether a ready job was passed over for memory."""
+    ready = [j for j, s in enumerate(states)
+             if not s.done and s.ready_s <= now and s.placement.allowed(s.keys[s.next], device)]
+    for j in sorted(ready, key=lambda i: (-states[i].left[states[i].next], i)):
+        task = _plan(states[j], j, device, now, dev, transfer_s, host_copy_s)
+        if memory_bytes is None or ledger.fits(task, memory_bytes):
+            return task, False
+    return None, bool(ready)
+
+
+def _plan(state: _JobState, j: int, device: int, now: float, dev: _DeviceState, transfer_s: TransferFn,
+          host_copy_s: HostCopyFn | None) -> ScheduledTask:
+    """The job's next task placed on ``device`` at ``now`` (nothing changed)."""
     key = state.keys[state.next]
     inbox = state.placement.task_inputs(key, device)
     moved = sum(transfer_s(m.src, device, m.nbytes) for m in inbox)
@@ -156,19 +210,28 @@ def _place(state: _JobState, j: int, device: int, now: float, dev: _DeviceState,
     load_start = load_end = now
     if load:
         load_start = max(now, dev.h2d_free_s, state.host_ready_s[key.shard])
-        load_end = dev.h2d_free_s = load_start + host_copy_s(load)
+        load_end = load_start + host_copy_s(load)
     start = max(dev.free_s, now + moved, load_end)
-    end = dev.free_s = start + state.durations[state.next]
+    end = start + state.durations[state.next]
     wb_start = wb_end = 0.0
     if writeback:
         wb_start = max(end, dev.d2h_free_s)
-        wb_end = dev.d2h_free_s = state.host_ready_s[key.shard] = wb_start + host_copy_s(writeback)
-    dev.last = (j, key.shard)
-    state.placement.place(key, device)
-    state.next += 1
-    state.ready_s = end
+        wb_end = wb_start + host_copy_s(writeback)
     return ScheduledTask(j, key, device, start, end, moved, inbox, load, load_start if load else 0.0,
-                         load_end if load else 0.0, writeback, wb_start, wb_end)
+                         load_end if load else 0.0, writeback, wb_start, wb_end, placed_s=now)
+
+
+def _commit(state: _JobState, dev: _DeviceState, task: ScheduledTask) -> None:
+    """Place ``task`` (from :func:`_plan`): the device's streams and the job move on."""
+    dev.free_s = task.end_s
+    if task.load_bytes:
+        dev.h2d_free_s = task.load_end_s
+    if task.writeback_bytes:
+        dev.d2h_free_s = state.host_ready_s[task.key.shard] = task.writeback_end_s
+    dev.last = (task.job, task.key.shard)
+    state.placement.place(task.key, task.device)
+    state.next += 1
+    state.ready_s = task.end_s
 
 
 # -- baselines ---------------------------------------------------------------------------------------

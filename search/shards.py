@@ -6,9 +6,11 @@ search/stages.py (``block_costs``: forward and backward seconds per block, the b
 the blocks are cut into K contiguous shards balanced by time and memory (``balanced_cuts``). A
 shard's forward / backward seconds are its blocks' sums, and its backward also carries its share
 of the optimizer step (the model's optimizer seconds split by parameter bytes, as the update runs
-per shard after its backward). K is given, or the smallest count whose largest shard (its saved
-activations and its parameters' state) fits one device's memory. All the cluster's devices work at
-once, so on a CPU node with fewer cores than devices every time is multiplied by
+per shard after its backward). K is given, or the smallest count that fits one device's memory
+(``shard_count``: the largest shard's saved activations and parameters' state; for a spilled job,
+two shards' parameter state and the step's activations). Each shard carries the activation bytes
+its forward saves (the blocks' ``activation_bytes``), for the schedule's memory. All the cluster's
+devices work at once, so on a CPU node with fewer cores than devices every time is multiplied by
 ``Cluster.time_sharing`` of that many ranks (as the cost model does for a mesh of them); a transfer
 between two devices is ``costmodel.collectives.send_recv_time_s`` with all of them busy.
 """
@@ -39,25 +41,41 @@ class SoloCost:
     fits: bool
 
 
-def shard_count(costs: BlockCosts, limit_bytes: float) -> int:
-    """The fewest shards whose largest one fits ``limit_bytes``; an error names the model when none does."""
+def shard_count(costs: BlockCosts, limit_bytes: float, spill: bool = False) -> int:
+    """The fewest shards that fit ``limit_bytes``: the largest shard (its parameters' state and saved
+    activations); spilled (``spill``), the running shard's and the prefetched next one's parameter
+    state with the whole step's saved activations (a device may run all of a step's forwards before
+    its backwards: autoddl/shard_memory.py). An error names the model when no count fits."""
     for k in range(1, len(costs.blocks) + 1):
-        cuts = [0] + balanced_cuts(costs.seconds, costs.nbytes, k) + [len(costs.blocks)]
-        if max(sum(costs.nbytes[a:b]) for a, b in zip(cuts, cuts[1:])) <= limit_bytes:
+        if _need_bytes(costs, k, spill) <= limit_bytes:
             return k
-    raise ValueError(f"even one repeated block per shard ({len(costs.blocks)} shards) needs "
-                     f"{max(costs.nbytes) / 1e9:.2f} GB, above one device's {limit_bytes / 1e9:.2f} GB; "
-                     "give the job fewer steps' activations (a smaller batch) or a larger device")
+    one_each = _need_bytes(costs, len(costs.blocks), spill)
+    what = " (spilled: two shards' parameter state and the step's saved activations)" if spill else ""
+    raise ValueError(f"even one repeated block per shard ({len(costs.blocks)} shards) needs {one_each / 1e9:.2f} GB"
+                     f"{what}, above one device's {limit_bytes / 1e9:.2f} GB; give the job fewer steps' activations "
+                     "(a smaller batch) or a larger device")
+
+
+def _need_bytes(costs: BlockCosts, k: int, spill: bool) -> float:
+    """What ``k`` balanced shards need of one device (:func:`shard_count`)."""
+    cuts = [0] + balanced_cuts(costs.seconds, costs.nbytes, k) + [len(costs.blocks)]
+    runs = list(zip(cuts, cuts[1:]))
+    if not spill:
+        return max(sum(costs.nbytes[a:b]) for a, b in runs)
+    state = [sum(costs.nbytes[a:b]) - sum(costs.activation_bytes[a:b]) for a, b in runs]
+    return sum(costs.activation_bytes) + max(x + y for x, y in zip(state, state[1:] or [0.0]))
 
 
 def shard_job(name: str, graph: OpGraph, cluster: Cluster, steps: int, shards: int | None = None,
-              optimizer: str = "sgd", training: Training | None = None) -> tuple[ShardedJob, SoloCost]:
-    """The job's :class:`ShardedJob` on ``cluster``'s devices and its solo one-device cost."""
+              optimizer: str = "sgd", training: Training | None = None, spill: bool = False
+              ) -> tuple[ShardedJob, SoloCost]:
+    """The job's :class:`ShardedJob` on ``cluster``'s devices and its solo one-device cost; ``spill``:
+    the job may keep its shards in host memory (the shard count's rule, :func:`shard_count`)."""
     one = cluster.resized(1)
     plan = inner_tp_plan(graph, one, 1, training or Training(), optimizer)
     costs = block_costs(graph, plan, one)
     limit = cluster.device.memory_gb * 1e9
-    k = shards or shard_count(costs, limit)
+    k = shards or shard_count(costs, limit, spill)
     if not 1 <= k <= len(costs.blocks):
         raise ValueError(f"job {name!r}: shards {k}: {graph.model_name or 'the model'} has {len(costs.blocks)} "
                          f"repeated blocks; use 1..{len(costs.blocks)} shards")
@@ -77,7 +95,8 @@ def shard_job(name: str, graph: OpGraph, cluster: Cluster, steps: int, shards: i
         backward_s=tuple(share * (sum(costs.backward_s[a:b]) + costs.optimizer_s * params[s] / total_params)
                          for s, (a, b) in enumerate(ranges)),
         param_bytes=tuple(params), flows=shard_flows(graph, shard_of), cuts=cuts,
-        state_bytes=tuple(int(optimizer_state_bytes(n, optimizer)) for n in numel))
+        state_bytes=tuple(int(optimizer_state_bytes(n, optimizer)) for n in numel),
+        activation_bytes=tuple(int(sum(costs.activation_bytes[a:b])) for a, b in ranges))
     bd = plan_cost(graph, plan, one)
     return job, SoloCost(share * bd.step_time_s, bd.memory_bytes_per_device, bd.fits_memory)
 

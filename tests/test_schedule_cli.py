@@ -24,6 +24,7 @@ def test_the_bundled_spilled_sweep_schedules_and_runs_on_two_ranks_as_each_job_a
     # run_sweep fails unless each task copied the schedule's bytes
     assert "host copies of spilled shards: " in out and "host copies (as the schedule's): " in out
     assert (tmp_path / "gantt.png").stat().st_size > 10_000
+    assert "peak device memory (shards, gradients, saved activations): dev0 " in out and " of 6.32 GB" in out
     tasks = list(csv.DictReader((tmp_path / "schedule.csv").open()))
     assert len(tasks) == 4 * 2 * 2 * 2                       # 4 jobs x 2 steps x 2 shards x (F, B)
     loads = {t["job"]: 0 for t in tasks}
@@ -77,6 +78,13 @@ def test_a_spilled_job_with_its_own_plan_is_priced_with_that_plan(tmp_path):
     assert sweep.jobs[0].spill and sum(t.load_bytes for t in sweep.schedule.tasks) > 0
     # every shard written back once a step (the bundled sweep's test runs spilled jobs on gloo ranks)
     assert sum(t.writeback_bytes for t in sweep.schedule.tasks) == 2 * sum(sweep.jobs[0].param_bytes)
+    # the job alone runs on device 0 (free devices choose in order); the most it holds is B1 with both
+    # shards' activations, its shard and gradient, or B0 with shard 0's activations, shard and gradient
+    # (shard 1's write-back is over before B0 starts: shard 0, with the embeddings, loads longer)
+    job = sweep.jobs[0]
+    (p0, p1), (a0, a1) = job.param_bytes, job.activation_bytes
+    assert {t.device for t in sweep.schedule.tasks} == {0} and p0 > p1
+    assert sweep.schedule.peak_memory_bytes() == [max(a0 + a1 + 2 * p1, a0 + 2 * p0), 0]
 
 
 def test_spill_auto_spills_a_job_that_does_not_fit_one_device_or_a_sweep_that_does_not_fit_the_devices():

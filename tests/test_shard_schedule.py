@@ -135,6 +135,8 @@ def test_a_tiny_gpt_cut_in_two_prices_its_shards_from_the_one_device_timeline():
     assert job.forward_s == pytest.approx(tuple(costs.forward_s))            # one block per shard
     assert sum(job.backward_s) == pytest.approx(sum(costs.backward_s) + costs.optimizer_s)
     assert solo.fits and solo.step_s == pytest.approx(job.step_s, rel=1e-9)
+    # each shard keeps its block's saved activations for the schedule's memory
+    assert job.activation_bytes == tuple(int(a) for a in costs.activation_bytes) and min(job.activation_bytes) > 0
     # flows: the residual stream (B, T, C) = 4 x 32 x 64 float32, and the tied wte / lm_head weight
     # (vocab 512 x 64) kept by shard 0 and read by the head in shard 1; both send their gradient back
     assert sorted((f.src, f.dst, f.nbytes, f.grad_nbytes) for f in job.flows) == [
@@ -252,3 +254,113 @@ def test_a_spilled_backward_also_loads_and_writes_back_its_optimizer_states():
     assert job.host_copies(TaskKey(0, 0, BACKWARD), resident=False) == (30, 30)
     assert ShardedJob("B", 1, (1.0,), (1.0,), (10,), state_bytes=(20,)).host_copies(
         TaskKey(0, 0, BACKWARD), resident=False) == (0, 0)                           # not spilled
+
+
+# -- device memory over the schedule (autoddl/shard_memory.py) -----------------------------------------
+
+def _with_activations(jobs: list[ShardedJob], acts: list[tuple[int, ...]]) -> list[ShardedJob]:
+    import dataclasses
+
+    return [dataclasses.replace(j, activation_bytes=a) for j, a in zip(jobs, acts)]
+
+
+@pytest.mark.parametrize("prefetch, peak", [(False, 3020), (True, 3330)])
+def test_the_peak_device_memory_of_two_spilled_jobs_is_the_hand_count(prefetch, peak):
+    # SPILLED_BY_HAND's schedules, shards of 10 bytes (a gradient as big), activations A (100, 200),
+    # B (1000, 2000), each kept from its forward's start to its backward's end. Without prefetch the
+    # most is at [17, 18) while B:B1 runs: B's activations 3000 + its resident shard 10 + gradient 10
+    # (A is done). With prefetch every forward runs before any backward: at [7, 10) A:B1 runs with
+    # all four activations (3300), its shard and gradient (20), and B:B1's shard loaded ahead (10).
+    jobs = _with_activations(_spilled_pair(), [(100, 200), (1000, 2000)])
+    s = lrtf_schedule(jobs, 1, _one_second, prefetch=prefetch, host_copy_s=lambda n: n / 10)
+    assert _copies(s) == SPILLED_BY_HAND[prefetch][1]            # activations do not change the schedule
+    assert s.peak_memory_bytes() == [peak]
+    memory = s.memory()
+    if prefetch:
+        assert memory.peak_bytes(0, 10.0, 11.0) == 1000 + 2000 + 100 + 4 * 10   # A1's activations gone
+    else:
+        assert memory.peak_bytes(0, 12.0, 15.0) == 100 + 1000 + 2 * 10         # A:B0 with B0's activations
+
+
+def test_a_memory_limit_delays_a_prefetch_by_the_hand_worked_second():
+    # SPILLED_BY_HAND with prefetch peaks at 40 bytes in [10, 11): A:B1's shard being written back,
+    # B:B1's shard and gradient, and A:B0's shard loaded ahead. With 30 bytes A:B0 (placed at 10 when
+    # B:B1 starts) does not fit; the device tries again at 11, when A:B1's write-back ends: A:B0 loads
+    # in [11, 12) and runs [12, 15), B:B0 loads [12, 13) and runs [15, 16): every later task 1 s late.
+    free = lrtf_schedule(_spilled_pair(), 1, _one_second, host_copy_s=lambda n: n / 10)
+    tight = lrtf_schedule(_spilled_pair(), 1, _one_second, host_copy_s=lambda n: n / 10, memory_bytes=30)
+    assert free.peak_memory_bytes() == [40] and tight.peak_memory_bytes() == [30]
+    assert _copies(tight) == SPILLED_BY_HAND[True][1][:6] + [
+        ("A:B0@0", 11.0, 12.0, 12.0, 15.0, 15.0, 16.0), ("B:B0@0", 12.0, 13.0, 15.0, 16.0, 16.0, 17.0)]
+    assert tight.makespan_s == free.makespan_s + 1.0 == 17.0
+    # without prefetch the device holds at most one task's shard and gradient: 20 bytes, as unlimited
+    plain = lrtf_schedule(_spilled_pair(), 1, _one_second, prefetch=False, host_copy_s=lambda n: n / 10,
+                          memory_bytes=20)
+    assert plain.peak_memory_bytes() == [20] and plain.makespan_s == SPILLED_BY_HAND[False][0]
+
+
+def test_a_non_spilled_shard_is_held_where_its_forward_ran_until_it_moves_or_the_job_ends():
+    from autoddl.shard_memory import shard_need_bytes
+
+    # B (5 s a task) keeps device 0; A's single shard (params 10, states 4, activations 50) runs its
+    # two steps on device 1, held from its first placement until its last backward ends (at 4 s)
+    jobs = [ShardedJob("A", 2, (1.0,), (1.0,), (10,), state_bytes=(4,), activation_bytes=(50,)),
+            ShardedJob("B", 1, (5.0,), (5.0,), (8,))]
+    s = lrtf_schedule(jobs, 2, _one_second, prefetch=False)
+    assert [(str(t.key), t.device, t.start_s) for t in s.tasks if t.job == 0] == [
+        ("F0@0", 1, 0.0), ("B0@0", 1, 1.0), ("F0@1", 1, 2.0), ("B0@1", 1, 3.0)]
+    memory = s.memory()
+    assert memory.peak_bytes(1) == 14 + 50 + 10 == shard_need_bytes(jobs[0], 0)   # shard, activations, gradient
+    assert memory.peak_bytes(1, 4.0) == 0                      # done: nothing held
+    assert memory.peak_bytes(0) == 8 + 8                       # B's shard and its gradient
+    # the first hand-worked schedule: B's shard (8 bytes) is on device 1 from B:F0@0's placement (3)
+    # until B:F0@1 starts on device 0 (9), which holds it from its placement (8) to B's end (11)
+    s = lrtf_schedule(_jobs(), 2, _one_second, prefetch=False)
+    memory = s.memory()
+    assert memory.peak_bytes(1, 8.0, 9.0) == 8 and memory.peak_bytes(1, 9.0) == 0
+    assert memory.peak_bytes(0, 8.0, 10.0) == 8 and memory.peak_bytes(0, 10.0) == 8 + 8
+    # device 1 at [4, 5): C's shard and B's with B:B0's gradient; device 0 at [4, 6): A's two shards
+    # and A:B1's gradient (A's shard 1 is done at 6)
+    assert s.peak_memory_bytes() == [24, 24] and memory.peak_bytes(0, 6.0, 8.0) == 16
+
+
+def test_a_shard_that_cannot_fit_one_device_is_an_error_naming_it_and_what_to_do():
+    jobs = _with_activations(_spilled_pair(), [(100, 200), (1000, 2000)])
+    with pytest.raises(ValueError, match=r"job 'B': shard 1 needs 2\.02e-06 GB on one device for its backward .*"
+                                         r"above the device's 2e-06 GB; cut the job into more shards"):
+        lrtf_schedule(jobs, 1, _one_second, host_copy_s=lambda n: n / 10, memory_bytes=2000)
+    # each shard fits alone (120 bytes) but both jobs' first forwards fill the device: a clear error too
+    both = _with_activations(_spilled_pair(), [(100, 100), (100, 100)])
+    with pytest.raises(ValueError, match=r"cannot place the next tasks of jobs \['A', 'B'\] on any device"):
+        lrtf_schedule(both, 1, _one_second, host_copy_s=lambda n: n / 10, memory_bytes=230)
+    assert lrtf_schedule(both[:1], 1, _one_second, host_copy_s=lambda n: n / 10, memory_bytes=230).peak_memory_bytes() \
+        == [220]                                               # alone, A fits: 200 activations + shard + gradient
+
+
+def test_the_shard_count_of_a_spilled_job_fits_two_shards_and_the_step_s_activations():
+    from search.shards import shard_count
+    from search.stages import BlockCosts
+
+    # four blocks of 1 s, each 10 bytes of activations and 20 of parameter state (30 in all)
+    costs = BlockCosts([f"h.{i}" for i in range(4)], [0.5] * 4, [0.5] * 4, [30.0] * 4, [10.0] * 4, 0.0, 0.0)
+    assert shard_count(costs, 60) == 2                          # the largest shard: 2 blocks, 60 bytes
+    # spilled: 40 bytes of activations + the running and next shard's state; 3 shards (2, 1, 1 blocks)
+    # need 40 + 40 + 20 = 100, 4 shards 40 + 20 + 20 = 80
+    assert shard_count(costs, 100, spill=True) == 3 and shard_count(costs, 99, spill=True) == 4
+    with pytest.raises(ValueError, match=r"4 shards\) needs 0\.00 GB \(spilled: two shards' parameter state"):
+        shard_count(costs, 79, spill=True)
+
+
+def test_a_resident_spilled_shard_is_counted_once_while_its_write_back_outlasts_the_next_task():
+    # one spilled shard (params 10, states 20, activations 5), 1 s a task, copies of 10 bytes a second:
+    # F0@0 loads [0, 1) runs [1, 2); B0@0 loads the states [2, 4), runs [4, 5), writes back [5, 8);
+    # F0@1 runs [5, 6) on the shard still there; B0@1 loads the states once the write-back is over
+    # [8, 10) and runs [10, 11). At [6, 8) the device holds the shard and states being written back
+    # and F0@1's activations: 35, not a second copy of the shard.
+    job = ShardedJob("A", 2, (1.0,), (1.0,), (10,), spill=True, state_bytes=(20,), activation_bytes=(5,))
+    s = lrtf_schedule([job], 1, _one_second, prefetch=False, host_copy_s=lambda n: n / 10)
+    assert [(t.load_start_s, t.start_s, t.writeback_end_s) for t in s.tasks] == [
+        (0.0, 1.0, 0.0), (2.0, 4.0, 8.0), (0.0, 5.0, 0.0), (8.0, 10.0, 14.0)]
+    memory = s.memory()
+    assert memory.peak_bytes(0, 6.0, 8.0) == 10 + 20 + 5
+    assert s.peak_memory_bytes() == [10 + 20 + 10 + 5]          # a backward: shard, states, gradient, activations

@@ -2,8 +2,9 @@
 
 Prints one row per job (steps, shards, its solo times, its finish time under each schedule) and the
 three makespans with their ratios; writes ``gantt.png`` (device x time, one colour per job) and
-``schedule.csv`` (every task: job, device, kind, shard, step, start, end, transfer, and a spilled
-shard's host copies: bytes, start and end of its load and write-back) to ``--out``.
+``schedule.csv`` (every task: job, device, kind, shard, step, start, end, transfer, a spilled
+shard's host copies: bytes, start and end of its load and write-back, and the most its device
+holds while it runs) to ``--out``; each device's peak memory is printed.
 With ``--run`` the schedule runs on gloo ranks (autoddl/scheduling_run.py): measured
 against predicted makespan, each job's losses against the job trained alone in one process.
 """
@@ -50,6 +51,10 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.2f}"
 
 
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.3g} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.3g} MB"
+
+
 def print_sweep(sweep: SweepPlan) -> None:
     rows = [(r["job"], str(r["steps"]), str(r["shards"]) + (" (host)" if r["spilled"] else ""),
              _ms(r["solo_one_device_s"]), _ms(r["solo_best_plan_s"]),
@@ -63,6 +68,10 @@ def print_sweep(sweep: SweepPlan) -> None:
     print(f"  sharded-LRTF ({'with' if sweep.prefetch else 'without'} prefetch): {_ms(lrtf)} ms, devices busy "
           f"{sweep.schedule.busy_fraction():.0%} (the schedule {'without' if sweep.prefetch else 'with'} prefetch: "
           f"{_ms(sweep.other_makespan_s)} ms)")
+    peaks = sweep.schedule.peak_memory_bytes()
+    each = ", ".join(f"dev{d} {_gb(b)}" for d, b in enumerate(peaks))
+    print(f"  peak device memory (shards, gradients, saved activations): {each} of "
+          f"{_gb(sweep.cluster.device.memory_gb * 1e9)}")
     copies = [t for t in sweep.schedule.tasks if t.load_bytes or t.writeback_bytes]
     if copies:
         load_s = sum(t.load_end_s - t.load_start_s for t in copies)
