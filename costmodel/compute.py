@@ -158,6 +158,19 @@ def executor_forward_s(node: OpNode, cluster: Cluster) -> float:
     return (ex.op_forward_us + ex.input_forward_us * len(node.inputs)) * 1e-6
 
 
+def forward_time_s(op_name: str, dtype: str, work_s: float, cluster: Cluster, inputs: int = 1) -> float:
+    """Forward seconds on one device of an op of family ``op_name`` computing in ``dtype`` whose
+    roofline time is ``work_s``: the family's measured work scale times ``work_s`` plus its fixed
+    cost, else ``work_s`` plus ``op_overhead_us`` and the executor's per-op and per-input costs.
+    Graph ops (:func:`op_forward_time_s`) and the master passes (costmodel/master_passes.py) both
+    price through it."""
+    ex = cluster.executor
+    fam = ex.op_cost(op_name, dtype) if ex.op_us else None
+    if fam is not None:
+        return fam.work_at(work_s * 1e6)[0] * work_s + fam.forward_us * 1e-6
+    return work_s + (cluster.op_overhead_us + ex.op_forward_us + ex.input_forward_us * inputs) * 1e-6
+
+
 def executor_backward_s(node: OpNode, cluster: Cluster) -> float:
     """The executor's fixed backward cost of one op: its family's measured one, else per op and per
     tensor input; plus per parameter read (0 for getitem)."""
@@ -210,10 +223,7 @@ def op_forward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], c
     flops, nbytes = node.flops / d, (node.bytes_read + node.bytes_written) / d
     attention = attention_time_s(node, flops, nbytes, cluster, backward=False)
     work = attention if attention is not None else roofline_time_s(flops, nbytes, cluster, dtype=compute_dtype(node))
-    fam = executor_cost(node, cluster)
-    if fam is not None:
-        return (fam.work_at(work * 1e6)[0] * work + fam.forward_us * 1e-6) * share
-    return (work + cluster.op_overhead_us * 1e-6 + executor_forward_s(node, cluster)) * share
+    return forward_time_s(node.op_name, compute_dtype(node), work, cluster, inputs=len(node.inputs)) * share
 
 
 def op_backward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster) -> float:

@@ -16,8 +16,9 @@ master's float32 ``.grad`` through the gradient sync (executor/gradsync.py), whi
 
 In float32 with one micro-step none of these runs (the casts are no-ops, nothing accumulates),
 which is how ``executor.param_us`` was calibrated; so they are priced here, each pass as one op of
-the ``to`` / ``add`` family (its measured fixed cost, ``executor.op_us``, in the dtype it computes
-in) plus its bytes at the memory roofline, and added to the step's optimizer task (the passes run
+the ``to`` / ``add`` family in the dtype it computes in, its bytes at the memory roofline, priced as
+the graph's own ops of that family are (``costmodel.compute.forward_time_s``: the family's measured
+fixed cost and work scale), and added to the step's optimizer task (the passes run
 on the compute stream; where in the step they run does not change the step time of a rank that
 computes serially). The counts are checked against the aten ops that ran
 (tests/test_master_passes.py, executor.audit.OpRecorder).
@@ -33,6 +34,7 @@ from autoddl.cluster import Cluster
 from autoddl.precision import MASTER_DTYPE, itemsize
 from autoddl.program import ParamUse, StepProgram, syncs_every_micro_step
 from autoddl.training import Training
+from costmodel.compute import forward_time_s, roofline_time_s
 
 
 @dataclass(frozen=True)
@@ -91,13 +93,12 @@ def step_passes(program: StepProgram, training: Training, only: frozenset[str] |
 
 
 def passes_time_s(passes: Iterable[Pass], cluster: Cluster, mesh_shape: Sequence[int]) -> float:
-    """Seconds the passes take on one rank: per pass the family's measured fixed forward cost (else
-    ``op_overhead_us`` + ``executor.op_forward_us``) and its bytes at the memory bandwidth, slowed
-    by ``cluster.time_sharing``."""
-    dev, ex = cluster.device, cluster.executor
+    """Seconds the passes take on one rank: each one op of its family (``to`` in its source dtype,
+    ``add`` in float32) with its bytes at the memory roofline, priced as a graph op of that family is
+    (:func:`costmodel.compute.forward_time_s`), slowed by ``cluster.time_sharing``."""
     total = 0.0
     for p in passes:
-        fam = ex.op_cost(p.op, p.src if p.op == "to" else p.dst) if ex.op_us else None
-        fixed_us = fam.forward_us if fam is not None else cluster.op_overhead_us + ex.op_forward_us
-        total += p.count * (fixed_us * 1e-6 + p.bytes_per_pass / (dev.memory_bandwidth_gbps * 1e9 * cluster.efficiency.memory))
+        dtype = p.src if p.op == "to" else p.dst
+        work_s = roofline_time_s(0.0, p.bytes_per_pass, cluster, dtype=dtype)
+        total += p.count * forward_time_s(p.op, dtype, work_s, cluster, inputs=1 if p.op == "to" else 2)
     return total * cluster.time_sharing(tuple(mesh_shape))

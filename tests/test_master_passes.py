@@ -119,3 +119,22 @@ def test_pass_counts_by_hand():
     assert got[-1].bytes_per_pass == 100 * (2 + 4 + 4)
     assert use_passes(use, Training(), (2,), every_micro_step=False) == []
     assert math.isclose(sum(p.count for p in got), 10)
+
+
+def test_a_pass_is_priced_as_a_graph_op_of_its_family():
+    """A 1M-element float32 -> bfloat16 cast, twice, on local-cpu: the ``to`` family's measured
+    fixed cost plus its work scale times the bytes at the memory roofline, as a graph ``to`` op of
+    that size is priced; an add of a bf16 gradient into float32 reads both, as the ``add`` family."""
+    from autoddl.cluster import Cluster
+    from costmodel.master_passes import Pass, passes_time_s
+
+    cluster = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml")
+    bw = cluster.device.memory_bandwidth_gbps * 1e9 * cluster.efficiency.memory
+    share = cluster.time_sharing((2,))
+    for p, dtype, nbytes in ((Pass("to", "float32", "bfloat16", 10**6, 2), "float32", 6e6),
+                             (Pass("add", "bfloat16", "float32", 10**6, 3), "float32", 10e6)):
+        fam = cluster.executor.op_cost(p.op, dtype)
+        work_s = nbytes / bw
+        want = p.count * (fam.work_at(work_s * 1e6)[0] * work_s + fam.forward_us * 1e-6) * share
+        assert fam.work and fam.work_at(work_s * 1e6)[0] != 1.0         # the scale matters here
+        assert passes_time_s([p], cluster, (2,)) == pytest.approx(want, rel=1e-9)
