@@ -543,12 +543,12 @@ class _Search:
                 candidates.append((scheme.plan, scheme.breakdown))
         candidates += exchanged
         fitting = [(p, bd) for p, bd in candidates if bd.fits_memory]
-        if not fitting and any(s.estimated for s in self.baselines.values()):
-            # nothing fits: the error names the least memory of any plan, so price those left unpriced
-            self.estimate = False
-            self.baselines = {k: Scheme(k, s.plan, price(self.graph, s.plan, self.cluster, self.limit))
-                              if s.estimated else s for k, s in self.baselines.items()}
-            return self.choose()
+        if not fitting:         # the error names the least memory of any plan: price those left unpriced
+            priced = {k: Scheme(k, s.plan, price(self.graph, s.plan, self.cluster, self.limit))
+                      for k, s in self.baselines.items() if s.estimated}
+            self.baselines.update(priced)
+            candidates += [(s.plan, s.breakdown) for s in priced.values()]
+            fitting = [(p, bd) for p, bd in candidates if bd.fits_memory]
         if not fitting:
             need = min([bd.memory_bytes_per_device for _, bd in candidates] + [self.min_memory])
             raise NoFeasiblePlanError(need, self.limit)
