@@ -210,8 +210,11 @@ def test_dp_tp_replicates_on_dp_axis_and_splits_weights_on_tp_axis(gpt, cluster4
 
 def test_memory_limit_nothing_fits_names_the_minimum(mlp, cluster4):
     with pytest.raises(NoFeasiblePlanError) as info:
-        search(mlp, cluster4, memory_gb=1e-6)
+        search(mlp, cluster4, memory_gb=1e-6, price_all_baselines=False)    # estimated, then priced
     assert info.value.min_memory_bytes > 1e3
+    with pytest.raises(NoFeasiblePlanError) as every:      # pricing every baseline up front: the same least
+        search(mlp, cluster4, memory_gb=1e-6, price_all_baselines=True)
+    assert every.value.min_memory_bytes == info.value.min_memory_bytes
     assert " GB" in str(info.value) and "GiB" not in str(info.value) and "--memory-gb" in str(info.value)
 
 
