@@ -32,8 +32,7 @@ from autoddl.plan import CostReport, Plan
 from autoddl.program import COMPUTE, StepProgram, lower, recomputed_ops, requires_grad, signature_of
 from costmodel.collectives import Collective, carried_out_as
 from costmodel.memory import activation_bytes, memory_bytes
-from costmodel.compute import op_backward_time_s, op_forward_time_s
-from costmodel.simulate import Timeline, _kernel_key, bubble_s, simulate
+from costmodel.simulate import Timeline, bubble_s, kernel_time_s, simulate
 
 PER_OP_COLUMNS = ["op", "target", "output_shape", "signature", "compute_us", "comm_us", "memory_mb"]
 
@@ -156,11 +155,7 @@ def compute_floor_s(graph: OpGraph, plan: Plan, cluster: Cluster) -> float:
     mesh, rg, memo = tuple(plan.mesh.shape), requires_grad(graph), {}
 
     def kernel(node, forward: bool) -> float:
-        sig = signature_of(plan, node)
-        key = (forward, sig, *_kernel_key(node))
-        if key not in memo:
-            memo[key] = (op_forward_time_s if forward else op_backward_time_s)(node, sig, mesh, cluster)
-        return memo[key]
+        return kernel_time_s(node, signature_of(plan, node), forward, mesh, cluster, memo)
     total = sum(kernel(n, True) + (kernel(n, False) if n.name in rg else 0.0) for n in graph.ops())
     total += sum(kernel(n, True) for ops in recomputed_ops(graph, plan).values() for n in ops)
     return total * plan.training.micro_batches

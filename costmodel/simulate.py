@@ -31,6 +31,7 @@ from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph, OpNode
 from autoddl.offload import HOST
 from autoddl.plan import Plan
+from autoddl.sbp import Signature
 from autoddl.pipeline import schedule_makespan
 from autoddl.program import COMPUTE, StepProgram, Task, block_of, recomputed_ops, signature_of
 from autoddl.collective_kinds import CollectiveKind
@@ -134,12 +135,7 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
     node = graph[task.op]
     sig = signature_of(plan, node)
     forward = task.phase in ("forward", "recompute")
-    key = (forward, sig, *_kernel_key(node))
-    t = op_times.get(key) if op_times is not None else None
-    if t is None:
-        t = op_forward_time_s(node, sig, mesh, cluster) if forward else op_backward_time_s(node, sig, mesh, cluster)
-        if op_times is not None:
-            op_times[key] = t
+    t = kernel_time_s(node, sig, forward, mesh, cluster, op_times)
     policy = plan.training.recompute_of(block_of(node))
     if policy != "none" and cluster.executor.recompute:
         recompute = recompute or RecomputeInfo.of(graph, plan)
@@ -149,10 +145,19 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
     return t
 
 
-def _kernel_key(node: OpNode) -> tuple:
-    """All of ``node`` that op_forward_time_s / op_backward_time_s read (costmodel/compute.py)."""
-    return (node.kind, node.target, node.flops, node.bytes_read, node.bytes_written, node.input_metas,
-            node.outputs, len(node.inputs), len(node.params), is_causal(node))
+def kernel_time_s(node: OpNode, sig: Signature, forward: bool, mesh: tuple[int, ...], cluster: Cluster,
+                  memo: dict | None = None) -> float:
+    """``node``'s forward (else backward) kernel seconds under ``sig`` (costmodel/compute.py), kept in
+    ``memo`` (one per plan and cluster) under all of the node those functions read, so the repeated
+    blocks of a decoder price each op once."""
+    key = (forward, sig, node.kind, node.target, node.flops, node.bytes_read, node.bytes_written,
+           node.input_metas, node.outputs, len(node.inputs), len(node.params), is_causal(node))
+    t = memo.get(key) if memo is not None else None
+    if t is None:
+        t = op_forward_time_s(node, sig, mesh, cluster) if forward else op_backward_time_s(node, sig, mesh, cluster)
+        if memo is not None:
+            memo[key] = t
+    return t
 
 
 def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster) -> Timeline:
