@@ -154,3 +154,11 @@ def test_the_cli_collects_garbage_less_often_while_planning_and_restores_the_col
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
     assert cli.main(argv + ["--devices", "0"]) == 2                          # an error restores them too
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    real_freeze()                                   # a caller (a notebook) froze its own objects: left as they were
+    try:
+        frozen, seen[:] = gc.get_freeze_count(), []
+        assert frozen > 0 and cli.main(argv) == 0
+        assert not seen and 0 < gc.get_freeze_count() <= frozen       # none unfrozen or added (a few freed)
+        assert gc.get_threshold() == before
+    finally:
+        gc.unfreeze()

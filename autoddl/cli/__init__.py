@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 # A command builds millions of small objects that live until it ends (graph nodes, layouts, program
 # tasks) and makes few reference cycles; under the default gen-0 threshold (700 allocations) the cyclic
 # collector walked them again and again: ~15% of the CPU time of re-planning Llama-3-8B on 8x8
-# (2.45 -> 2.1 s with this threshold and the traced graph frozen, autoddl/cli/plan.py). Restored on return.
+# (2.45 -> 2.1 s with this threshold and the traced graph frozen, autoddl/cli/plan.py, unless the caller
+# had frozen objects of its own). Both restored on return.
 PLANNING_GC_THRESHOLD = (100_000, 50, 50)
 
 
@@ -77,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     threshold = gc.get_threshold()
     gc.set_threshold(*PLANNING_GC_THRESHOLD)
+    args.gc_freeze = gc.get_freeze_count() == 0     # a caller's own frozen objects are left as they were
     try:
         return int(args.func(args) or 0)
     except tuple(EXPECTED_ERRORS) as exc:
@@ -88,7 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"autoddl: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     finally:
-        gc.unfreeze()
+        if args.gc_freeze:
+            gc.unfreeze()
         gc.set_threshold(*threshold)
 
 

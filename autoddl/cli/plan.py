@@ -181,7 +181,8 @@ class _Tracer:
         if key not in self.graphs:
             t0 = time.perf_counter()
             self.graphs[key] = self._cached(batch, param_dtype)
-            gc.freeze()     # the graph lives until the command ends: out of the collector's way (cli main)
+            if getattr(self.args, "gc_freeze", False):
+                gc.freeze()     # the graph lives until the command ends: out of the collector's way (cli main)
             self.seconds += time.perf_counter() - t0
         return self.graphs[key]
 
