@@ -25,8 +25,13 @@ parameter use and per collective beyond its latency (all microseconds; 0 when
 left out, e.g. for clusters whose plans run under a compiled runtime); per op family
 and compute dtype (``op_us: {dtype: {family: [forward_us, backward_us]}}``, the whole
 fixed cost of one op of that family, and ``op_work``, the multiple of the roofline
-time its kernels take, by op size), measured on synthetic inputs; and per recompute policy what
-activation checkpointing adds per op and per block (``recompute``).
+time its kernels take, by op size), measured on synthetic inputs; per recompute policy what
+activation checkpointing adds per op and per block (``recompute``); and the shard runner's own fixed
+costs (executor/shard_runner.py, what ``autoddl schedule --run`` runs; ``autoddl calibrate --only
+shard_runner``): ``shard_forward_us`` / ``shard_backward_us`` per shard task and ``shard_param_us`` per
+parameter a shard's backward updates, which price shard tasks in place of ``param_us`` and ``step_us``
+(search/shards.py). The GPU cluster files leave them out: 0, not priced (unmeasured: no shard run on a
+GPU yet).
 The host side of a node (optional; needed to spill to host memory, ``--offload``):
 ``host_link: {bandwidth_gbps, latency_us}`` is one device's copy path to and from host
 memory (a GPU's PCIe link, per direction; a copy of M bytes takes latency + M / bandwidth),
@@ -357,6 +362,7 @@ class ExecutorOverheads:
     ((roofline_us, forward_work, backward_work), ...)}}``; see :class:`OpCost`); the scalar
     per-op fields price the ops of families without a measurement. ``recompute`` holds, per
     recompute policy, what checkpointing adds per op and per block (:class:`RecomputeCost`).
+    The ``shard_*`` fields are the shard runner's (module docstring), not this executor's.
     """
 
     op_forward_us: float = 0.0      # per op the executor runs (views included), forward

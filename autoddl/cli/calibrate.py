@@ -74,18 +74,24 @@ def run_calibrate(args: argparse.Namespace) -> int:
     meas, cal = calibrate(base, settings, args.devices_per_node, _command(args), args.min_r2)
     if args.raw:
         write_raw(meas, args.raw)
-    if args.out:
-        cal.write(args.out)
+    if _write(cal, args.out):
         print(f"wrote {args.out} ({meas.seconds['total']:.0f} s)")
         print(Cluster.from_yaml(args.out).summary())
         for line in cal.header.splitlines()[3:]:
             print(line)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "cluster.yaml"
-            cal.write(out)
-            sys.stdout.write(out.read_text())
     return 0
+
+
+def _write(cal, out: str | None) -> bool:
+    """Write ``cal`` to ``out``, or print its YAML when no ``out`` is given; whether a file was written."""
+    if out:
+        cal.write(out)
+        return True
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "cluster.yaml"
+        cal.write(path)
+        sys.stdout.write(path.read_text())
+    return False
 
 
 def _calibrate_shard_runner(args: argparse.Namespace, kinds: tuple[str, ...]) -> int:
@@ -97,16 +103,10 @@ def _calibrate_shard_runner(args: argparse.Namespace, kinds: tuple[str, ...]) ->
     print(f"calibrate: the shard runner on {settings.nproc} ranks, {settings.threads} thread(s) each",
           file=sys.stderr, flush=True)
     cal = calibrate_shard_runner(args.base, settings, _command(args))
-    if args.out:
-        cal.write(args.out)
+    if _write(cal, args.out):
         ex = cal.cluster.executor
         print(f"wrote {args.out}: executor.shard_forward_us {ex.shard_forward_us:g}, shard_backward_us "
               f"{ex.shard_backward_us:g}, shard_param_us {ex.shard_param_us:g}")
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "cluster.yaml"
-            cal.write(out)
-            sys.stdout.write(out.read_text())
     return 0
 
 
