@@ -41,16 +41,23 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from autoddl.cluster import (COLLECTIVE_KINDS, CONFIG_DIR, Backend, Cluster, CollectiveFits, Efficiency, LinkSpec,
-                            RecomputeCost)
+                            RecomputeCost, yaml_comments)
+from autoddl.loader import load_model_file
+from autoddl.pipeline import stages_from_cuts
+from autoddl.shard_program import BACKWARD, TaskKey, param_homes
 from costmodel.collectives import CollectiveFit, CollectiveKind, fit_collective
 from executor.calibrate import (LARGE_MATMUL_FLOPS, CollectiveTiming, ComputeSummary, Measurements, Settings,
                                 compute_summary, executor_glue_us, measure, with_executor_overheads)
 from executor.calibrate_models import CHAIN_WIDTH, PROBE_SIZES
+from executor.calibrate_shards import SHARD_CHAIN, ShardTaskSample, fit_shard_runner, measure_shard_tasks
+from executor.shard_chain import WIDTH
+from search.shards import shard_job
 
 DEFAULT_BASE = CONFIG_DIR / "local-cpu.yaml"
 DISAGREEMENT = 0.20          # a kind whose fit differs from the link by more than this gets its own entry
@@ -485,4 +492,69 @@ def calibrate(base: Cluster, settings: Settings, devices_per_node: int | None = 
             raise ValueError(f"calibrate --backend nccl needs one GPU per rank: --nproc {settings.nproc}, "
                              f"{torch.cuda.device_count()} GPUs visible; use --backend gloo or a smaller --nproc")
     meas = measure(settings)
-    return meas, calibrate_cluster(meas, base, devices_per_node, command, min_r2)
+    cal = calibrate_cluster(meas, base, devices_per_node, command, min_r2)
+    return meas, cal if settings.comm_only else with_shard_runner(cal, settings)
+
+
+# -- the shard runner (``autoddl schedule --run``): its own fixed costs ------------------------------
+SHARD_RUNS = tuple(dict(blocks=4, ops=n, params=p) for n in (4, 16) for p in (1, n))   # executor/shard_chain.py
+SHARD_COUNT = 2
+
+
+def with_shard_runner(cal: Calibration, settings: Settings) -> Calibration:
+    """``cal`` with ``executor.shard_forward_us``, ``shard_backward_us`` and ``shard_param_us`` measured: the
+    shard runner runs each of ``SHARD_RUNS`` cut into ``SHARD_COUNT`` shards on ``settings.nproc`` ranks at
+    once (executor/calibrate_shards.py), and each task's time less its ops priced as ``autoddl schedule``
+    prices them (search/shards.py on ``cal.cluster`` with those three fields 0) is fitted per task, per op
+    and per parameter (``fit_shard_runner``); the per-op slopes go into the comment only."""
+    ex = cal.cluster.executor
+    zero = dataclasses.replace(cal.cluster, executor=dataclasses.replace(
+        ex, shard_forward_us=0.0, shard_backward_us=0.0, shard_param_us=0.0)).resized(settings.nproc)
+    runs, counts, priced = [], [], []
+    for sizes in SHARD_RUNS:
+        graph = load_model_file(SHARD_CHAIN, **sizes).trace()
+        job, _ = shard_job("shard-chain", graph, zero, 1, SHARD_COUNT)
+        shard_of = stages_from_cuts(graph, job.cuts)
+        ops = Counter(shard_of[n.name] for n in graph.ops())
+        params = Counter(param_homes(graph, shard_of).values())
+        runs.append((sizes, job.cuts))
+        counts.append((ops, params))
+        priced.append(job)
+    timings = measure_shard_tasks(runs, settings.nproc, settings.threads, settings.shard_steps,
+                                  settings.timeout_s, settings.verbose)
+    samples = []
+    for t in timings:
+        i = next(i for i, (sizes, _) in enumerate(runs) if tuple(sorted(sizes.items())) == t.args)
+        (ops, params), job = counts[i], priced[i]
+        samples.append(ShardTaskSample(t.kind, ops[t.shard], params[t.shard] if t.kind == BACKWARD else 0,
+                                       t.seconds, job.duration_s(TaskKey(0, t.shard, t.kind))))
+    fit = fit_shard_runner(samples)
+    cluster = dataclasses.replace(cal.cluster, executor=dataclasses.replace(
+        ex, shard_forward_us=_sig(fit.forward_us, 3), shard_backward_us=_sig(fit.backward_us, 3),
+        shard_param_us=_sig(fit.param_us, 3)))
+    per_task = ", ".join(f"{dict(t.args)['ops']}/{dict(t.args)['params']} {t.kind}{t.shard} {t.seconds * 1e6:.0f}"
+                         for t in timings)
+    comments = {**cal.comments,
+                "executor.shard_forward_us": (
+                    f"measured: the shard runner (executor/shard_runner.py) on executor/shard_chain.py (4 blocks of "
+                    f"{' or '.join(sorted({str(r['ops']) for r in SHARD_RUNS}, key=int))} muls of {WIDTH}x{WIDTH} tensors, by a "
+                    f"parameter once per block or every time, else by a buffer) cut into {SHARD_COUNT} shards, "
+                    f"{_ranks_text(settings)}, load average {os.getloadavg()[0]:.1f}, median of {settings.shard_steps} "
+                    f"steps per task (ops/params kind+shard us: "
+                    f"{per_task}); least squares of each task's time less its ops as search/shards.py prices them: "
+                    f"per forward task (this), per op beyond the priced ops {fit.op_forward_us:.1f} us forward, "
+                    f"{fit.op_backward_us:.1f} us backward (not priced), max rel residual {fit.max_rel_residual:.0%}"),
+                "executor.shard_backward_us": "the same fit: per backward task (autograd.backward of its outputs)",
+                "executor.shard_param_us": "the same fit: per parameter a backward updates (p -= lr * grad)"}
+    return dataclasses.replace(cal, cluster=cluster, comments=comments)
+
+
+def calibrate_shard_runner(base_path: str | os.PathLike, settings: Settings, command: str = "") -> Calibration:
+    """``autoddl calibrate --only shard_runner``: the cluster file at ``base_path`` with the shard runner's
+    three fields measured (:func:`with_shard_runner`), its header and every other comment kept."""
+    header, comments = yaml_comments(base_path)
+    note = (f"executor.shard_*: measured by `{command or 'autoddl calibrate --only shard_runner'}` on "
+            f"{time.strftime('%Y-%m-%d %H:%M')}, only these fields.")
+    header = "\n".join([line for line in header.splitlines() if not line.startswith("executor.shard_*:")] + [note])
+    base = Calibration(Cluster.from_yaml(base_path), comments, header, {}, None)
+    return with_shard_runner(base, settings)

@@ -25,8 +25,13 @@ parameter use and per collective beyond its latency (all microseconds; 0 when
 left out, e.g. for clusters whose plans run under a compiled runtime); per op family
 and compute dtype (``op_us: {dtype: {family: [forward_us, backward_us]}}``, the whole
 fixed cost of one op of that family, and ``op_work``, the multiple of the roofline
-time its kernels take, by op size), measured on synthetic inputs; and per recompute policy what
-activation checkpointing adds per op and per block (``recompute``).
+time its kernels take, by op size), measured on synthetic inputs; per recompute policy what
+activation checkpointing adds per op and per block (``recompute``); and the shard runner's own fixed
+costs (executor/shard_runner.py, what ``autoddl schedule --run`` runs; ``autoddl calibrate --only
+shard_runner``): ``shard_forward_us`` / ``shard_backward_us`` per shard task and ``shard_param_us`` per
+parameter a shard's backward updates, which price shard tasks in place of ``param_us`` and ``step_us``
+(search/shards.py). The GPU cluster files leave them out: 0, not priced (unmeasured: no shard run on a
+GPU yet).
 The host side of a node (optional; needed to spill to host memory, ``--offload``):
 ``host_link: {bandwidth_gbps, latency_us}`` is one device's copy path to and from host
 memory (a GPU's PCIe link, per direction; a copy of M bytes takes latency + M / bandwidth),
@@ -357,6 +362,7 @@ class ExecutorOverheads:
     ((roofline_us, forward_work, backward_work), ...)}}``; see :class:`OpCost`); the scalar
     per-op fields price the ops of families without a measurement. ``recompute`` holds, per
     recompute policy, what checkpointing adds per op and per block (:class:`RecomputeCost`).
+    The ``shard_*`` fields are the shard runner's (module docstring), not this executor's.
     """
 
     op_forward_us: float = 0.0      # per op the executor runs (views included), forward
@@ -366,6 +372,11 @@ class ExecutorOverheads:
     param_us: float = 0.0           # per parameter use: leaf, grad sync to storage, optimizer share
     collective_us: float = 0.0      # per collective, beyond its latency (the call and its wait)
     step_us: float = 0.0            # per training step: input placement, loss read-out, zero_grad
+    # the shard runner's (executor/shard_runner.py, ``autoddl schedule --run``) own fixed costs, in place of
+    # param_us and step_us for shard tasks (search/shards.py); 0 = not priced (unmeasured: GPU cluster files)
+    shard_forward_us: float = 0.0   # per shard forward task beyond its ops (its flows' leaves, the run loop)
+    shard_backward_us: float = 0.0  # per shard backward task beyond its ops (autograd.backward of its outputs)
+    shard_param_us: float = 0.0     # per parameter a shard's backward updates (gradient, p -= lr * grad, reset)
     op_us: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)    # dtype -> family
     op_work: Mapping[str, Mapping[str, tuple[tuple[float, float, float], ...]]] = field(default_factory=dict)
     recompute: Mapping[str, RecomputeCost] = field(default_factory=dict)   # policy -> what checkpointing adds
@@ -457,7 +468,10 @@ _EXECUTOR_FIELDS = {k: (f"a non-negative number of microseconds {what}", "nonneg
     ("input_backward_us", "per tensor input of an op, backward"),
     ("param_us", "per parameter use (leaf, grad sync, optimizer)"),
     ("collective_us", "per collective beyond its latency"),
-    ("step_us", "per training step (inputs, loss, zero_grad)"))}
+    ("step_us", "per training step (inputs, loss, zero_grad)"),
+    ("shard_forward_us", "per shard forward task of the shard runner, beyond its ops"),
+    ("shard_backward_us", "per shard backward task of the shard runner, beyond its ops"),
+    ("shard_param_us", "per parameter a shard runner's backward updates"))}
 _TOP_KEYS = ("name", "nodes", "devices_per_node", "device", "links", "backend", "efficiency",
              "op_overhead_us", "collectives", "compute_curve", "executor", "cores_per_node",
              "comm_measured_ranks_per_node", "host_link", "host_memory_gb", "host_memory_bandwidth_gbps")
@@ -910,6 +924,34 @@ def _scalar(v: Any) -> str:
     if "e" in text and "." not in text:             # PyYAML 1.1 needs a dot to read 1e-05 as a float
         text = text.replace("e", ".0e")
     return text
+
+
+def yaml_comments(path: str | os.PathLike) -> tuple[str, dict[str, str]]:
+    """The header and the end-of-line comments of a cluster file in :meth:`Cluster.to_yaml`'s layout (two
+    spaces per level, one ``- [x, y]`` line per list item), keyed as ``to_yaml`` takes them: what a
+    rewrite of the file needs to keep them (``autoddl calibrate --only shard_runner``)."""
+    header: list[str] = []
+    comments: dict[str, str] = {}
+    keys: list[str] = []
+    items: dict[str, int] = {}
+    for line in Path(path).read_text().splitlines():
+        text = line.strip()
+        if not text or text.startswith("#"):
+            if not keys and text:
+                header.append(line[2:].rstrip() if line.startswith("# ") else text[1:].strip())
+            continue
+        body, _, note = line.partition("  # ")
+        depth = (len(body) - len(body.lstrip())) // 2
+        if text.startswith("- "):
+            parent = ".".join(keys[:depth])
+            dotted = f"{parent}.{items.get(parent, 0)}"
+            items[parent] = items.get(parent, 0) + 1
+        else:
+            keys[depth:] = [body.strip().split(":")[0]]
+            dotted = ".".join(keys)
+        if note.strip():
+            comments[dotted] = note.strip()
+    return "\n".join(header), comments
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,7 @@ class Settings:
     family_dtypes: tuple[str, ...] = MATMUL_DTYPES      # compute dtypes each op family is timed in
     family_passes: int = 25           # timed passes over the op families of one size and dtype (median)
     recompute_chains: tuple[int, int] = (8, 24)   # ops per block (short, long) of the recompute benchmark
+    shard_steps: int = 30             # timed steps of each shard-runner model (executor/calibrate_shards.py)
     matmul_dtypes: tuple[str, ...] = MATMUL_DTYPES   # float32 first; the others get a peak each
     kinds: tuple[str, ...] = FITTED_KINDS   # communication kinds timed (send_recv: on pairs of ranks)
     comm_only: bool = False           # time the communication kinds only (no compute, memory or executor)
@@ -140,7 +141,7 @@ class Settings:
                         message_bytes=QUICK_MESSAGE_BYTES, memory_bytes=32 << 20, repeats=3,
                         matmul_time_s=0.05, batch_time_s=0.002, executor_chains=(4, 12), executor_reps=5,
                         family_sizes=("tiny", "small"), family_dtypes=("float32", "bfloat16"), family_passes=9,
-                        recompute_chains=(4, 12))
+                        recompute_chains=(4, 12), shard_steps=8)
         else:
             base = dict(matmul_shapes=tuple((s, s, s) for s in SQUARE_SIZES) + SKINNY_SHAPES)
         base.update(overrides)

@@ -19,6 +19,10 @@ A spilled job's shard is copied from host memory into its parameters before a ta
 maps (executor/shard_worker.py). The load before a backward writes the bytes its forward read into
 the same storage, under ``.data`` (autograd's saved tensors are that storage; their version is
 left as it was).
+
+This loop's own fixed costs (per forward / backward task beyond its ops, per parameter a backward
+updates) are measured on it by executor/calibrate_shards.py (``autoddl calibrate --only shard_runner``)
+and price its tasks (``executor.shard_*``, search/shards.py).
 """
 
 from __future__ import annotations

@@ -3,10 +3,14 @@
 The job's plan on one device is the data-parallel baseline on a (1,) mesh (every op replicated:
 the model as it is). Its one-micro-batch timeline is attributed to repeated blocks by
 search/stages.py (``block_costs``: forward and backward seconds per block, the bytes each keeps);
-the blocks are cut into K contiguous shards balanced by time and memory (``balanced_cuts``). A
-shard's forward / backward seconds are its blocks' sums, and its backward also carries its share
-of the optimizer step (the model's optimizer seconds split by parameter bytes, as the update runs
-per shard after its backward). K is given, or the smallest count that fits one device's memory
+the blocks are cut into K contiguous shards balanced by time and memory (``balanced_cuts``). The
+shard runner (executor/shard_runner.py) runs the tasks, not the compiled executor, so the timeline
+is priced without the compiled executor's per-parameter-use and per-step costs (``executor.param_us``,
+``step_us``: :func:`runner_cluster`) and each task pays the runner's own instead
+(:func:`runner_task_s`): a shard's forward is its blocks' forward seconds + ``executor.shard_forward_us``;
+its backward its blocks' backward seconds + its share of the optimizer step (the model's
+memory-bound update split by parameter bytes, as the update runs per shard after its backward) +
+``shard_backward_us`` + ``shard_param_us`` per parameter it updates. K is given, or the smallest count that fits one device's memory
 (``shard_count``: the largest shard's saved activations and parameters' state; for a spilled job,
 two shards' parameter state and the step's activations). Each shard carries the activation bytes
 its forward saves (the blocks' ``activation_bytes``), for the schedule's memory. All the cluster's
@@ -17,6 +21,7 @@ between two devices is ``costmodel.collectives.send_recv_time_s`` with all of th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -66,6 +71,21 @@ def _need_bytes(costs: BlockCosts, k: int, spill: bool) -> float:
     return sum(costs.activation_bytes) + max(x + y for x, y in zip(state, state[1:] or [0.0]))
 
 
+def runner_cluster(cluster: Cluster) -> Cluster:
+    """``cluster`` as the shard runner's tasks are priced (module docstring): the compiled executor's
+    per-parameter-use and per-step costs off, every other price as it is."""
+    return dataclasses.replace(cluster, executor=dataclasses.replace(cluster.executor, param_us=0.0, step_us=0.0))
+
+
+def runner_task_s(forward_ops_s: float, backward_ops_s: float, params: int, cluster: Cluster) -> tuple[float, float]:
+    """(forward, backward) seconds of one shard's tasks on one rank running alone: its ops' seconds (priced
+    on :func:`runner_cluster`; the backward's with its optimizer share) plus the shard runner's fixed
+    costs, ``params`` the parameters its backward updates (module docstring)."""
+    ex = cluster.executor
+    return (forward_ops_s + ex.shard_forward_us * 1e-6,
+            backward_ops_s + (ex.shard_backward_us + params * ex.shard_param_us) * 1e-6)
+
+
 def shard_job(name: str, graph: OpGraph, cluster: Cluster, steps: int, shards: int | None = None,
               optimizer: str = "sgd", training: Training | None = None, spill: bool = False
               ) -> tuple[ShardedJob, SoloCost]:
@@ -73,7 +93,7 @@ def shard_job(name: str, graph: OpGraph, cluster: Cluster, steps: int, shards: i
     the job may keep its shards in host memory (the shard count's rule, :func:`shard_count`)."""
     one = cluster.resized(1)
     plan = inner_tp_plan(graph, one, 1, training or Training(), optimizer)
-    costs = block_costs(graph, plan, one)
+    costs = block_costs(graph, plan, runner_cluster(one))
     limit = cluster.device.memory_gb * 1e9
     k = shards or shard_count(costs, limit, spill)
     if not 1 <= k <= len(costs.blocks):
@@ -83,17 +103,18 @@ def shard_job(name: str, graph: OpGraph, cluster: Cluster, steps: int, shards: i
     cuts = tuple(costs.blocks[i] for i in starts[1:])
     shard_of = stages_from_cuts(graph, cuts)
     ranges = list(zip(starts, starts[1:] + [len(costs.blocks)]))
-    params, numel = [0] * k, [0] * k
+    params, numel, count = [0] * k, [0] * k, [0] * k
     for node_name, s in param_homes(graph, shard_of).items():
         params[s] += graph[node_name].outputs[0].nbytes
         numel[s] += graph[node_name].outputs[0].numel
+        count[s] += 1
     total_params = sum(params) or 1
     share = cluster.time_sharing((cluster.num_devices,))      # every device busy at once
+    tasks = [runner_task_s(sum(costs.forward_s[a:b]),
+                           sum(costs.backward_s[a:b]) + costs.optimizer_s * params[s] / total_params, count[s], one)
+             for s, (a, b) in enumerate(ranges)]
     job = ShardedJob(
-        name, steps,
-        forward_s=tuple(share * sum(costs.forward_s[a:b]) for a, b in ranges),
-        backward_s=tuple(share * (sum(costs.backward_s[a:b]) + costs.optimizer_s * params[s] / total_params)
-                         for s, (a, b) in enumerate(ranges)),
+        name, steps, forward_s=tuple(share * f for f, _ in tasks), backward_s=tuple(share * b for _, b in tasks),
         param_bytes=tuple(params), flows=shard_flows(graph, shard_of), cuts=cuts,
         state_bytes=tuple(int(optimizer_state_bytes(n, optimizer)) for n in numel),
         activation_bytes=tuple(int(sum(costs.activation_bytes[a:b])) for a, b in ranges))

@@ -362,6 +362,9 @@ def test_quick_calibration_on_two_gloo_ranks(tmp_path, capfd):
     assert err.count("calibrate: op families in ") == 4 and err.count("calibrate: recompute ") == 4
     assert "op families measured: " in printed and "op_us:  # measured: per op family" in text
     assert any(r.startswith("family,") for r in rows) and any(r.startswith("recompute,") for r in rows)
+    # the shard runner's own costs (autoddl schedule --run), timed on its 4 models
+    assert err.count("calibrate: shard runner, ") == 4 and "shard_forward_us: " in text
+    assert min(ex.shard_forward_us, ex.shard_backward_us, ex.shard_param_us) >= 0
 
 
 def test_calibrate_rejects_bad_options_before_measuring(capsys):
@@ -575,3 +578,90 @@ def test_quick_send_recv_calibration_on_two_gloo_ranks(tmp_path, capfd):
     sizes = Settings.default(2, quick=True).message_bytes
     assert [r.split(",")[-3:-1] for r in rows] == [["2", str(m)] for m in sizes]      # one row per size, no other
     assert "calibrate: send_recv on 2 of 2 ranks (gloo isend/irecv + wait, half a ping-pong)" in capfd.readouterr().err
+
+
+# -- the shard runner's own fixed costs (autoddl schedule --run) ------------------------------------
+
+def _shard_samples(fwd_us, bwd_us, param_us, op_f_us, op_b_us):
+    """Tasks of 8, 9, 32 and 33 ops (1 or all factors parameters) timed exactly as the model says."""
+    from executor.calibrate_shards import ShardTaskSample
+
+    out = []
+    for ops, params in ((8, 2), (8, 8), (9, 2), (9, 8), (32, 2), (32, 32), (33, 2), (33, 32)):
+        priced = 1e-4 + 3e-6 * ops
+        out.append(ShardTaskSample("F", ops, 0, priced + (fwd_us + op_f_us * ops) * 1e-6, priced))
+        out.append(ShardTaskSample("B", ops, params, priced + (bwd_us + op_b_us * ops + param_us * params) * 1e-6,
+                                   priced))
+    return out
+
+
+def test_fit_shard_runner_recovers_known_task_parameter_and_op_costs():
+    from executor.calibrate_shards import fit_shard_runner
+
+    fit = fit_shard_runner(_shard_samples(11.0, 33.0, 5.5, 2.0, -2.5))
+    assert (fit.forward_us, fit.backward_us, fit.param_us) == pytest.approx((11.0, 33.0, 5.5), abs=1e-6)
+    assert (fit.op_forward_us, fit.op_backward_us) == pytest.approx((2.0, -2.5), abs=1e-6)
+    assert fit.max_rel_residual == pytest.approx(0.0, abs=1e-9)
+    # a task that takes less than its ops' price gets no negative fixed cost: 0, and the residual says so
+    low = fit_shard_runner(_shard_samples(-20.0, 33.0, 5.5, 0.0, 0.0))
+    assert low.forward_us == 0.0 and low.backward_us == pytest.approx(33.0) and low.max_rel_residual > 0
+    same_params = [s for s in _shard_samples(1, 1, 1, 0, 0) if s.params in (0, 2)]     # params never vary apart
+    with pytest.raises(ValueError, match="op and parameter counts vary apart"):
+        fit_shard_runner(same_params)
+
+
+def test_with_shard_runner_fits_each_task_less_its_ops_as_the_schedule_prices_them(monkeypatch):
+    """The glue: every calibration model priced by search/shards.py (fields 0), its shards' op and
+    parameter counts, and the fit; the measurement replaced by those prices plus known costs."""
+    import autoddl.calibration as calibration
+    from autoddl.calibration import Calibration, SHARD_RUNS, with_shard_runner
+    from autoddl.loader import load_model_file
+    from executor.calibrate_shards import SHARD_CHAIN, ShardTaskTiming
+    from search.shards import shard_job
+
+    base = Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml")
+    zero = dataclasses.replace(base, executor=dataclasses.replace(
+        base.executor, shard_forward_us=0.0, shard_backward_us=0.0, shard_param_us=0.0)).resized(2)
+    # by hand: 4 blocks of `ops` muls cut 2 | 2; shard 1 also runs the loss's sum; params per block 1 or ops
+    counts = {(4, 1): ((8, 2), (9, 2)), (4, 4): ((8, 8), (9, 8)), (16, 1): ((32, 2), (33, 2)),
+              (16, 16): ((32, 32), (33, 32))}
+
+    def fake(runs, nproc, threads, steps, timeout_s, verbose):
+        out = []
+        for sizes, cuts in runs:
+            job, _ = shard_job("x", load_model_file(SHARD_CHAIN, **sizes).trace(), zero, 1, 2)
+            assert cuts == job.cuts == ("blocks.2",)
+            for s, (ops, params) in enumerate(counts[(sizes["ops"], sizes["params"])]):
+                out.append(ShardTaskTiming(tuple(sorted(sizes.items())), s, "F",
+                                           job.forward_s[s] + (12.0 + 1.5 * ops) * 1e-6))
+                out.append(ShardTaskTiming(tuple(sorted(sizes.items())), s, "B",
+                                           job.backward_s[s] + (30.0 - 1.0 * ops + 6.0 * params) * 1e-6))
+        return out
+
+    monkeypatch.setattr(calibration, "measure_shard_tasks", fake)
+    assert len(SHARD_RUNS) == 4
+    cal = with_shard_runner(Calibration(base, {}, "", {}, None), Settings.default(2, quick=True))
+    ex = cal.cluster.executor
+    assert (ex.shard_forward_us, ex.shard_backward_us, ex.shard_param_us) == (12.0, 30.0, 6.0)
+    assert dataclasses.replace(cal.cluster, executor=base.executor) == base
+    assert "per op beyond the priced ops 1.5 us forward, -1.0 us backward" in cal.comments["executor.shard_forward_us"]
+
+
+def test_calibrate_only_shard_runner_rewrites_the_base_keeping_its_comments(tmp_path, capfd):
+    """A real --only shard_runner run on 2 gloo ranks: the three fields measured (not asserted beyond being
+    sane numbers: the test machine is shared), every other line of the base file as it was."""
+    base_path = CONFIG_DIR / "local-cpu.yaml"
+    out = tmp_path / "shards.yaml"
+    assert cli.main(["calibrate", "--nproc", "2", "--quick", "--only", "shard_runner", "--base", str(base_path),
+                     "--out", str(out)]) == 0
+    c, base = Cluster.from_yaml(out), Cluster.from_yaml(base_path)
+    ex = c.executor
+    assert all(x >= 0 and math.isfinite(x) for x in (ex.shard_forward_us, ex.shard_backward_us, ex.shard_param_us))
+    assert dataclasses.replace(c, executor=base.executor) == base
+    new = out.read_text().splitlines()
+    kept = [line for line in new if "shard_" not in line]
+    assert kept == [line for line in base_path.read_text().splitlines() if "shard_" not in line]
+    assert any(line.startswith("  shard_forward_us: ") and "# measured: the shard runner" in line for line in new)
+    assert capfd.readouterr().err.count("calibrate: shard runner, ") == 4
+    assert cli.main(["calibrate", "--only", "shard_runner,send_recv"]) == 2
+    assert "shard_runner is timed alone" in capfd.readouterr().err

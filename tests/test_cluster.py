@@ -474,16 +474,17 @@ def test_executor_section_round_trip_defaults_and_errors(tmp_path):
                                                            "collective_us": "2 ms"}))
     assert errors == [
         f"{path}: executor.op_forwrd_us: unknown key; did you mean 'op_forward_us'? known keys: op_forward_us, "
-        "op_backward_us, input_forward_us, input_backward_us, param_us, collective_us, step_us, op_us, op_work, "
-        "recompute",
+        "op_backward_us, input_forward_us, input_backward_us, param_us, collective_us, step_us, shard_forward_us, "
+        "shard_backward_us, shard_param_us, op_us, op_work, recompute",
         f"{path}: executor.param_us: expected a non-negative number of microseconds per parameter use (leaf, "
         "grad sync, optimizer), got -3",
         f"{path}: executor.collective_us: expected a non-negative number of microseconds per collective beyond "
         "its latency, got '2 ms': wrong unit, drop the unit 'ms' and give the bare number in microseconds"]
     _, errors, _ = errors_of(tmp_path, edited(executor=[1, 2]))
     assert errors[0].endswith("executor: expected a mapping with keys op_forward_us, op_backward_us, "
-                              "input_forward_us, input_backward_us, param_us, collective_us, step_us, op_us, op_work, "
-                              "recompute, got [1, 2]")
+                              "input_forward_us, input_backward_us, param_us, collective_us, step_us, "
+                              "shard_forward_us, shard_backward_us, shard_param_us, op_us, op_work, recompute, "
+                              "got [1, 2]")
 
 
 def test_executor_op_families_and_recompute_round_trip_and_look_up(tmp_path):
@@ -656,3 +657,19 @@ def test_only_the_inter_node_link_may_be_shared(tmp_path):
     with pytest.raises(ClusterConfigError, match="links.intra_node.shared_by_node: unknown key"):
         dataclasses.replace(Cluster.from_dict(GOOD), intra_node=LinkSpec(300, 2.0, shared_by_node=True,
                                                                           measured_flows=2))
+
+
+def test_yaml_comments_read_back_what_to_yaml_wrote(tmp_path):
+    """The calibrated file rewritten with its own header and comments is the file, byte for byte (what
+    ``autoddl calibrate --only shard_runner`` relies on to rewrite it in place)."""
+    from autoddl.cluster import yaml_comments
+
+    path = CONFIG_DIR / "local-cpu.yaml"
+    header, comments = yaml_comments(path)
+    assert header.splitlines()[0].startswith("Measured by `autoddl calibrate")
+    assert header.splitlines()[4].startswith("  all_reduce: a ")               # indentation kept
+    assert comments["compute_curve.0"] == "M x K x N: 64x64x64"                # list items by index
+    assert comments["executor.op_us.float32.linear"].startswith("sizes tiny, small, medium, large: ")
+    out = tmp_path / "again.yaml"
+    Cluster.from_yaml(path).to_yaml(out, comments=comments, header=header)
+    assert out.read_text() == path.read_text()

@@ -122,19 +122,24 @@ def test_a_tiny_gpt_cut_in_two_prices_its_shards_from_the_one_device_timeline():
     from autoddl.loader import load_model_file
     from search.planner import inner_tp_plan
     from costmodel.collectives import send_recv_time_s
-    from search.shards import shard_job, transfer_fn
+    from search.shards import runner_cluster, shard_job, transfer_fn
     from autoddl.training import Training
     from search.stages import block_costs
 
-    cluster = Cluster.from_yaml("configs/local-cpu.yaml").resized(2)
+    cluster = _no_runner_costs(Cluster.from_yaml("configs/local-cpu.yaml")).resized(2)
     graph = load_model_file("examples/gpt.py", preset="tiny").trace()
     job, solo = shard_job("gpt", graph, cluster, steps=3, shards=2)
     costs = block_costs(graph, inner_tp_plan(graph, cluster.resized(1), 1, Training(), "sgd"),
-                        cluster.resized(1))
+                        runner_cluster(cluster.resized(1)))
     assert job.cuts == ("transformer.h.1",)
     assert job.forward_s == pytest.approx(tuple(costs.forward_s))            # one block per shard
     assert sum(job.backward_s) == pytest.approx(sum(costs.backward_s) + costs.optimizer_s)
-    assert solo.fits and solo.step_s == pytest.approx(job.step_s, rel=1e-9)
+    # the solo step runs on the compiled executor: it pays its per-parameter-use and per-step costs, the
+    # shard tasks (the shard runner) do not
+    uses = sum(len(n.params) for n in graph.ops())
+    ex = cluster.executor
+    assert ex.param_us > 0 and ex.step_us > 0 and uses >= 28
+    assert solo.fits and solo.step_s == pytest.approx(job.step_s + (uses * ex.param_us + ex.step_us) * 1e-6, rel=1e-9)
     # each shard keeps its block's saved activations for the schedule's memory
     assert job.activation_bytes == tuple(int(a) for a in costs.activation_bytes) and min(job.activation_bytes) > 0
     # flows: the residual stream (B, T, C) = 4 x 32 x 64 float32, and the tied wte / lm_head weight
@@ -153,7 +158,7 @@ def test_a_tiny_gpt_cut_in_two_prices_its_shards_from_the_one_device_timeline():
     assert transfer_fn(cluster)(1, 1, 10**6) == 0.0
     assert transfer_fn(cluster)(0, 1, 10**6) == send_recv_time_s(10**6, 0, 1, cluster, (2,))
     # four ranks on this 2-core machine's node (cores_per_node 2) share the cores: every time doubles
-    four = Cluster.from_yaml("configs/local-cpu.yaml").resized(4)
+    four = _no_runner_costs(Cluster.from_yaml("configs/local-cpu.yaml")).resized(4)
     assert four.time_sharing((4,)) == 2.0
     job4, solo4 = shard_job("gpt", graph, four, steps=3, shards=2)
     assert job4.forward_s == pytest.approx(tuple(2 * x for x in job.forward_s))
@@ -165,6 +170,40 @@ def test_a_tiny_gpt_cut_in_two_prices_its_shards_from_the_one_device_timeline():
     adamw, _ = shard_job("gpt", graph, cluster, steps=3, shards=2, optimizer="adamw")
     assert adamw.state_bytes == tuple(2 * p for p in job.param_bytes)
     assert transfer_fn(four)(0, 1, 10**6) == pytest.approx(2 * transfer_fn(cluster)(0, 1, 10**6))
+
+
+def _no_runner_costs(cluster, forward_us=0.0, backward_us=0.0, param_us=0.0):
+    """``cluster`` with the shard runner's fixed costs set by hand (0: not priced)."""
+    import dataclasses
+
+    return dataclasses.replace(cluster, executor=dataclasses.replace(
+        cluster.executor, shard_forward_us=forward_us, shard_backward_us=backward_us, shard_param_us=param_us))
+
+
+def test_a_shard_task_pays_its_ops_and_the_shard_runners_costs_not_the_compiled_executors():
+    """Hand-set runner costs: forward + 100 us, backward + 200 us + 10 us per parameter it updates (gpt
+    tiny cut after block 0: shard 0 keeps wte, wpe and block 0's 12 weights and biases, shard 1 block 1's 12
+    and ln_f's 2: 14 each); the compiled executor's param_us and step_us change no shard task."""
+    import dataclasses
+
+    from autoddl.cluster import Cluster
+    from autoddl.loader import load_model_file
+    from search.shards import shard_job
+
+    base = Cluster.from_yaml("configs/local-cpu.yaml")
+    graph = load_model_file("examples/gpt.py", preset="tiny").trace()
+    ops, _ = shard_job("gpt", graph, _no_runner_costs(base).resized(2), steps=1, shards=2)
+    priced, _ = shard_job("gpt", graph, _no_runner_costs(base, 100.0, 200.0, 10.0).resized(2), steps=1, shards=2)
+    assert [f - o for f, o in zip(priced.forward_s, ops.forward_s)] == pytest.approx([100e-6, 100e-6], abs=1e-12)
+    assert [b - o for b, o in zip(priced.backward_s, ops.backward_s)] == pytest.approx(
+        [(200 + 14 * 10) * 1e-6] * 2, abs=1e-12)
+    compiled_off = dataclasses.replace(base.executor, param_us=0.0, step_us=0.0, shard_forward_us=0.0,
+                                       shard_backward_us=0.0, shard_param_us=0.0)
+    off, _ = shard_job("gpt", graph, dataclasses.replace(base, executor=compiled_off).resized(2), steps=1, shards=2)
+    assert (off.forward_s, off.backward_s) == (ops.forward_s, ops.backward_s)
+    # four ranks on the 2-core node share the cores: the runner's costs double with the ops'
+    four, _ = shard_job("gpt", graph, _no_runner_costs(base, 100.0, 200.0, 10.0).resized(4), steps=1, shards=2)
+    assert four.backward_s == pytest.approx(tuple(2 * b for b in priced.backward_s))
 
 
 # -- spilled jobs: shards in host memory ------------------------------------------------------------

@@ -2,6 +2,8 @@
 
     autoddl calibrate --nproc 2 --out configs/local-cpu.yaml [--base YAML] [--backend gloo] [--quick]
     autoddl calibrate --nproc 2 --only send_recv --out /tmp/send_recv.yaml   # one kind's fit over --base
+    autoddl calibrate --nproc 2 --only shard_runner --base configs/local-cpu.yaml --out configs/local-cpu.yaml
+        # the shard runner's executor.shard_* fields over --base, its comments kept
 
 The measuring and fitting are ``autoddl.calibration``'s (its docstring says what each
 field is made of); this module parses the options, writes the files and prints.
@@ -15,10 +17,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from autoddl.calibration import DEFAULT_BASE, MIN_R2, calibrate, write_raw
+from autoddl.calibration import DEFAULT_BASE, MIN_R2, calibrate, calibrate_shard_runner, write_raw
 from autoddl.cli import common_options, register
 from autoddl.cluster import FITTED_KINDS, Backend, Cluster
 from executor.calibrate import Settings
+
+SHARD_RUNNER = "shard_runner"      # --only: the shard runner's fixed costs instead of communication kinds
 
 
 @register
@@ -44,7 +48,9 @@ def add_calibrate(subparsers: "argparse._SubParsersAction") -> None:
                    help=f"refuse, with a warning, a collective fit whose R^2 is below this (default {MIN_R2:g})")
     p.add_argument("--only", metavar="KINDS",
                    help=f"time only these communication kinds (comma-separated: {', '.join(FITTED_KINDS)}) and "
-                        "write --base with their fits in its collectives section, every other field as it was")
+                        "write --base with their fits in its collectives section, every other field as it was; "
+                        "or shard_runner alone: time the shard runner of `autoddl schedule --run` and write --base "
+                        "with its executor.shard_* fields, every other field and comment as it was")
     p.add_argument("--across-hosts", action="store_true", help="run as torchrun ranks on several hosts "
                    "(benchmarks/two_hosts.py -- -m autoddl calibrate --across-hosts): fit intra- and inter-host links")
     p.set_defaults(func=run_calibrate)
@@ -57,25 +63,50 @@ def run_calibrate(args: argparse.Namespace) -> int:
         return calibrate_across_hosts(args.out, args.base, fit_collectives, quick=args.quick)
     if args.devices_per_node is not None and args.devices_per_node < 1:
         raise ValueError(f"--devices-per-node must be a positive integer, got {args.devices_per_node}")
+    kinds = tuple(k.strip() for k in args.only.split(",")) if args.only else ()
+    if SHARD_RUNNER in kinds:
+        return _calibrate_shard_runner(args, kinds)
     base = Cluster.from_yaml(args.base)
-    only = {"kinds": tuple(k.strip() for k in args.only.split(",")), "comm_only": True} if args.only else {}
+    only = {"kinds": kinds, "comm_only": True} if args.only else {}
     settings = Settings.default(args.nproc, args.backend, quick=args.quick, threads=args.threads, **only)
     print(f"calibrate: {settings.nproc} {settings.backend} ranks, {settings.threads} thread(s) each, "
           f"{'quick' if settings.quick else 'full'} settings", file=sys.stderr, flush=True)
     meas, cal = calibrate(base, settings, args.devices_per_node, _command(args), args.min_r2)
     if args.raw:
         write_raw(meas, args.raw)
-    if args.out:
-        cal.write(args.out)
+    if _write(cal, args.out):
         print(f"wrote {args.out} ({meas.seconds['total']:.0f} s)")
         print(Cluster.from_yaml(args.out).summary())
         for line in cal.header.splitlines()[3:]:
             print(line)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "cluster.yaml"
-            cal.write(out)
-            sys.stdout.write(out.read_text())
+    return 0
+
+
+def _write(cal, out: str | None) -> bool:
+    """Write ``cal`` to ``out``, or print its YAML when no ``out`` is given; whether a file was written."""
+    if out:
+        cal.write(out)
+        return True
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "cluster.yaml"
+        cal.write(path)
+        sys.stdout.write(path.read_text())
+    return False
+
+
+def _calibrate_shard_runner(args: argparse.Namespace, kinds: tuple[str, ...]) -> int:
+    """``--only shard_runner`` (``autoddl.calibration.calibrate_shard_runner``)."""
+    if kinds != (SHARD_RUNNER,):
+        raise ValueError(f"calibrate --only {args.only}: {SHARD_RUNNER} is timed alone; give --only {SHARD_RUNNER} "
+                         "and the communication kinds in another run")
+    settings = Settings.default(args.nproc, args.backend, quick=args.quick, threads=args.threads)
+    print(f"calibrate: the shard runner on {settings.nproc} ranks, {settings.threads} thread(s) each",
+          file=sys.stderr, flush=True)
+    cal = calibrate_shard_runner(args.base, settings, _command(args))
+    if _write(cal, args.out):
+        ex = cal.cluster.executor
+        print(f"wrote {args.out}: executor.shard_forward_us {ex.shard_forward_us:g}, shard_backward_us "
+              f"{ex.shard_backward_us:g}, shard_param_us {ex.shard_param_us:g}")
     return 0
 
 
