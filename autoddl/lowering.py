@@ -156,9 +156,8 @@ class _Lowering:
         self.spill = SpillTasks(self)                      # host copies (autoddl/offload_program.py)
 
     def syncs_every_micro_step(self, uses: Sequence[ParamUse]) -> bool:
-        """``program.syncs_every_micro_step``, except that with pipeline stages the gradients of
-        gathered groups are reduce-scattered once per step (module docstring)."""
-        return syncs_every_micro_step(uses) and not (self.stage_of and any(u.gather >= 0 for u in uses))
+        """``program.syncs_every_micro_step`` of these uses in this program (with or without stages)."""
+        return syncs_every_micro_step(uses, pipelined=bool(self.stage_of))
 
     def stage(self, op: str) -> int:
         """The virtual pipeline stage op ``op`` runs in (0 without stages)."""
@@ -515,15 +514,16 @@ class _Lowering:
                                   tensor=f"tied {fqn}", micro_step=tr.micro_batches - 1).id,)
             self.emit(deps=deps, phase="optimizer", stream=COMPUTE, op="optimizer", pp_rank=r, tensor=f"pp rank {r}")
             for sync in param_syncs(self.graph, self.plan, layout.rank_params[r]):
-                self.prog.param_syncs.append(sync)
+                self.prog.param_syncs.append(replace(sync, pp_rank=r))
                 self.emit(phase="optimizer", stream=comm_stream(sync.axis), op="optimizer", pp_rank=r,
                           collective=CollectiveKind.ALL_GATHER, axis=sync.axis, nbytes=sync.nbytes,
                           tensor=f"param sync axis{sync.axis} pp rank {r}")
 
     def tied_grad_bytes(self, fqn: str) -> int:
-        """M of a tied parameter's pp all-reduce: its local gradient (grad storage) in the reduce dtype."""
+        """M of a tied parameter's pp all-reduce: its local gradient as the optimizer receives it (the
+        optimizer storage: the grad storage, or under ZeRO-1 this rank's piece of it) in the reduce dtype."""
         meta = used_parameters(self.graph)[fqn].outputs[0]
-        local = grad_storage_of(self.plan, fqn).local_shape(meta.shape, self.mesh)
+        local = optimizer_storage_of(self.plan, fqn).local_shape(meta.shape, self.mesh)
         return math.prod(local) * itemsize(self.plan.training.grad_reduce_dtype)
 
     def optimizer(self) -> None:

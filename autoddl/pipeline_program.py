@@ -194,9 +194,11 @@ def stage_io(graph: OpGraph, layout: PipelineLayout, stage: int) -> StageIO:
 
 def stage_program(program: StepProgram, io: StageIO) -> StepProgram:
     """The part of a pipelined ``program`` that virtual stage ``io.stage`` runs, for the executor: its
-    ops' inputs, edges, parameter uses, buckets and gathers, renumbered from 0 (lowering gives each
-    stage its own uses and buckets), and the loss on the last stage. No tasks: the schedule, its
-    sends and the pp all-reduces are the pipeline's (``program.tasks`` keeps them for the audit)."""
+    ops' inputs, edges, parameter uses, buckets and ZeRO-3 gather groups, renumbered from 0 (lowering
+    gives each stage its own uses, buckets and groups), the loss on the last stage, and the layout
+    (so its gradient sync follows the pipelined rule, ``syncs_every_micro_step``). No tasks: the
+    schedule, its sends, the pp all-reduces and the ZeRO-1/2 parameter syncs after the optimizer
+    are the pp rank's (``program.tasks`` keeps them for the audit; ``ParamSync.pp_rank``)."""
     op_inputs = {op: srcs for op, srcs in program.op_inputs.items() if op in io.ops}
     index = {old: new for new, old in enumerate(sorted({s for srcs in op_inputs.values() for s in srcs
                                                         if isinstance(s, int)}))}
@@ -220,4 +222,4 @@ def stage_program(program: StepProgram, io: StageIO) -> StepProgram:
         edges={k: e for k, e in program.edges.items() if k in keys}, param_uses=uses,
         buckets=[dataclasses.replace(b, index=i, uses=tuple(index[u] for u in b.uses)) for i, b in enumerate(buckets)],
         gathers=[dataclasses.replace(g, index=i, uses=tuple(index[u] for u in g.uses)) for i, g in enumerate(gathers)],
-        loss=loss, loss_async=program.loss_async and io.last)
+        loss=loss, loss_async=program.loss_async and io.last, pipeline=program.pipeline)

@@ -234,10 +234,13 @@ def _work_divisor(sig: Signature, mesh_shape: tuple[int, ...]) -> int:
     return math.prod(n for axis, n in enumerate(mesh_shape) if any(nd[axis].is_split() for nd in nds))
 
 
-def syncs_every_micro_step(uses: Sequence["ParamUse"]) -> bool:
+def syncs_every_micro_step(uses: Sequence["ParamUse"], pipelined: bool = False) -> bool:
     """Whether these uses' gradient sync runs on every micro-step: only when it is reduce-scatters
-    alone (sharded gradients, as FSDP); any other sync waits for the last micro-step (``no_sync``)."""
-    return all(m.kind is CollectiveKind.REDUCE_SCATTER for u in uses for m in u.grad_sync if m.kind is not None)
+    alone (sharded gradients, as FSDP); any other sync waits for the last micro-step (``no_sync``).
+    With pipeline stages (``pipelined``) the gradients of ZeRO-3 gathered groups are reduce-scattered
+    once per step too (autoddl/lowering.py: kept gathered, accumulated unsharded)."""
+    return (all(m.kind is CollectiveKind.REDUCE_SCATTER for u in uses for m in u.grad_sync if m.kind is not None)
+            and not (pipelined and any(u.gather >= 0 for u in uses)))
 
 
 # -- the program ------------------------------------------------------------------------------------
@@ -323,6 +326,7 @@ class ParamSync:
     axis: int
     fqns: tuple[str, ...]
     nbytes: int                      # M of the all-gather: the gathered parameters' bytes
+    pp_rank: int = 0                 # with pipeline stages: the pp rank whose parameters these are
 
 
 InputSource = Union[BoxKey, int]     # an edge, or a ParamUse index

@@ -71,7 +71,7 @@ class GradSync:
         self.in_flight: list[torch.Tensor | None] = []   # per bucket in order: its result, None when not synced now
 
     def _syncs_now(self, uses) -> bool:
-        return self.last_micro_step or syncs_every_micro_step(uses)
+        return self.last_micro_step or syncs_every_micro_step(uses, pipelined=self.program.pipeline is not None)
 
     def on_grad_ready(self, use_index: int, leaf: torch.Tensor) -> None:
         """Post-accumulate-grad hook of a use's leaf."""

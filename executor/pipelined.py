@@ -45,7 +45,7 @@ from autoddl.program import layout_of
 from executor.compiled import LocalStep, ProgramCompiler
 from executor.gradsync import GradSync
 from executor.moves import wait
-from executor.runtime import DistributedModel, PlanExecutionError
+from executor.runtime import DistributedModel, PlanExecutionError, _local_of
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -106,9 +106,6 @@ class PipelinedModel(DistributedModel):
 
     def _compile(self) -> None:
         layout = self.program.pipeline
-        if self.program.gathers or self.program.param_syncs:
-            raise PlanExecutionError(f"plan {self.plan.name!r}: ZeRO parameter gathers or syncs inside pipeline "
-                                     "stages are priced but not run yet; use dp or tp inside the stages")
         if layout.schedule == "1f1b" and layout.micro_batches < layout.virtual:
             raise PlanExecutionError(f"plan {self.plan.name!r}: torch's Schedule1F1B needs at least as many "
                                      f"micro-batches as stages ({layout.micro_batches} < {layout.virtual}); "
@@ -168,6 +165,8 @@ class PipelinedModel(DistributedModel):
         """The schedule over one optimizer step's ``inputs``, then the tied gradients' pp all-reduce;
         returns the loss (mean over the micro-batches) on the ranks of the last stage, NaN elsewhere."""
         self.micro_batches(inputs)                  # checks the batch: micro-batches x the traced batch
+        for step in self.steps:                     # ZeRO-3 groups: gathered in a chunk's first forward, kept
+            step.start_step()
         losses: list[torch.Tensor] = []
         self.schedule.step(target=self._target, losses=losses, return_outputs=False,
                            **{f"input{i}": t for i, t in enumerate(inputs)})
@@ -181,13 +180,15 @@ class PipelinedModel(DistributedModel):
         return sum(float(loss.detach()) for loss in losses)
 
     def _sync_tied(self) -> None:
-        """``layout.tied``: each parameter's gradient all-reduced over the pp axis in the reduce dtype (a
-        rank that does not hold it adds zeros), so every copy takes the same update."""
+        """``layout.tied``: each parameter's gradient as its optimizer receives it (ZeRO-1/2: on the
+        optimizer's shard) all-reduced over the pp axis in the reduce dtype (a rank that does not hold
+        it adds zeros), so every copy takes the same update."""
         dtype = torch_dtype(self.plan.training.grad_reduce_dtype)
+        params = dict(self.module.named_parameters(remove_duplicate=False))
         self._set_phase("grad_sync")
         with torch.no_grad():
             for fqn in self.layout.tied:
-                local = self.local_params[fqn]
+                local = _local_of(params[fqn])
                 grad = local.grad if fqn in self.held and local.grad is not None else torch.zeros_like(local)
                 self._on_collective(CollectiveKind.ALL_REDUCE, 0, grad.numel() * dtype.itemsize, f"tied {fqn}")
                 summed = wait(funcol.all_reduce(grad.to(dtype), "sum", self.boxer.groups[0]))
@@ -196,6 +197,10 @@ class PipelinedModel(DistributedModel):
 
     def held_parameters(self) -> frozenset[str]:
         return self.held
+
+    def own_param_syncs(self) -> list:
+        """ZeRO-1/2: the parameter syncs of this pp rank's parameters (``ParamSync.pp_rank``)."""
+        return [s for s in self.program.param_syncs if s.pp_rank == self.pp_rank]
 
     def compile_local(self) -> None:
         """Each stage's local program through ``torch.compile``."""

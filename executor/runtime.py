@@ -243,7 +243,7 @@ class DistributedModel(nn.Module):
         params = dict(self.module.named_parameters(remove_duplicate=False))
         dtype = self.plan.training.param_dtype
         with torch.no_grad():
-            for sync in self.program.param_syncs:
+            for sync in self.own_param_syncs():
                 shards = [params[f]._autoddl_opt_local for f in sync.fqns]
                 flat = torch.cat([working_copy(t, dtype).reshape(-1) for t in shards])
                 self._on_collective(CollectiveKind.ALL_GATHER, sync.axis, sync.nbytes, f"param sync axis{sync.axis}")
@@ -254,6 +254,10 @@ class DistributedModel(nn.Module):
                 for f, whole in zip(sync.fqns, wholes):
                     params[f]._autoddl_local.copy_(whole)
         self.host_copies.refresh()          # offload params: the host's updated working copies
+
+    def own_param_syncs(self) -> list:
+        """The ``program.param_syncs`` this rank runs: all of them without pipeline stages."""
+        return self.program.param_syncs
 
     # -- audit labels ----------------------------------------------------------------------------
     def _set_phase(self, phase: str) -> None:

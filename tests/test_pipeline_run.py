@@ -47,8 +47,9 @@ def case(model: str, degrees: str, schedule: str = "1f1b", micro_batches: int = 
     return mf, graph, plan, step_batch(mf.example_inputs, micro_batches), predicted
 
 
-def _check_and_audit(runs):
-    """On each rank: per case, the check against one process and one audited step's records."""
+def _check_and_audit(runs, steps: int = 1):
+    """On each rank: per case, the check against one process (``steps`` optimizer steps) and one
+    audited step's records."""
     import torch.distributed as dist
 
     from executor.runtime import (audit_records, audit_step, build_optimizer, distributed_model, init_mesh,
@@ -57,7 +58,7 @@ def _check_and_audit(runs):
     out = []
     for mf, graph, plan, batch, _ in runs:
         mesh = init_mesh(plan)
-        errors = run_check(mf.model, batch, mf.loss_fn, graph, plan, mesh, optimizer="sgd", steps=1)
+        errors = run_check(mf.model, batch, mf.loss_fn, graph, plan, mesh, optimizer="sgd", steps=steps)
         dmodel = distributed_model(mf.model, graph, plan, mesh)
         records = audit_records(dmodel, audit_step(dmodel, batch, build_optimizer("sgd", dmodel.parameters())))
         out.append((errors, [(r.kind, r.axis, r.bytes, r.phase) for r in records]))
@@ -137,6 +138,81 @@ def test_pipelines_with_data_and_tensor_parallel_on_four_ranks():
     runs = [case(model, degrees, "1f1b", micro_batches=layers, layers=layers) for model, degrees, layers in FOUR_RANKS]
     assert [r[2].mesh.shape for r in runs] == [(2, 2), (2, 2), (4, 1), (2, 2), (2, 2), (4, 1)]
     assert_matches(runs, run_ranks(_check_and_audit, 4, runs, timeout_s=600))
+
+
+@pytest.mark.distributed
+def test_fsdp_inside_pipeline_stages_on_four_ranks():
+    # pp=2 x fsdp=2: each stage's ZeRO-3 group all-gathered once per step on the fsdp axis (in its first
+    # micro-batch's forward, kept for the step), its gradients reduce-scattered once, in the last backward
+    # (gloo carries a reduce-scatter out as an all-reduce); two optimizer steps against one process
+    runs = [case(model, "pp=2,fsdp=2", "1f1b", micro_batches=2) for model in ("gpt", "llama")]
+    for mf, graph, plan, _, predicted in runs:
+        from autoddl.program import lower
+
+        program = lower(graph, plan)
+        assert plan.mesh.shape == (2, 2) and len(program.gathers) == 2 and not program.param_syncs
+        gathers = Counter(p for p in predicted if p[0] == "all_gather")
+        assert gathers == {("all_gather", 1, g.nbytes, "forward"): 1 for g in program.gathers}
+        syncs = Counter(p for p in predicted if p[3] == "grad_sync" and p[1] == 1)
+        assert syncs == {("all_reduce", 1, g.nbytes, "grad_sync"): 1 for g in program.gathers}
+    assert_matches(runs, run_ranks(_check_and_audit, 4, runs, 2, timeout_s=300))
+
+
+def zero_case(model: str, stage: int):
+    """``case(model, "pp=2,dp=2")`` with ZeRO-``stage`` storages on its dp axis (search/zero.py)."""
+    from autoddl.cluster import Cluster
+    from costmodel.breakdown import predicted_collectives
+    from search.zero import with_zero
+
+    mf, graph, plan, batch, _ = case(model, "pp=2,dp=2", "1f1b", micro_batches=2)
+    plan = with_zero(graph, plan, stage)
+    local = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml").resized(4)
+    predicted = [(c.kind.value, c.axis, int(c.bytes), c.phase) for c in predicted_collectives(graph, plan, local)]
+    return mf, graph, plan, batch, predicted
+
+
+@pytest.mark.distributed
+def test_zero1_and_zero2_inside_pipeline_stages_on_four_ranks():
+    # pp=2 x dp=2, optimizer states (ZeRO-1) and gradients too (ZeRO-2) sharded on the dp axis: after the
+    # optimizer, each pp rank all-gathers its own parameters' updated pieces; the tied embedding's pp
+    # all-reduce carries the optimizer's piece of its gradient, (512 x 64 fp32) / 2; two steps
+    runs = [zero_case("gpt", 1), zero_case("gpt", 2)]
+    for mf, graph, plan, _, predicted in runs:
+        from autoddl.program import lower
+
+        syncs = lower(graph, plan).param_syncs
+        assert [s.pp_rank for s in syncs] == [0, 1] and {s.axis for s in syncs} == {1}
+        assert Counter(p for p in predicted if p[3] == "optimizer") == {("all_gather", 1, s.nbytes, "optimizer"): 1
+                                                                        for s in syncs}
+        assert Counter(p for p in predicted if p[1] == 0 and p[0] == "all_reduce") == {
+            ("all_reduce", 0, 512 * 64 * 4 // 2, "grad_sync"): 2}
+    assert_matches(runs, run_ranks(_check_and_audit, 4, runs, 2, timeout_s=300))
+
+
+@pytest.mark.distributed
+def test_the_pipelined_plan_the_3d_search_finds_on_local_cpu_runs(tmp_path):
+    # `autoddl plan --pipeline` on 4 local-cpu ranks: the 3-D search's pick (pp=2 x fsdp=2 today), run
+    # as `autoddl run --check` runs it (the model file at the plan's batch), two steps against one process
+    from autoddl.cli import main
+    from autoddl.cluster import Cluster
+    from autoddl.loader import load_model_file
+    from autoddl.plan import Plan
+    from autoddl.program import lower
+    from costmodel.breakdown import predicted_collectives
+    from executor.worker import optimizer_step_batch, traced_for
+
+    out, model, cluster = tmp_path / "plan.json", ROOT / "examples" / "llama.py", ROOT / "configs" / "local-cpu.yaml"
+    assert main(["plan", str(model), "--preset", "tiny", "--cluster", str(cluster), "--devices", "4", "--pipeline",
+                 "--global-batch-size", "8", "--no-search", "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    torch.manual_seed(0)
+    mf, graph = traced_for(load_model_file(model, device="cpu", preset="tiny"), plan)
+    program = lower(graph, plan)
+    assert plan.mesh.axis_names == ("pp", "fsdp") and program.gathers, "the search no longer picks pp x fsdp here"
+    predicted = [(c.kind.value, c.axis, int(c.bytes), c.phase)
+                 for c in predicted_collectives(graph, plan, Cluster.from_yaml(cluster).resized(4))]
+    runs = [(mf, graph, plan, optimizer_step_batch(mf, plan).example_inputs, predicted)]
+    assert_matches(runs, run_ranks(_check_and_audit, 4, runs, 2, timeout_s=300))
 
 
 def _build(mf, graph, plan):
