@@ -22,8 +22,15 @@ the loss is the last stage's graph output over the micro-batch count (the schedu
 no gradient rescaling). After the schedule, the gradients of parameters held on more than one pp rank
 (``PipelineLayout.tied``) are all-reduced over the pp axis. Every send of the schedule is told to the
 audit (``CommRecorder.note``: kind ``send_recv`` on the pp axis, the tensor's bytes), next to the
-functional collectives it records itself. Not run yet: ZeRO-3 gathers and ZeRO-1/2 parameter syncs
-inside stages.
+functional collectives it records itself.
+
+ZeRO inside the stages runs as the program says, with the non-pipelined executor's code: a stage's
+ZeRO-3 groups (``StepProgram.gathers``, kept gathered under pp) are all-gathered by its LocalStep
+in the chunk's first forward and kept for the step (``LocalStep.start_step`` once per step), their
+gradients carried and reduce-scattered in the chunk's last backward (GradSync, the pipelined
+``syncs_every_micro_step``); ZeRO-1/2: after the optimizer, each rank all-gathers its own
+parameters' updated pieces (``ParamSync.pp_rank``), and a tied parameter's pp all-reduce carries
+the gradient on the optimizer's piece.
 """
 
 from __future__ import annotations

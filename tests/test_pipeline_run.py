@@ -32,7 +32,6 @@ def case(model: str, degrees: str, schedule: str = "1f1b", micro_batches: int = 
     from autoddl.loader import load_model_file
     from autoddl.trace import trace
     from autoddl.training import Training
-    from costmodel.breakdown import predicted_collectives
     from search.planner import parse_degrees, price_degrees
 
     degree_list = parse_degrees(degrees)
@@ -43,8 +42,16 @@ def case(model: str, degrees: str, schedule: str = "1f1b", micro_batches: int = 
     graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=model)
     plan = price_degrees(graph, local, degree_list, training=Training(micro_batches=micro_batches),
                          schedule=schedule, virtual_stages=virtual_stages).plan
-    predicted = [(c.kind.value, c.axis, int(c.bytes), c.phase) for c in predicted_collectives(graph, plan, local)]
-    return mf, graph, plan, step_batch(mf.example_inputs, micro_batches), predicted
+    return mf, graph, plan, step_batch(mf.example_inputs, micro_batches), program_collectives(graph, plan)
+
+
+def program_collectives(graph, plan) -> list[tuple[str, int, int, str]]:
+    """The program's collectives on local-cpu ranks, as the audit lists them: (kind, axis, bytes, phase)."""
+    from autoddl.cluster import Cluster
+    from costmodel.breakdown import predicted_collectives
+
+    local = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml").resized(plan.mesh.size)
+    return [(c.kind.value, c.axis, int(c.bytes), c.phase) for c in predicted_collectives(graph, plan, local)]
 
 
 def _check_and_audit(runs, steps: int = 1):
@@ -102,6 +109,22 @@ def test_stage_programs_split_the_program_between_the_stages():
     assert shared == {"transformer.wte.weight"} and program.pipeline.tied == ("transformer.wte.weight",)
 
 
+def test_stage_programs_keep_their_own_zero3_groups():
+    from autoddl.pipeline_program import stage_io, stage_program
+    from autoddl.program import lower
+
+    _, graph, plan, _, _ = case("gpt", "pp=2,fsdp=2", "1f1b", micro_batches=2)
+    program = lower(graph, plan)
+    parts = [stage_program(program, stage_io(graph, program.pipeline, s)) for s in range(2)]
+    # one group per stage, renumbered 0 in each, holding exactly the stage's gathered uses (by its own
+    # indices) with the whole program's bytes; kept for the step (no reshard under pp)
+    assert [[(g.index, g.nbytes, g.reshard) for g in p.gathers] for p in parts] == [
+        [(0, g.nbytes, False)] for g in program.gathers]
+    for part in parts:
+        assert part.gathers[0].uses == tuple(u.index for u in part.param_uses if u.gather == 0)
+        assert part.pipeline is program.pipeline
+
+
 @pytest.mark.distributed
 def test_gpt_pp2_on_two_ranks_matches_one_process_and_its_sends():
     runs = [case("gpt", "pp=2", "1f1b", micro_batches=2)]
@@ -144,31 +167,30 @@ def test_pipelines_with_data_and_tensor_parallel_on_four_ranks():
 def test_fsdp_inside_pipeline_stages_on_four_ranks():
     # pp=2 x fsdp=2: each stage's ZeRO-3 group all-gathered once per step on the fsdp axis (in its first
     # micro-batch's forward, kept for the step), its gradients reduce-scattered once, in the last backward
-    # (gloo carries a reduce-scatter out as an all-reduce); two optimizer steps against one process
+    # (gloo carries a reduce-scatter out as an all-reduce); two optimizer steps against one process; gpt
+    # also interleaved, 2 chunks per pp rank, each chunk its own group
     runs = [case(model, "pp=2,fsdp=2", "1f1b", micro_batches=2) for model in ("gpt", "llama")]
+    runs.append(case("gpt", "pp=2,fsdp=2", "interleaved", micro_batches=2, virtual_stages=2, layers=4))
     for mf, graph, plan, _, predicted in runs:
         from autoddl.program import lower
 
         program = lower(graph, plan)
-        assert plan.mesh.shape == (2, 2) and len(program.gathers) == 2 and not program.param_syncs
+        virtual = 2 * plan.training.virtual_stages
+        assert plan.mesh.shape == (2, 2) and len(program.gathers) == virtual and not program.param_syncs
         gathers = Counter(p for p in predicted if p[0] == "all_gather")
-        assert gathers == {("all_gather", 1, g.nbytes, "forward"): 1 for g in program.gathers}
+        assert gathers == Counter(("all_gather", 1, g.nbytes, "forward") for g in program.gathers)
         syncs = Counter(p for p in predicted if p[3] == "grad_sync" and p[1] == 1)
-        assert syncs == {("all_reduce", 1, g.nbytes, "grad_sync"): 1 for g in program.gathers}
+        assert syncs == Counter(("all_reduce", 1, g.nbytes, "grad_sync") for g in program.gathers)
     assert_matches(runs, run_ranks(_check_and_audit, 4, runs, 2, timeout_s=300))
 
 
 def zero_case(model: str, stage: int):
     """``case(model, "pp=2,dp=2")`` with ZeRO-``stage`` storages on its dp axis (search/zero.py)."""
-    from autoddl.cluster import Cluster
-    from costmodel.breakdown import predicted_collectives
     from search.zero import with_zero
 
     mf, graph, plan, batch, _ = case(model, "pp=2,dp=2", "1f1b", micro_batches=2)
     plan = with_zero(graph, plan, stage)
-    local = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml").resized(4)
-    predicted = [(c.kind.value, c.axis, int(c.bytes), c.phase) for c in predicted_collectives(graph, plan, local)]
-    return mf, graph, plan, batch, predicted
+    return mf, graph, plan, batch, program_collectives(graph, plan)
 
 
 @pytest.mark.distributed
@@ -182,8 +204,8 @@ def test_zero1_and_zero2_inside_pipeline_stages_on_four_ranks():
 
         syncs = lower(graph, plan).param_syncs
         assert [s.pp_rank for s in syncs] == [0, 1] and {s.axis for s in syncs} == {1}
-        assert Counter(p for p in predicted if p[3] == "optimizer") == {("all_gather", 1, s.nbytes, "optimizer"): 1
-                                                                        for s in syncs}
+        assert Counter(p for p in predicted if p[3] == "optimizer") == Counter(("all_gather", 1, s.nbytes, "optimizer")
+                                                                               for s in syncs)
         assert Counter(p for p in predicted if p[1] == 0 and p[0] == "all_reduce") == {
             ("all_reduce", 0, 512 * 64 * 4 // 2, "grad_sync"): 2}
     assert_matches(runs, run_ranks(_check_and_audit, 4, runs, 2, timeout_s=300))
@@ -194,11 +216,9 @@ def test_the_pipelined_plan_the_3d_search_finds_on_local_cpu_runs(tmp_path):
     # `autoddl plan --pipeline` on 4 local-cpu ranks: the 3-D search's pick (pp=2 x fsdp=2 today), run
     # as `autoddl run --check` runs it (the model file at the plan's batch), two steps against one process
     from autoddl.cli import main
-    from autoddl.cluster import Cluster
     from autoddl.loader import load_model_file
     from autoddl.plan import Plan
     from autoddl.program import lower
-    from costmodel.breakdown import predicted_collectives
     from executor.worker import optimizer_step_batch, traced_for
 
     out, model, cluster = tmp_path / "plan.json", ROOT / "examples" / "llama.py", ROOT / "configs" / "local-cpu.yaml"
@@ -209,9 +229,7 @@ def test_the_pipelined_plan_the_3d_search_finds_on_local_cpu_runs(tmp_path):
     mf, graph = traced_for(load_model_file(model, device="cpu", preset="tiny"), plan)
     program = lower(graph, plan)
     assert plan.mesh.axis_names == ("pp", "fsdp") and program.gathers, "the search no longer picks pp x fsdp here"
-    predicted = [(c.kind.value, c.axis, int(c.bytes), c.phase)
-                 for c in predicted_collectives(graph, plan, Cluster.from_yaml(cluster).resized(4))]
-    runs = [(mf, graph, plan, optimizer_step_batch(mf, plan).example_inputs, predicted)]
+    runs = [(mf, graph, plan, optimizer_step_batch(mf, plan).example_inputs, program_collectives(graph, plan))]
     assert_matches(runs, run_ranks(_check_and_audit, 4, runs, 2, timeout_s=300))
 
 
