@@ -83,13 +83,16 @@ def step_passes(program: StepProgram, training: Training, only: frozenset[str] |
     """The passes of every parameter use of ``program`` (``only``: of these parameters) in one step.
     Working-copy casts: one per micro-step; two for a use of an FSDP group gathered again for
     backward (each gather casts the shards); one per step for a parameter kept on the host
-    (``Training.offload``: its host copy is refreshed after the optimizer step, executor/offload.py)."""
+    (``Training.offload``: its host copy is refreshed after the optimizer step, executor/offload.py)
+    and for a use of an FSDP group kept gathered for the step (pipeline stages: gathered once)."""
     k = training.micro_batches
+    pipelined = program.pipeline is not None
     regathered = {i for g in program.gathers if g.reshard for i in g.uses}
+    once = {i for g in program.gathers if pipelined for i in g.uses}
     spilled = {f for g in program.spills for f in g.fqns}
     return [p for u in program.param_uses if only is None or u.fqn in only
-            for p in use_passes(u, training, program.mesh_shape, syncs_every_micro_step([u]),
-                                1 if u.fqn in spilled else 2 * k if u.index in regathered else k)]
+            for p in use_passes(u, training, program.mesh_shape, syncs_every_micro_step([u], pipelined),
+                                1 if u.fqn in spilled or u.index in once else 2 * k if u.index in regathered else k)]
 
 
 def passes_time_s(passes: Iterable[Pass], cluster: Cluster, mesh_shape: Sequence[int]) -> float:

@@ -5,7 +5,8 @@ recompute; reduce-scattered every micro-step, groups gathered again for backward
 cast and every float32 add that ran, as a multiset of (op, source dtype, destination dtype,
 elements), is a priced pass, or the forward input's cast to bf16 (one per micro-step, of the whole
 micro-batch before this rank's piece is taken: not priced, a few elements). And the losses are read
-(their all-reduces waited for) after the last micro-step's backward, as the program prices them."""
+(their all-reduces waited for) after the last micro-step's backward, as the program prices them.
+Also pp=2 x fsdp=2 on 4 ranks (no recompute): each stage's group gathered once per step."""
 
 from __future__ import annotations
 
@@ -42,8 +43,7 @@ def _plans(path: Path):
 
 
 def _ran(path: Path):
-    from executor.audit import OpRecorder
-    from executor.runtime import DistributedModel, build_optimizer, init_mesh, train_step
+    from executor.runtime import DistributedModel, build_optimizer, init_mesh
 
     mf, graph, plans = _plans(path)
     out = {}
@@ -52,17 +52,30 @@ def _ran(path: Path):
         dmodel = DistributedModel(mf.model, graph, plan, mesh)
         opt = build_optimizer("sgd", dmodel.parameters())
         batch = step_batch(mf.example_inputs, K)
-        train_step(dmodel, batch, opt)                 # the first step, as every step
-        rec = OpRecorder(dmodel.mesh, dmodel.boxer.groups)
-        dmodel.recorder = rec
-        with rec:
-            train_step(dmodel, batch, opt)
-        passes = [(o.op, o.in_dtypes[-1], o.out_dtypes[0], o.out_numels[0]) for o in rec.ops
-                  if _pass_like(o)]         # an add's last input: the gradient added to the float32 sum
+        rec = _recorded_step(dmodel, batch, opt)
+        passes = _passes(rec)
         last_backward = max(i for i, o in enumerate(rec.ops) if o.phase == "backward")
         reads = [i for i, o in enumerate(rec.ops) if o.op == "_local_scalar_dense"]
         out[name] = passes, len(reads), min(reads) > last_backward
     return out
+
+
+def _recorded_step(dmodel, batch, opt):
+    """The OpRecorder of a second training step (the first as every step)."""
+    from executor.audit import OpRecorder
+    from executor.runtime import train_step
+
+    train_step(dmodel, batch, opt)
+    rec = OpRecorder(dmodel.mesh, dmodel.boxer.groups)
+    dmodel.recorder = rec
+    with rec:
+        train_step(dmodel, batch, opt)
+    return rec
+
+
+def _passes(rec) -> list[tuple[str, str, str, int]]:
+    """The pass-like ops recorded (an add's last input: the gradient added to the float32 sum)."""
+    return [(o.op, o.in_dtypes[-1], o.out_dtypes[0], o.out_numels[0]) for o in rec.ops if _pass_like(o)]
 
 
 def _pass_like(o) -> bool:
@@ -99,6 +112,50 @@ def test_priced_master_passes_are_the_casts_and_adds_that_ran(model_path):
             # the micro-steps' losses (their all-reduces in flight) are read once the last backward is
             # done, where the program waits for them, not between micro-steps
             assert n_reads == K and after_backward, (name, rank, n_reads)
+
+
+def _pipelined_plan(path: Path):
+    """pp=2 x fsdp=2 of the block stack in bf16, 2 micro-batches (search.planner.price_degrees)."""
+    from autoddl.cluster import Cluster
+    from autoddl.loader import load_model_file
+    from autoddl.training import Training
+    from search.planner import parse_degrees, price_degrees
+
+    torch.manual_seed(0)
+    mf = load_model_file(path, device="cpu")
+    training = Training(param_dtype="bf16", micro_batches=K)
+    graph = mf.trace(training.param_dtype)
+    cluster = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml").resized(4)
+    return mf, graph, price_degrees(graph, cluster, parse_degrees("pp=2,fsdp=2"), training=training).plan
+
+
+def _ran_pipelined(path: Path):
+    from executor.runtime import build_optimizer, distributed_model, init_mesh
+
+    mf, graph, plan = _pipelined_plan(path)
+    dmodel = distributed_model(mf.model, graph, plan, init_mesh(plan))
+    rec = _recorded_step(dmodel, step_batch(mf.example_inputs, K), build_optimizer("sgd", dmodel.parameters()))
+    return _passes(rec), dmodel.held_parameters(), dmodel.pp_rank
+
+
+@pytest.mark.distributed
+def test_priced_master_passes_of_fsdp_inside_pipeline_stages_are_those_that_ran(model_path):
+    # under pp each stage's ZeRO-3 group is gathered (its shards cast) once per step, and its gradients
+    # are kept in float32 over the micro-batches and reduce-scattered once (autoddl/lowering.py)
+    from autoddl.program import lower
+    from costmodel.master_passes import step_passes
+
+    ran = run_ranks(_ran_pipelined, 4, model_path, timeout_s=300)
+    _, graph, plan = _pipelined_plan(model_path)
+    program = lower(graph, plan)
+    assert program.gathers and not any(g.reshard for g in program.gathers)
+    for rank, (ops, held, pp_rank) in enumerate(ran):
+        priced = Counter()
+        for p in step_passes(program, plan.training, held):
+            priced[(p.op if p.op == "add" else "_to_copy", p.src, p.dst, p.numel)] += p.count
+        if pp_rank == 0:                # the first stage reads x: its cast, before it is placed
+            priced[("_to_copy", "float32", "bfloat16", ROWS * D)] += K
+        assert Counter(ops) == priced, (rank, Counter(ops) - priced, priced - Counter(ops))
 
 
 def test_pass_counts_by_hand():
