@@ -6,7 +6,9 @@ it on gloo ranks (executor/pipelined.py: each stage's compiled local program as 
 the plan's schedule) next to one process, and asserts that the loss, every gradient and every updated
 parameter match within ``check_rtol`` (1e-4 in fp32), and that the communication that ran -- the
 schedule's sends (count and bytes), the stages' own collectives, the tied embedding's pp all-reduce --
-is exactly the step program's, rank by pp rank.
+is exactly the step program's, rank by pp rank. ZeRO inside the stages: pp=2 x fsdp=2 (ZeRO-3, also
+the plan `autoddl plan --pipeline` finds on 4 local-cpu ranks) and pp=2 x dp=2 with ZeRO-1 / ZeRO-2,
+two optimizer steps each.
 """
 
 from __future__ import annotations
