@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @functools.lru_cache(maxsize=None)
 def case(model: str, degrees: str, schedule: str = "1f1b", micro_batches: int = 2, virtual_stages: int = 1,
-         layers: int = 2):
+         layers: int = 2, param_dtype: str = "fp32", recompute: str = "none"):
     """(model file, graph, plan, batch, predicted collectives) of one pipelined configuration."""
     from autoddl.cluster import Cluster
     from autoddl.loader import load_model_file
@@ -41,9 +41,10 @@ def case(model: str, degrees: str, schedule: str = "1f1b", micro_batches: int = 
     torch.manual_seed(0)
     sizes = {"n_layer" if model == "gpt" else "n_layers": layers}
     mf = load_model_file(ROOT / "examples" / f"{model}.py", device="cpu", preset="tiny", **sizes)
-    graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=model)
-    plan = price_degrees(graph, local, degree_list, training=Training(micro_batches=micro_batches),
-                         schedule=schedule, virtual_stages=virtual_stages).plan
+    training = Training(micro_batches=micro_batches, param_dtype=param_dtype, recompute=recompute)
+    graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name=model, param_dtype=training.param_dtype)
+    plan = price_degrees(graph, local, degree_list, training=training, schedule=schedule,
+                         virtual_stages=virtual_stages).plan
     return mf, graph, plan, step_batch(mf.example_inputs, micro_batches), program_collectives(graph, plan)
 
 
@@ -77,12 +78,16 @@ def _check_and_audit(runs, steps: int = 1):
 
 
 def assert_matches(runs, results) -> None:
-    """Every rank's check within the bound over every parameter; the audit equal to the program."""
+    """Every rank's check within its precision's bound (autoddl/precision.py ``CHECK_RTOL``) over every
+    parameter; the audit equal to the program."""
+    from autoddl.precision import CHECK_RTOL
+
     problems = []
     for i, (mf, _, plan, _, predicted) in enumerate(runs):
         name = f"{plan.name} {plan.mesh} {plan.training.schedule} V={plan.training.virtual_stages}"
         errors, records = results[0][i]
-        problems += check_and_audit_problems(name, mf.model, errors, records, predicted, 1e-4)
+        bound = CHECK_RTOL[plan.training.param_dtype]
+        problems += check_and_audit_problems(name, mf.model, errors, records, predicted, bound)
         if not any(kind == "send_recv" for kind, *_ in records):
             problems.append(f"{name}: no send/recv audited")
     assert not problems, "\n".join(problems)
@@ -183,6 +188,17 @@ def test_fsdp_inside_pipeline_stages_on_four_ranks():
         assert gathers == Counter(("all_gather", 1, g.nbytes, "forward") for g in program.gathers)
         syncs = Counter(p for p in predicted if p[3] == "grad_sync" and p[1] == 1)
         assert syncs == Counter(("all_reduce", 1, g.nbytes, "grad_sync") for g in program.gathers)
+    assert_matches(runs, run_ranks(_check_and_audit, 4, runs, 2, timeout_s=300))
+
+
+@pytest.mark.distributed
+def test_bf16_fsdp_with_full_recompute_inside_pipeline_stages_on_four_ranks():
+    # the shape of the 70B / 405B plans (pp x fsdp, bf16 working copies, every block recomputed) on
+    # llama tiny: within the bf16 bound of one process under the same policy, the audit equal to the program
+    runs = [case("llama", "pp=2,fsdp=2", "1f1b", micro_batches=2, param_dtype="bf16", recompute="full")]
+    _, graph, plan, _, predicted = runs[0]
+    assert plan.training.param_dtype == "bfloat16" and plan.training.recompute == "full"
+    assert any(p[0] == "all_gather" for p in predicted)
     assert_matches(runs, run_ranks(_check_and_audit, 4, runs, 2, timeout_s=300))
 
 
