@@ -2,7 +2,8 @@
 compute also pays (``executor.collective_cpu_fraction``; costmodel/simulate.py prices it).
 
 On ``nproc`` local ranks (gloo on 127.0.0.1, ``threads`` intra-op threads each: as the executor runs
-them), each repeat times, after a barrier, on every rank at once:
+them), each repeat times, after a barrier, on every rank at once (``TRIES`` times, interleaved; the
+least of each loop's tries is the repeat's):
 
 - compute alone: ``matmuls`` float32 matmuls ``(M, K) @ (K, N)`` (``MATMUL_SHAPE``: a linear of the
   fidelity study's gpt-4x256, 8 x 128 tokens of width 256);
@@ -13,7 +14,7 @@ them), each repeat times, after a barrier, on every rank at once:
 
 ``matmuls`` is chosen after a warm-up so that the compute alone lasts ``COVER`` times the collectives
 alone (the collectives then run inside the compute, as an overlapped gradient bucket does). A
-repeat's time of each loop is the slowest rank's; its fraction is ``(both - compute) / collectives``
+repeat's time of each loop is the slowest rank's least; its fraction is ``(both - compute) / collectives``
 clamped to [0, 1] (:func:`collective_cpu_fraction`); the result is the median over repeats. Progress
 goes to stderr (rank 0).
 """
@@ -33,6 +34,7 @@ MATMUL_SHAPE = (1024, 256, 256)      # (M, N, K)
 MESSAGE_BYTES = 1_000_000            # DDP's first bucket (autoddl.lowering.FIRST_BUCKET_BYTES)
 COLLECTIVES = 8                      # all-reduces per timed loop
 COVER = 2.0                          # compute alone lasts this many times the collectives alone
+TRIES = 3                            # a repeat's time of each loop: the least of this many, interleaved
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ def measure_overlap(nproc: int = 2, threads: int = 1, repeats: int = 15, timeout
     if nproc < 2:
         raise ValueError(f"calibrate --only collective_cpu: --nproc must be at least 2, got {nproc}")
     ranks = run_ranks(_rank, nproc, threads, repeats, timeout_s=timeout_s, threads=threads)
-    timings = tuple(OverlapTiming(*(max(r["times"][i][j] for r in ranks) for j in range(3))) for i in range(repeats))
+    timings = tuple(OverlapTiming(*ranks[0]["times"][i]) for i in range(repeats))     # agreed: the slowest rank's
     return OverlapResult(median_fraction(timings), timings, ranks[0]["matmuls"], COLLECTIVES, nproc, threads)
 
 
@@ -118,7 +120,8 @@ def _rank(threads: int, repeats: int) -> dict:
         f"~{alone * 1e3:.1f} ms, {matmuls} matmuls {m}x{k} @ {k}x{n} ~{matmuls * one * 1e3:.1f} ms")
     times = []
     for i in range(repeats):
-        t = (timed(matmuls, False), timed(0, True), timed(matmuls, True))
+        tries = [(timed(matmuls, False), timed(0, True), timed(matmuls, True)) for _ in range(TRIES)]
+        t = tuple(agree(min(x[j] for x in tries)) for j in range(3))    # the least of each: outside load only adds
         times.append(t)
         say(f"repeat {i + 1}/{repeats}: compute {t[0] * 1e3:.1f} ms, collectives {t[1] * 1e3:.1f} ms, "
             f"both {t[2] * 1e3:.1f} ms")
