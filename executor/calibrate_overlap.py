@@ -135,7 +135,8 @@ def nproc_text(nproc: int, threads: int) -> str:
 
 def describe(result: OverlapResult, command: str) -> str:
     """The YAML comment for the measured field: how it was measured and the median times."""
-    med = [statistics.median(getattr(t, f) for t in result.timings) * 1e3 for f in ("compute_s", "collective_s", "both_s")]
+    med = [statistics.median(getattr(t, f) for t in result.timings) * 1e3
+           for f in ("compute_s", "collective_s", "both_s")]
     return (f"measured {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC by `{command}` "
             f"(load average {os.getloadavg()[0]:.1f}): {nproc_text(result.nproc, result.threads)}, "
             f"{result.collectives} async all-reduces of {MESSAGE_BYTES / 1e6:g} MB on their own group beside "

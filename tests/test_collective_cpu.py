@@ -124,7 +124,7 @@ def test_calibrate_only_collective_cpu_sets_the_field_over_base_keeping_every_co
     """The CLI with the measurement replaced by synthetic timings (fractions 0.75, 0.75, 0.5: median
     0.75): --out is --base with the field set and its comment added, every other field and comment
     as it was; a fraction outside [0, 1] in a file is refused by name."""
-    timings = (OverlapTiming(0.010, 0.004, 0.013), OverlapTiming(0.010, 0.004, 0.013), OverlapTiming(0.01, 0.004, 0.012))
+    timings = (OverlapTiming(0.010, 0.004, 0.013),) * 2 + (OverlapTiming(0.01, 0.004, 0.012),)
     monkeypatch.setattr(calibrate_overlap, "measure_overlap", lambda nproc, threads, repeats: OverlapResult(
         median_fraction(timings), timings, 20, 8, nproc, threads))
     base = CONFIG_DIR / "local-cpu.yaml"
