@@ -356,7 +356,8 @@ class ExecutorOverheads:
     The executor runs every op (views included) as one call of a compiled local program,
     makes every parameter use a leaf whose gradient it syncs to the storage layout, and
     issues each collective as a functional collective it waits for. ``autoddl calibrate``
-    measures these by timing the executor on chains of tiny ops (the scalar fields) and
+    measures these by timing the executor on chains of tiny ops (the scalar fields but
+    ``collective_cpu_fraction``, timed by ``--only collective_cpu``) and
     each op family on synthetic inputs of a few sizes, per compute dtype (``op_us``:
     ``{dtype: {family: (forward_us, backward_us)}}``; ``op_work``: ``{dtype: {family:
     ((roofline_us, forward_work, backward_work), ...)}}``; see :class:`OpCost`); the scalar
@@ -377,6 +378,11 @@ class ExecutorOverheads:
     shard_forward_us: float = 0.0   # per shard forward task beyond its ops (its flows' leaves, the run loop)
     shard_backward_us: float = 0.0  # per shard backward task beyond its ops (autograd.backward of its outputs)
     shard_param_us: float = 0.0     # per parameter a shard's backward updates (gradient, p -= lr * grad, reset)
+    # Share (0..1) of a collective's duration that its ranks' compute stream also pays: gloo's threads
+    # take CPU on the cores the ranks compute on (costmodel/simulate.py; ``autoddl calibrate --only
+    # collective_cpu`` measures it). 0 on GPUs: NCCL's SM use is not priced (the known gap: overlapped
+    # communication slows compute ~19%, Lee et al., arXiv:2507.03114).
+    collective_cpu_fraction: float = 0.0
     op_us: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)    # dtype -> family
     op_work: Mapping[str, Mapping[str, tuple[tuple[float, float, float], ...]]] = field(default_factory=dict)
     recompute: Mapping[str, RecomputeCost] = field(default_factory=dict)   # policy -> what checkpointing adds
@@ -399,7 +405,8 @@ class ExecutorOverheads:
         return any(bool(v) for v in self.scalars().values()) or bool(self.op_us or self.op_work or self.recompute)
 
     def scalars(self) -> dict[str, float]:
-        """The scalar fields (the fallback per-op costs, per input, parameter use, collective, step)."""
+        """The scalar fields (the fallback per-op costs, per input, parameter use, collective, step, and
+        the collectives' share of the compute stream)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _EXECUTOR_FIELDS}
 
     def family_of(self, op_name: str, dtype: str = "float32") -> str | None:
@@ -438,7 +445,7 @@ class ExecutorOverheads:
 
 
 # -- schema -------------------------------------------------------------------
-# (dotted field, expected, kind): kind is "str", "int", "pos" (> 0), "nonneg" (>= 0), "frac" (0, 1].
+# (dotted field, expected, kind): kind is "str", "int", "pos" (> 0), "nonneg" (>= 0), "frac" (0, 1], "unit" [0, 1].
 _DEVICE_FIELDS = {
     "name": ("a device name, e.g. A100-SXM4-80GB", "str"),
     "kind": ("one of " + ", ".join(DEVICE_KINDS), "kind"),
@@ -472,6 +479,8 @@ _EXECUTOR_FIELDS = {k: (f"a non-negative number of microseconds {what}", "nonneg
     ("shard_forward_us", "per shard forward task of the shard runner, beyond its ops"),
     ("shard_backward_us", "per shard backward task of the shard runner, beyond its ops"),
     ("shard_param_us", "per parameter a shard runner's backward updates"))}
+_EXECUTOR_FIELDS["collective_cpu_fraction"] = ("a number from 0 to 1: the share of a collective's duration its ranks' "
+                                               "compute stream also pays (gloo's CPU use)", "unit")
 _TOP_KEYS = ("name", "nodes", "devices_per_node", "device", "links", "backend", "efficiency",
              "op_overhead_us", "collectives", "compute_curve", "executor", "cores_per_node",
              "comm_measured_ranks_per_node", "host_link", "host_memory_gb", "host_memory_bandwidth_gbps")
@@ -528,7 +537,7 @@ def _number(src: str, dotted: str, value: Any, expected: str, kind: str, errors:
             return None
         return int(value)
     bad = (not math.isfinite(value) or (kind == "pos" and value <= 0) or (kind == "nonneg" and value < 0)
-           or (kind == "frac" and not 0 < value <= 1))
+           or (kind == "frac" and not 0 < value <= 1) or (kind == "unit" and not 0 <= value <= 1))
     if bad:
         errors.append(f"{where}, got {value!r}")
         return None

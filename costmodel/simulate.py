@@ -21,6 +21,19 @@ activations: the bubble, priced as the schedule runs. Durations:
   the host's memory bandwidth (costmodel/host.py); plus the step's passes over the masters and
   their gradients (working-copy casts, micro-step gradient accumulation: costmodel/master_passes.py);
 - host copy (``copy`` stream, offload): latency + bytes / bandwidth of the host link (costmodel/host.py).
+
+A collective of duration ``d`` also costs its ranks' compute stream ``f * d``, ``f`` =
+``cluster.executor.collective_cpu_fraction`` (gloo's threads run on the cores the ranks compute
+on; 0 on GPUs). The rule: when a collective is issued, the compute stream of its pp rank gets a
+task of ``f * d`` at the compute stream's place in issue order (it starts when the compute issued
+before it is done). Overlapped with compute, the compute after it finishes ``f * d`` later
+(``max(c + f d, d)`` for compute ``c`` beside a collective ``d``: what ``overlapped_time_s``
+prices); a collective that compute waits for costs nothing more (the share ends before the
+collective does). A collective queued behind others pays its share where it was issued, not where
+it runs, so one that runs while the compute stream is idle (the tail of a communication-bound
+backward) is charged where compute was busy: an overestimate of at most its share. These shares
+are kept apart (``Timeline.collective_cpu``), not among the tasks: compute busy time stays the
+ops' own, and the time they add to the step is reported as exposed communication.
 """
 
 from __future__ import annotations
@@ -57,11 +70,12 @@ class TimedTask:
 @dataclass
 class Timeline:
     tasks: list[TimedTask]
+    collective_cpu: list[TimedTask] = field(default_factory=list)   # collectives' shares of the compute stream
     _sums: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def step_time_s(self) -> float:
-        return max((t.end_s for t in self.tasks), default=0.0)
+        return max((t.end_s for t in self.tasks + self.collective_cpu), default=0.0)
 
     def busy_s(self, *, stream: str | None = None, phase: str | None = None, collective: bool | None = None,
                pp_rank: int | None = None) -> float:
@@ -169,6 +183,8 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
     rank_params = program.pipeline.rank_params if program.pipeline is not None else ()
     memo: dict[tuple, float] = {}       # a pipeline copies each chunk's tasks once per micro-batch
     op_times: dict[tuple, float] = {}   # op kernel times, shared by the repeated blocks' ops
+    share = cluster.executor.collective_cpu_fraction
+    shares: list[TimedTask] = []
     for task in program.tasks:
         key = (task.phase, task.op, task.stream, task.collective, task.axis, task.nbytes, task.pp_rank, task.copy)
         if key not in memo:
@@ -180,7 +196,18 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
         end.append(finish)
         stream_free[stream] = finish
         timed.append(TimedTask(task, start, finish))
-    return Timeline(timed)
+        if share and task.is_collective:        # its share of the compute stream (module docstring)
+            cpu = (task.pp_rank, COMPUTE)
+            at = stream_free.get(cpu, 0.0)
+            stream_free[cpu] = at + share * memo[key]
+            shares.append(TimedTask(task, at, stream_free[cpu]))
+    return Timeline(timed, shares)
+
+
+def overlapped_time_s(compute_s: float, comm_s: float, cluster: Cluster) -> float:
+    """Time of ``compute_s`` of compute beside a collective of ``comm_s`` started with it: the
+    longer of the two, the compute paying the collective's share (module docstring)."""
+    return max(compute_s + cluster.executor.collective_cpu_fraction * comm_s, comm_s)
 
 
 def bubble_s(timeline: Timeline, program: StepProgram) -> float:
@@ -208,8 +235,10 @@ def chrome_trace(timeline: Timeline, ranks: int = 1) -> dict:
     """The timeline as Chrome-trace / Perfetto JSON: one process per rank, one thread (track) per
     stream, one complete event per task (times in µs). Without pipeline stages every rank runs the
     same program, so the ``ranks`` processes' tracks are the same (they are there to sit beside a
-    measured trace of each rank); with stages, one process per pp rank, holding its own tasks."""
-    streams = sorted({t.task.stream for t in timeline.tasks}, key=lambda s: (s != COMPUTE, s))
+    measured trace of each rank); with stages, one process per pp rank, holding its own tasks. The
+    collectives' shares of the compute stream are events on the compute track ("cpu share of ...")."""
+    streams = sorted({t.task.stream for t in timeline.tasks} | ({COMPUTE} if timeline.collective_cpu else set()),
+                     key=lambda s: (s != COMPUTE, s))
     tid = {s: i for i, s in enumerate(streams)}
     pp_ranks = sorted({t.task.pp_rank for t in timeline.tasks})
     staged = pp_ranks != [0]
@@ -219,13 +248,15 @@ def chrome_trace(timeline: Timeline, ranks: int = 1) -> dict:
         events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": label}})
         events += [{"ph": "M", "name": "thread_name", "pid": rank, "tid": tid[s], "args": {"name": s}}
                    for s in streams]
-        for t in timeline.tasks:
+        for t, cpu in [(t, False) for t in timeline.tasks] + [(t, True) for t in timeline.collective_cpu]:
             task = t.task
             if staged and task.pp_rank != rank:
                 continue
             name = (f"{task.collective.value} {task.tensor}" if task.is_collective
                     else f"{task.phase} {task.op}") + (f" mb{task.micro_step}" if staged else "")
-            events.append({"ph": "X", "name": name, "cat": task.phase, "pid": rank, "tid": tid[task.stream],
+            name = f"cpu share of {name}" if cpu else name
+            events.append({"ph": "X", "name": name, "cat": task.phase, "pid": rank,
+                           "tid": tid[COMPUTE if cpu else task.stream],
                            "ts": t.start_s * 1e6, "dur": t.duration_s * 1e6,
                            "args": {"bytes": task.nbytes, "axis": task.axis, "local_flops": task.local_flops}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}

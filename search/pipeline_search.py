@@ -43,6 +43,7 @@ from autoddl.training import Training
 from autoddl.precision import itemsize
 from costmodel.collectives import cluster_collective_time_s, send_recv_time_s, stage_device
 from costmodel.memory import param_state_bytes, received_bytes, step_gathered_bytes
+from costmodel.simulate import overlapped_time_s
 from search.meshes import role_splits
 from search.stages import BlockCosts, block_costs, cuts_of
 
@@ -124,8 +125,8 @@ def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int
     def seconds(r: int, a) -> float:        # fsdp: a chunk's first forward / last backward waits for its collectives
         c = a.chunk * pp + r
         if a.kind == "F":
-            return max(fwd[c], gather_s[c]) if a.micro_batch == 0 else fwd[c]
-        return max(bwd[c], scatter_s[c]) if a.micro_batch == m - 1 else bwd[c]
+            return overlapped_time_s(fwd[c], gather_s[c], cluster) if a.micro_batch == 0 else fwd[c]
+        return overlapped_time_s(bwd[c], scatter_s[c], cluster) if a.micro_batch == m - 1 else bwd[c]
 
     return schedule_makespan(actions, v, seconds, p2p) + tail_s, peak
 

@@ -4,6 +4,8 @@
     autoddl calibrate --nproc 2 --only send_recv --out /tmp/send_recv.yaml   # one kind's fit over --base
     autoddl calibrate --nproc 2 --only shard_runner --base configs/local-cpu.yaml --out configs/local-cpu.yaml
         # the shard runner's executor.shard_* fields over --base, its comments kept
+    autoddl calibrate --nproc 2 --only collective_cpu --base configs/local-cpu.yaml --out configs/local-cpu.yaml
+        # executor.collective_cpu_fraction (executor/calibrate_overlap.py) over --base, its comments kept
 
 The measuring and fitting are ``autoddl.calibration``'s (its docstring says what each
 field is made of); this module parses the options, writes the files and prints.
@@ -12,17 +14,19 @@ field is made of); this module parses the options, writes the files and prints.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 import tempfile
 from pathlib import Path
 
-from autoddl.calibration import DEFAULT_BASE, MIN_R2, calibrate, calibrate_shard_runner, write_raw
+from autoddl.calibration import DEFAULT_BASE, MIN_R2, Calibration, calibrate, calibrate_shard_runner, write_raw
 from autoddl.cli import common_options, register
-from autoddl.cluster import FITTED_KINDS, Backend, Cluster
+from autoddl.cluster import FITTED_KINDS, Backend, Cluster, yaml_comments
 from executor.calibrate import Settings
 
 SHARD_RUNNER = "shard_runner"      # --only: the shard runner's fixed costs instead of communication kinds
+COLLECTIVE_CPU = "collective_cpu"      # --only: executor.collective_cpu_fraction (executor/calibrate_overlap.py)
 
 
 @register
@@ -50,7 +54,10 @@ def add_calibrate(subparsers: "argparse._SubParsersAction") -> None:
                    help=f"time only these communication kinds (comma-separated: {', '.join(FITTED_KINDS)}) and "
                         "write --base with their fits in its collectives section, every other field as it was; "
                         "or shard_runner alone: time the shard runner of `autoddl schedule --run` and write --base "
-                        "with its executor.shard_* fields, every other field and comment as it was")
+                        "with its executor.shard_* fields, every other field and comment as it was; "
+                        f"or {COLLECTIVE_CPU} alone: the share of a collective's time its ranks' compute also pays, "
+                        "written into --base as executor.collective_cpu_fraction, every other field and comment "
+                        "as it was")
     p.add_argument("--across-hosts", action="store_true", help="run as torchrun ranks on several hosts "
                    "(benchmarks/two_hosts.py -- -m autoddl calibrate --across-hosts): fit intra- and inter-host links")
     p.set_defaults(func=run_calibrate)
@@ -66,6 +73,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     kinds = tuple(k.strip() for k in args.only.split(",")) if args.only else ()
     if SHARD_RUNNER in kinds:
         return _calibrate_shard_runner(args, kinds)
+    if COLLECTIVE_CPU in kinds:
+        return _calibrate_collective_cpu(args, kinds)
     base = Cluster.from_yaml(args.base)
     only = {"kinds": kinds, "comm_only": True} if args.only else {}
     settings = Settings.default(args.nproc, args.backend, quick=args.quick, threads=args.threads, **only)
@@ -107,6 +116,28 @@ def _calibrate_shard_runner(args: argparse.Namespace, kinds: tuple[str, ...]) ->
         ex = cal.cluster.executor
         print(f"wrote {args.out}: executor.shard_forward_us {ex.shard_forward_us:g}, shard_backward_us "
               f"{ex.shard_backward_us:g}, shard_param_us {ex.shard_param_us:g}")
+    return 0
+
+
+def _calibrate_collective_cpu(args: argparse.Namespace, kinds: tuple[str, ...]) -> int:
+    """``--only collective_cpu`` (executor/calibrate_overlap.py): --base with
+    ``executor.collective_cpu_fraction`` measured, its header and every other comment kept."""
+    from executor.calibrate_overlap import describe, measure_overlap
+
+    if kinds != (COLLECTIVE_CPU,):
+        raise ValueError(f"calibrate --only {args.only}: {COLLECTIVE_CPU} is timed alone; give --only "
+                         f"{COLLECTIVE_CPU} and the communication kinds in another run")
+    if args.backend != Backend.GLOO.value:
+        raise ValueError(f"calibrate --only {COLLECTIVE_CPU} times gloo ranks on this CPU; NCCL's SM use is not "
+                         "priced (leave executor.collective_cpu_fraction at 0 on GPU clusters)")
+    base = Cluster.from_yaml(args.base)          # a bad base fails before the timing
+    header, comments = yaml_comments(args.base)
+    result = measure_overlap(args.nproc, args.threads or 1, repeats=5 if args.quick else 15)
+    fraction = round(result.fraction, 3)
+    cluster = dataclasses.replace(base, executor=dataclasses.replace(base.executor, collective_cpu_fraction=fraction))
+    comments["executor.collective_cpu_fraction"] = describe(result, _command(args))
+    if _write(Calibration(cluster, comments, header, {}, None), args.out):
+        print(f"wrote {args.out}: executor.collective_cpu_fraction {fraction:g}")
     return 0
 
 

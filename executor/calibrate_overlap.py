@@ -1,0 +1,145 @@
+"""``autoddl calibrate --only collective_cpu``: the share of a collective's duration that its ranks'
+compute also pays (``executor.collective_cpu_fraction``; costmodel/simulate.py prices it).
+
+On ``nproc`` local ranks (gloo on 127.0.0.1, ``threads`` intra-op threads each: as the executor runs
+them), each repeat times, after a barrier, on every rank at once (``TRIES`` times, interleaved; the
+least of each loop's tries is the repeat's):
+
+- compute alone: ``matmuls`` float32 matmuls ``(M, K) @ (K, N)`` (``MATMUL_SHAPE``: a linear of the
+  fidelity study's gpt-4x256, 8 x 128 tokens of width 256);
+- collectives alone: ``collectives`` all-reduces of ``MESSAGE_BYTES`` (DDP's first gradient bucket)
+  issued asynchronously on a process group of their own (the compiled executor syncs gradient buckets
+  on one) and waited for at the end;
+- both: the same all-reduces issued asynchronously, then the same matmuls, then the wait.
+
+``matmuls`` is chosen after a warm-up so that the compute alone lasts ``COVER`` times the collectives
+alone (the collectives then run inside the compute, as an overlapped gradient bucket does). A
+repeat's time of each loop is the slowest rank's least; its fraction is ``(both - compute) / collectives``
+clamped to [0, 1] (:func:`collective_cpu_fraction`); the result is the median over repeats. Progress
+goes to stderr (rank 0).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+from executor.local_ranks import run_ranks
+
+MATMUL_SHAPE = (1024, 256, 256)      # (M, N, K)
+MESSAGE_BYTES = 1_000_000            # DDP's first bucket (autoddl.lowering.FIRST_BUCKET_BYTES)
+COLLECTIVES = 8                      # all-reduces per timed loop
+COVER = 2.0                          # compute alone lasts this many times the collectives alone
+TRIES = 3                            # a repeat's time of each loop: the least of this many, interleaved
+
+
+@dataclass(frozen=True)
+class OverlapTiming:
+    """One repeat, seconds (the slowest rank's): each loop alone and both at once."""
+
+    compute_s: float
+    collective_s: float
+    both_s: float
+
+
+@dataclass(frozen=True)
+class OverlapResult:
+    fraction: float                    # median over repeats of collective_cpu_fraction
+    timings: tuple[OverlapTiming, ...]
+    matmuls: int
+    collectives: int
+    nproc: int
+    threads: int
+
+
+def collective_cpu_fraction(t: OverlapTiming) -> float:
+    """The compute's slowdown beside the collectives, as a share of the collectives' own time, in [0, 1]."""
+    if t.collective_s <= 0:
+        raise ValueError(f"collective_cpu_fraction: the collectives alone took {t.collective_s} s; expected > 0")
+    return min(1.0, max(0.0, (t.both_s - t.compute_s) / t.collective_s))
+
+
+def median_fraction(timings: tuple[OverlapTiming, ...]) -> float:
+    """The median over repeats of each repeat's :func:`collective_cpu_fraction`."""
+    return statistics.median(collective_cpu_fraction(t) for t in timings)
+
+
+def measure_overlap(nproc: int = 2, threads: int = 1, repeats: int = 15, timeout_s: float = 300.0) -> OverlapResult:
+    """Run the three loops (module docstring) on ``nproc`` local gloo ranks; the median fraction."""
+    if nproc < 2:
+        raise ValueError(f"calibrate --only collective_cpu: --nproc must be at least 2, got {nproc}")
+    ranks = run_ranks(_rank, nproc, threads, repeats, timeout_s=timeout_s, threads=threads)
+    timings = tuple(OverlapTiming(*ranks[0]["times"][i]) for i in range(repeats))     # agreed: the slowest rank's
+    return OverlapResult(median_fraction(timings), timings, ranks[0]["matmuls"], COLLECTIVES, nproc, threads)
+
+
+def _rank(threads: int, repeats: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    group = dist.new_group(list(range(dist.get_world_size())))        # the collectives' own, as a bucket's
+    m, n, k = MATMUL_SHAPE
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    bufs = [torch.ones(MESSAGE_BYTES // 4) for _ in range(COLLECTIVES)]
+
+    def say(text: str) -> None:
+        if rank == 0:
+            print(f"calibrate collective_cpu: {text}", file=sys.stderr, flush=True)
+
+    def compute(count: int) -> None:
+        for _ in range(count):
+            torch.mm(a, b)
+
+    def timed(matmuls: int, collectives: bool) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        works = [dist.all_reduce(x, group=group, async_op=True) for x in bufs] if collectives else []
+        compute(matmuls)
+        for w in works:
+            w.wait()
+        return time.perf_counter() - t0
+
+    def agree(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    compute(3)
+    timed(0, True)                                                    # warm-up: connections, buffers
+    one = agree(min(timed(4, False) for _ in range(3)) / 4)
+    alone = agree(min(timed(0, True) for _ in range(3)))
+    matmuls = max(4, round(COVER * alone / one))
+    say(f"{nproc_text(dist.get_world_size(), threads)}; {COLLECTIVES} all-reduces of {MESSAGE_BYTES / 1e6:g} MB "
+        f"~{alone * 1e3:.1f} ms, {matmuls} matmuls {m}x{k} @ {k}x{n} ~{matmuls * one * 1e3:.1f} ms")
+    times = []
+    for i in range(repeats):
+        tries = [(timed(matmuls, False), timed(0, True), timed(matmuls, True)) for _ in range(TRIES)]
+        t = tuple(agree(min(x[j] for x in tries)) for j in range(3))    # the least of each: outside load only adds
+        times.append(t)
+        say(f"repeat {i + 1}/{repeats}: compute {t[0] * 1e3:.1f} ms, collectives {t[1] * 1e3:.1f} ms, "
+            f"both {t[2] * 1e3:.1f} ms")
+    dist.destroy_process_group()
+    return {"times": times, "matmuls": matmuls}
+
+
+def nproc_text(nproc: int, threads: int) -> str:
+    return f"{nproc} gloo ranks, {threads} thread{'s' * (threads > 1)} each"
+
+
+def describe(result: OverlapResult, command: str) -> str:
+    """The YAML comment for the measured field: how it was measured and the median times."""
+    med = [statistics.median(getattr(t, f) for t in result.timings) * 1e3
+           for f in ("compute_s", "collective_s", "both_s")]
+    return (f"measured {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC by `{command}` "
+            f"(load average {os.getloadavg()[0]:.1f}): {nproc_text(result.nproc, result.threads)}, "
+            f"{result.collectives} async all-reduces of {MESSAGE_BYTES / 1e6:g} MB on their own group beside "
+            f"{result.matmuls} matmuls {MATMUL_SHAPE[0]}x{MATMUL_SHAPE[2]} @ {MATMUL_SHAPE[2]}x{MATMUL_SHAPE[1]}; "
+            f"(both - compute alone) / collectives alone, median of {len(result.timings)} repeats "
+            f"(medians: compute {med[0]:.1f} ms, collectives {med[1]:.1f} ms, both {med[2]:.1f} ms)")
