@@ -357,7 +357,7 @@ class ExecutorOverheads:
     makes every parameter use a leaf whose gradient it syncs to the storage layout, and
     issues each collective as a functional collective it waits for. ``autoddl calibrate``
     measures these by timing the executor on chains of tiny ops (the scalar fields but
-    ``collective_cpu_fraction``, timed by ``--only collective_cpu``) and
+    ``collective_compute_share``, timed by ``--only collective_cpu``) and
     each op family on synthetic inputs of a few sizes, per compute dtype (``op_us``:
     ``{dtype: {family: (forward_us, backward_us)}}``; ``op_work``: ``{dtype: {family:
     ((roofline_us, forward_work, backward_work), ...)}}``; see :class:`OpCost`); the scalar
@@ -378,11 +378,12 @@ class ExecutorOverheads:
     shard_forward_us: float = 0.0   # per shard forward task beyond its ops (its flows' leaves, the run loop)
     shard_backward_us: float = 0.0  # per shard backward task beyond its ops (autograd.backward of its outputs)
     shard_param_us: float = 0.0     # per parameter a shard's backward updates (gradient, p -= lr * grad, reset)
-    # Share (0..1) of a collective's duration that its ranks' compute stream also pays: gloo's threads
-    # take CPU on the cores the ranks compute on (costmodel/simulate.py; ``autoddl calibrate --only
-    # collective_cpu`` measures it). 0 on GPUs: NCCL's SM use is not priced (the known gap: overlapped
-    # communication slows compute ~19%, Lee et al., arXiv:2507.03114).
-    collective_cpu_fraction: float = 0.0
+    # Share (0..1) of a collective's duration that its ranks' compute stream also pays
+    # (costmodel/simulate.py): on CPUs gloo's threads take the cores the ranks compute on (``autoddl
+    # calibrate --only collective_cpu`` measures it); on GPUs NCCL's kernels take SMs from the compute
+    # kernels they overlap (a cited slowdown s of overlapped compute gives s / (1 + s): the compute
+    # beside a collective of d seconds does d / (1 + s) seconds of work in d). 0: not priced.
+    collective_compute_share: float = 0.0
     op_us: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)    # dtype -> family
     op_work: Mapping[str, Mapping[str, tuple[tuple[float, float, float], ...]]] = field(default_factory=dict)
     recompute: Mapping[str, RecomputeCost] = field(default_factory=dict)   # policy -> what checkpointing adds
@@ -479,8 +480,8 @@ _EXECUTOR_FIELDS = {k: (f"a non-negative number of microseconds {what}", "nonneg
     ("shard_forward_us", "per shard forward task of the shard runner, beyond its ops"),
     ("shard_backward_us", "per shard backward task of the shard runner, beyond its ops"),
     ("shard_param_us", "per parameter a shard runner's backward updates"))}
-_EXECUTOR_FIELDS["collective_cpu_fraction"] = ("a number from 0 to 1: the share of a collective's duration its ranks' "
-                                               "compute stream also pays (gloo's CPU use)", "unit")
+_EXECUTOR_FIELDS["collective_compute_share"] = ("a number from 0 to 1: the share of a collective's duration its ranks' "
+                                               "compute stream also pays (gloo's CPU use, NCCL's SM use)", "unit")
 _TOP_KEYS = ("name", "nodes", "devices_per_node", "device", "links", "backend", "efficiency",
              "op_overhead_us", "collectives", "compute_curve", "executor", "cores_per_node",
              "comm_measured_ranks_per_node", "host_link", "host_memory_gb", "host_memory_bandwidth_gbps")

@@ -23,8 +23,8 @@ activations: the bubble, priced as the schedule runs. Durations:
 - host copy (``copy`` stream, offload): latency + bytes / bandwidth of the host link (costmodel/host.py).
 
 A collective of duration ``d`` also costs its ranks' compute stream ``f * d``, ``f`` =
-``cluster.executor.collective_cpu_fraction`` (gloo's threads run on the cores the ranks compute
-on; 0 on GPUs). The rule: when a collective is issued, the compute stream of its pp rank gets a
+``cluster.executor.collective_compute_share`` (gloo's threads run on the cores the ranks compute
+on; NCCL's kernels on the SMs the compute kernels use). The rule: when a collective is issued, the compute stream of its pp rank gets a
 task of ``f * d`` at the compute stream's place in issue order (it starts when the compute issued
 before it is done). Overlapped with compute, the compute after it finishes ``f * d`` later
 (``max(c + f d, d)`` for compute ``c`` beside a collective ``d``: what ``overlapped_time_s``
@@ -183,7 +183,7 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
     rank_params = program.pipeline.rank_params if program.pipeline is not None else ()
     memo: dict[tuple, float] = {}       # a pipeline copies each chunk's tasks once per micro-batch
     op_times: dict[tuple, float] = {}   # op kernel times, shared by the repeated blocks' ops
-    share = cluster.executor.collective_cpu_fraction
+    share = cluster.executor.collective_compute_share
     shares: list[TimedTask] = []
     for task in program.tasks:
         key = (task.phase, task.op, task.stream, task.collective, task.axis, task.nbytes, task.pp_rank, task.copy)
@@ -207,7 +207,7 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
 def overlapped_time_s(compute_s: float, comm_s: float, cluster: Cluster) -> float:
     """Time of ``compute_s`` of compute beside a collective of ``comm_s`` started with it: the
     longer of the two, the compute paying the collective's share (module docstring)."""
-    return max(compute_s + cluster.executor.collective_cpu_fraction * comm_s, comm_s)
+    return max(compute_s + cluster.executor.collective_compute_share * comm_s, comm_s)
 
 
 def bubble_s(timeline: Timeline, program: StepProgram) -> float:
@@ -236,7 +236,7 @@ def chrome_trace(timeline: Timeline, ranks: int = 1) -> dict:
     stream, one complete event per task (times in µs). Without pipeline stages every rank runs the
     same program, so the ``ranks`` processes' tracks are the same (they are there to sit beside a
     measured trace of each rank); with stages, one process per pp rank, holding its own tasks. The
-    collectives' shares of the compute stream are events on the compute track ("cpu share of ...")."""
+    collectives' shares of the compute stream are events on the compute track ("compute share of ...")."""
     streams = sorted({t.task.stream for t in timeline.tasks} | ({COMPUTE} if timeline.collective_cpu else set()),
                      key=lambda s: (s != COMPUTE, s))
     tid = {s: i for i, s in enumerate(streams)}
@@ -254,7 +254,7 @@ def chrome_trace(timeline: Timeline, ranks: int = 1) -> dict:
                 continue
             name = (f"{task.collective.value} {task.tensor}" if task.is_collective
                     else f"{task.phase} {task.op}") + (f" mb{task.micro_step}" if staged else "")
-            name = f"cpu share of {name}" if cpu else name
+            name = f"compute share of {name}" if cpu else name
             events.append({"ph": "X", "name": name, "cat": task.phase, "pid": rank,
                            "tid": tid[COMPUTE if cpu else task.stream],
                            "ts": t.start_s * 1e6, "dur": t.duration_s * 1e6,

@@ -865,7 +865,7 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
     fit = fit_executor_overheads(meas.executor)
     ex = ExecutorOverheads(**{k: _round3(v) for k, v in fit.overheads.scalars().items()})
     ex = dataclasses.replace(ex, step_us=_round3(fit.step_fixed_us),     # measured apart (--only collective_cpu)
-                             collective_cpu_fraction=cluster.executor.collective_cpu_fraction)
+                             collective_compute_share=cluster.executor.collective_compute_share)
     s = meas.settings
     chains = ", ".join(f"{c.kind} {c.ops} ops {c.step_s * 1e3:.1f} ms" for c in meas.executor.chains)
     diffs = ", ".join(f"{k} {meas.executor.move_us[k]:.0f} us vs {meas.executor.raw_us[k]:.0f} us"

@@ -1,5 +1,5 @@
 """``autoddl calibrate --only collective_cpu``: the share of a collective's duration that its ranks'
-compute also pays (``executor.collective_cpu_fraction``; costmodel/simulate.py prices it).
+compute also pays (``executor.collective_compute_share``; costmodel/simulate.py prices it).
 
 On ``nproc`` local ranks (gloo on 127.0.0.1, ``threads`` intra-op threads each: as the executor runs
 them), each repeat times, after a barrier, on every rank at once (``TRIES`` times, interleaved; the
@@ -15,7 +15,7 @@ least of each loop's tries is the repeat's):
 ``matmuls`` is chosen after a warm-up so that the compute alone lasts ``COVER`` times the collectives
 alone (the collectives then run inside the compute, as an overlapped gradient bucket does). A
 repeat's time of each loop is the slowest rank's least; its fraction is ``(both - compute) / collectives``
-clamped to [0, 1] (:func:`collective_cpu_fraction`); the result is the median over repeats. Progress
+clamped to [0, 1] (:func:`collective_compute_share`); the result is the median over repeats. Progress
 goes to stderr (rank 0).
 """
 
@@ -48,7 +48,7 @@ class OverlapTiming:
 
 @dataclass(frozen=True)
 class OverlapResult:
-    fraction: float                    # median over repeats of collective_cpu_fraction
+    fraction: float                    # median over repeats of collective_compute_share
     timings: tuple[OverlapTiming, ...]
     matmuls: int
     collectives: int
@@ -56,16 +56,16 @@ class OverlapResult:
     threads: int
 
 
-def collective_cpu_fraction(t: OverlapTiming) -> float:
+def collective_compute_share(t: OverlapTiming) -> float:
     """The compute's slowdown beside the collectives, as a share of the collectives' own time, in [0, 1]."""
     if t.collective_s <= 0:
-        raise ValueError(f"collective_cpu_fraction: the collectives alone took {t.collective_s} s; expected > 0")
+        raise ValueError(f"collective_compute_share: the collectives alone took {t.collective_s} s; expected > 0")
     return min(1.0, max(0.0, (t.both_s - t.compute_s) / t.collective_s))
 
 
 def median_fraction(timings: tuple[OverlapTiming, ...]) -> float:
-    """The median over repeats of each repeat's :func:`collective_cpu_fraction`."""
-    return statistics.median(collective_cpu_fraction(t) for t in timings)
+    """The median over repeats of each repeat's :func:`collective_compute_share`."""
+    return statistics.median(collective_compute_share(t) for t in timings)
 
 
 def measure_overlap(nproc: int = 2, threads: int = 1, repeats: int = 15, timeout_s: float = 300.0) -> OverlapResult:

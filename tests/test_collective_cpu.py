@@ -1,4 +1,4 @@
-"""A collective's share of the compute stream (``executor.collective_cpu_fraction``): the simulator's
+"""A collective's share of the compute stream (``executor.collective_compute_share``): the simulator's
 rule against hand formulas, the calibration's fraction from synthetic timings, its YAML write-back."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from costmodel import plan_cost
 from costmodel.compute import op_forward_time_s
 from costmodel.simulate import overlapped_time_s, simulate
 from executor import calibrate_overlap
-from executor.calibrate_overlap import (OverlapResult, OverlapTiming, collective_cpu_fraction, measure_overlap,
+from executor.calibrate_overlap import (OverlapResult, OverlapTiming, collective_compute_share, measure_overlap,
                                         median_fraction)
 from test_breakdown import batch_split_plan
 
@@ -32,7 +32,7 @@ def cpu2(fraction: float) -> Cluster:
     """local-cpu on 2 devices, collectives on the link formula, no executor costs but the fraction."""
     cluster = Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml").resized(2)
     return dataclasses.replace(cluster, collectives=CollectiveFits(), cores_per_node=None,
-                               executor=ExecutorOverheads(collective_cpu_fraction=fraction))
+                               executor=ExecutorOverheads(collective_compute_share=fraction))
 
 
 def _all_reduce_s(cluster: Cluster, nbytes: int, n: int = 2) -> float:
@@ -88,8 +88,9 @@ def test_an_exposed_bucket_is_free_an_overlapped_loss_all_reduce_is_not():
     f = 0.4
     a100 = Cluster.from_yaml(DEFAULT_CLUSTER_PATH)
     plan = batch_split_plan(graph, a100.num_devices, NdSbp((B,)), "dp")
-    with_f = dataclasses.replace(a100, executor=dataclasses.replace(a100.executor, collective_cpu_fraction=f))
-    before, after = plan_cost(graph, plan, a100), plan_cost(graph, plan, with_f)
+    without, with_f = (dataclasses.replace(a100, executor=dataclasses.replace(a100.executor, collective_compute_share=x))
+                       for x in (0.0, f))
+    before, after = plan_cost(graph, plan, without), plan_cost(graph, plan, with_f)
     loss_ar = _all_reduce_s(a100, 4, a100.num_devices)
     assert after.step_time_s == pytest.approx(before.step_time_s + f * loss_ar, rel=1e-9)
     assert after.exposed_comm_s == pytest.approx(before.exposed_comm_s + f * loss_ar, rel=1e-9)
@@ -102,13 +103,13 @@ def test_an_exposed_bucket_is_free_an_overlapped_loss_all_reduce_is_not():
 
 def test_the_fraction_is_the_compute_slowdown_over_the_collectives_time():
     """(both - compute alone) / collectives alone, clamped to [0, 1]; the median over repeats."""
-    assert collective_cpu_fraction(OverlapTiming(0.010, 0.004, 0.013)) == pytest.approx(0.75)
-    assert collective_cpu_fraction(OverlapTiming(0.010, 0.004, 0.009)) == 0.0       # faster beside: noise
-    assert collective_cpu_fraction(OverlapTiming(0.010, 0.004, 0.016)) == 1.0       # more than all of it
+    assert collective_compute_share(OverlapTiming(0.010, 0.004, 0.013)) == pytest.approx(0.75)
+    assert collective_compute_share(OverlapTiming(0.010, 0.004, 0.009)) == 0.0       # faster beside: noise
+    assert collective_compute_share(OverlapTiming(0.010, 0.004, 0.016)) == 1.0       # more than all of it
     timings = (OverlapTiming(0.010, 0.004, 0.011), OverlapTiming(0.010, 0.005, 0.014), OverlapTiming(0.02, 0.01, 0.03))
     assert median_fraction(timings) == pytest.approx(0.8)                          # 0.25, 0.8, 1.0
     with pytest.raises(ValueError, match="collectives alone took 0"):
-        collective_cpu_fraction(OverlapTiming(0.01, 0.0, 0.01))
+        collective_compute_share(OverlapTiming(0.01, 0.0, 0.01))
 
 
 def test_the_measurement_runs_on_two_gloo_ranks():
@@ -117,7 +118,7 @@ def test_the_measurement_runs_on_two_gloo_ranks():
     result = measure_overlap(2, 1, repeats=1, timeout_s=120)
     (t,) = result.timings
     assert min(t.compute_s, t.collective_s, t.both_s) > 0 and result.matmuls >= 4
-    assert result.fraction == collective_cpu_fraction(t)
+    assert result.fraction == collective_compute_share(t)
 
 
 def test_calibrate_only_collective_cpu_sets_the_field_over_base_keeping_every_comment(tmp_path, monkeypatch, capsys):
@@ -131,16 +132,16 @@ def test_calibrate_only_collective_cpu_sets_the_field_over_base_keeping_every_co
     out = tmp_path / "c.yaml"
     assert main(["calibrate", "--only", "collective_cpu", "--nproc", "2", "--out", str(out)]) == 0
     got, want = Cluster.from_yaml(out), Cluster.from_yaml(base)
-    assert got.executor.collective_cpu_fraction == 0.75
+    assert got.executor.collective_compute_share == 0.75
     assert dataclasses.replace(got, executor=want.executor) == want
     (header, comments), (base_header, base_comments) = yaml_comments(out), yaml_comments(base)
     assert header == base_header
-    note = comments.pop("executor.collective_cpu_fraction")
-    base_comments.pop("executor.collective_cpu_fraction", None)
+    note = comments.pop("executor.collective_compute_share")
+    base_comments.pop("executor.collective_compute_share", None)
     assert comments == base_comments
     assert "--only collective_cpu" in note and "median of 3 repeats" in note
     assert main(["calibrate", "--only", "collective_cpu,all_reduce", "--out", str(out)]) == 2
     assert "collective_cpu is timed alone" in capsys.readouterr().err
-    out.write_text(out.read_text().replace("collective_cpu_fraction: 0.75", "collective_cpu_fraction: 1.5"))
-    with pytest.raises(ClusterConfigError, match=r"executor\.collective_cpu_fraction: expected a number from 0 to 1"):
+    out.write_text(out.read_text().replace("collective_compute_share: 0.75", "collective_compute_share: 1.5"))
+    with pytest.raises(ClusterConfigError, match=r"executor\.collective_compute_share: expected a number from 0 to 1"):
         Cluster.from_yaml(out)

@@ -5,7 +5,7 @@
     autoddl calibrate --nproc 2 --only shard_runner --base configs/local-cpu.yaml --out configs/local-cpu.yaml
         # the shard runner's executor.shard_* fields over --base, its comments kept
     autoddl calibrate --nproc 2 --only collective_cpu --base configs/local-cpu.yaml --out configs/local-cpu.yaml
-        # executor.collective_cpu_fraction (executor/calibrate_overlap.py) over --base, its comments kept
+        # executor.collective_compute_share (executor/calibrate_overlap.py) over --base, its comments kept
 
 The measuring and fitting are ``autoddl.calibration``'s (its docstring says what each
 field is made of); this module parses the options, writes the files and prints.
@@ -26,7 +26,7 @@ from autoddl.cluster import FITTED_KINDS, Backend, Cluster, yaml_comments
 from executor.calibrate import Settings
 
 SHARD_RUNNER = "shard_runner"      # --only: the shard runner's fixed costs instead of communication kinds
-COLLECTIVE_CPU = "collective_cpu"      # --only: executor.collective_cpu_fraction (executor/calibrate_overlap.py)
+COLLECTIVE_CPU = "collective_cpu"      # --only: executor.collective_compute_share (executor/calibrate_overlap.py)
 
 
 @register
@@ -56,7 +56,7 @@ def add_calibrate(subparsers: "argparse._SubParsersAction") -> None:
                         "or shard_runner alone: time the shard runner of `autoddl schedule --run` and write --base "
                         "with its executor.shard_* fields, every other field and comment as it was; "
                         f"or {COLLECTIVE_CPU} alone: the share of a collective's time its ranks' compute also pays, "
-                        "written into --base as executor.collective_cpu_fraction, every other field and comment "
+                        "written into --base as executor.collective_compute_share, every other field and comment "
                         "as it was")
     p.add_argument("--across-hosts", action="store_true", help="run as torchrun ranks on several hosts "
                    "(benchmarks/two_hosts.py -- -m autoddl calibrate --across-hosts): fit intra- and inter-host links")
@@ -121,7 +121,7 @@ def _calibrate_shard_runner(args: argparse.Namespace, kinds: tuple[str, ...]) ->
 
 def _calibrate_collective_cpu(args: argparse.Namespace, kinds: tuple[str, ...]) -> int:
     """``--only collective_cpu`` (executor/calibrate_overlap.py): --base with
-    ``executor.collective_cpu_fraction`` measured, its header and every other comment kept."""
+    ``executor.collective_compute_share`` measured, its header and every other comment kept."""
     from executor.calibrate_overlap import describe, measure_overlap
 
     if kinds != (COLLECTIVE_CPU,):
@@ -129,15 +129,15 @@ def _calibrate_collective_cpu(args: argparse.Namespace, kinds: tuple[str, ...]) 
                          f"{COLLECTIVE_CPU} and the communication kinds in another run")
     if args.backend != Backend.GLOO.value:
         raise ValueError(f"calibrate --only {COLLECTIVE_CPU} times gloo ranks on this CPU; NCCL's SM use is not "
-                         "priced (leave executor.collective_cpu_fraction at 0 on GPU clusters)")
+                         "priced (leave executor.collective_compute_share at 0 on GPU clusters)")
     base = Cluster.from_yaml(args.base)          # a bad base fails before the timing
     header, comments = yaml_comments(args.base)
     result = measure_overlap(args.nproc, args.threads or 1, repeats=5 if args.quick else 15)
     fraction = round(result.fraction, 3)
-    cluster = dataclasses.replace(base, executor=dataclasses.replace(base.executor, collective_cpu_fraction=fraction))
-    comments["executor.collective_cpu_fraction"] = describe(result, _command(args))
+    cluster = dataclasses.replace(base, executor=dataclasses.replace(base.executor, collective_compute_share=fraction))
+    comments["executor.collective_compute_share"] = describe(result, _command(args))
     if _write(Calibration(cluster, comments, header, {}, None), args.out):
-        print(f"wrote {args.out}: executor.collective_cpu_fraction {fraction:g}")
+        print(f"wrote {args.out}: executor.collective_compute_share {fraction:g}")
     return 0
 
 
