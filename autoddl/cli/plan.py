@@ -299,7 +299,8 @@ def _training_line(training: Training, result: Planned, args: argparse.Namespace
     text = (f"training: {precision}" + (f" (gradients reduced in {next(k for k, v in DTYPES.items() if v == reduce)})"
                                         if reduce != training.param_dtype else "")
             + f", recompute {args.recompute}, buckets {training.bucket_mb:g} MB"
-            + (f", offload {getattr(args, 'offload', 'none')}" if getattr(args, "offload", "none") != "none" else ""))
+            + (f", offload {getattr(args, 'offload', 'none')}" if getattr(args, "offload", "none") != "none" else "")
+            + (", attention priced unfused" if training.attention == "unfused" else ""))
     plan = result.outcome.found if result.outcome else result.given.plan if result.given else None
     if plan is not None and plan.batch_size:
         k = plan.training.micro_batches
