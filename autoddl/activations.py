@@ -6,18 +6,22 @@ The saved activations are the user inputs plus every output of a non-view op tha
 consumes, each at its local size under the producing signature's output NdSbp (views alias their
 source and add nothing), in the traced (working) dtype. An op recomputed in backward
 (``recomputed_ops``) saves nothing unless an op outside its block reads it (the block's output,
-which the next block keeps as its checkpoint input).
+which the next block keeps as its checkpoint input). Under ``Training.attention = "unfused"`` an
+attention op also keeps its score tensors (autoddl/attention.py ``unfused_saved_bytes``), unless
+recomputed.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from autoddl.graph import NodeKind, OpGraph
-from autoddl.op_families import ZERO_COST
+from autoddl.attention import unfused_saved_bytes
+from autoddl.graph import NodeKind, OpGraph, OpNode
+from autoddl.op_families import SDPA_OPS, ZERO_COST
 from autoddl.plan import Plan
-from autoddl.program import block_of, recomputed_ops, signature_of
-from autoddl.sbp import NdSbp
+from autoddl.program import block_of, recomputed_ops, signature_of, work_divisor
+from autoddl.sbp import NdSbp, Signature
+from autoddl.training import Training
 
 
 def local_bytes(nbytes: int, nd: NdSbp, mesh_shape: Sequence[int]) -> int:
@@ -37,7 +41,17 @@ def activation_bytes(graph: OpGraph, plan: Plan) -> dict[str, int]:
                     and not (node.name in recomputed and block_of(c) == block_of(node))}
             out[node.name] = sum(local_bytes(node.outputs[i].nbytes, sig.outputs[i], mesh)
                                  for i in used if node.outputs[i].dtype != "none")
+            if node.name not in recomputed:
+                out[node.name] += kept_scores_bytes(node, sig, mesh, plan.training)
     return out
+
+
+def kept_scores_bytes(node: OpNode, sig: Signature, mesh_shape: Sequence[int], training: Training) -> int:
+    """The score tensors an attention op run with ``sig`` keeps for backward (local bytes) when
+    ``training`` runs attention unfused; 0 for any other op or under flash attention."""
+    if training.attention != "unfused" or node.op_name not in SDPA_OPS:
+        return 0
+    return int(round(unfused_saved_bytes(node, work_divisor(sig, mesh_shape))))
 
 
 def block_activation_bytes(graph: OpGraph, plan: Plan) -> dict[str, int]:

@@ -28,6 +28,10 @@ tasks of the step program, which the cost model prices and the executor runs.
   each layer group's working parameters, copied in one group ahead of use); ``activations`` (also
   those groups' saved activations, out after their forward, in before their backward). ``auto`` is
   a request: the planner tries none, then each level in this order, and writes the level it chose.
+- ``attention``: how an attention op (scaled_dot_product_attention) is priced: ``flash`` (one fused
+  kernel, at the cluster's ``efficiency.attention`` when given) or ``unfused`` (the separate Q·Kᵀ,
+  softmax, dropout and probs·V kernels of Megatron-LM's 2021 attention, and the score tensors they
+  keep: autoddl/attention.py). A pricing choice: the executor runs torch's SDPA either way.
 - ``spill_blocks``: under ``offload params`` / ``activations``, the repeated blocks spilled (empty: every one); the
   planner spills the fewest, in block order, with which the plan fits.
 """
@@ -45,6 +49,7 @@ RECOMPUTE_CHOICES = RECOMPUTE_POLICIES + ("auto",)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")   # pipeline schedules (autoddl/pipeline.py)
 OFFLOAD_LEVELS = ("none", "optimizer", "params", "activations")   # what lives in host memory (autoddl/offload.py), least first
 OFFLOAD_CHOICES = OFFLOAD_LEVELS + ("auto",)
+ATTENTION_KERNELS = ("flash", "unfused")   # how attention is priced (autoddl/attention.py)
 
 
 def dtype_name(name: str, what: str) -> str:
@@ -73,8 +78,12 @@ class Training:
     stage_cuts: tuple[str, ...] = ()
     offload: str = "none"
     spill_blocks: tuple[str, ...] = ()
+    attention: str = "flash"
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"training.attention {self.attention!r} is not an attention kernel; choose one of "
+                             f"{list(ATTENTION_KERNELS)}")
         if self.offload not in OFFLOAD_CHOICES:
             raise ValueError(f"training.offload {self.offload!r} is not an offload level; choose one of "
                              f"{list(OFFLOAD_CHOICES)}")
@@ -108,7 +117,7 @@ class Training:
     def __hash__(self) -> int:
         return hash((self.bucket_mb, self.param_dtype, self.reduce_dtype, self.recompute,
                      tuple(sorted(self.recompute_blocks.items())), self.micro_batches, self.schedule,
-                     self.virtual_stages, self.stage_cuts, self.offload, self.spill_blocks))
+                     self.virtual_stages, self.stage_cuts, self.offload, self.spill_blocks, self.attention))
 
     @property
     def bucket_bytes(self) -> int:

@@ -7,14 +7,19 @@ same job beside it. The cluster files' efficiencies come from component measurem
 
 - Llama-3-8B, sequence 8192, as TorchTitan trains it: bf16 parameters with float32 gradient
   reduction, FSDP over 8 H100, selective activation checkpointing, one sequence per GPU,
-  global batch 8. Published:
+  global batch 8; and at the repository's own batch (Table 1 of
+  ``benchmarks/llama3_h100_202412_torchtitan.md``: local batch 2, global 16, 82.4 GiB, so
+  ``--memory-gb 96``, their H100s' HBM2e). Published:
   6,258 tokens/s/GPU (TorchTitan paper, arXiv:2410.06511, Table 2, FSDP, 8 GPUs) and 5,762 in
   the repository's benchmark (docs/performance.md); their H100s ran at 500 W.
 - GPT 1.7B (24 layers, hidden 2304, 24 heads, sequence 2048, vocabulary 51200) on 32 A100
   (4 DGX nodes), fp16, global batch 512, data parallel with full activation recompute, as in
   Megatron-LM's weak-scaling table (Narayanan et al., SC'21, Table 1: 137 TFLOP/s per GPU,
   44% of peak). Megatron counts the recompute's forward in its FLOPs (4 x forward per
-  step), so the prediction is put in those units too (``hardware_tflops_per_gpu``).
+  step), so the prediction is put in those units too (``hardware_tflops_per_gpu``). Priced twice:
+  with attention as one fused kernel (flash, the default) and ``attention="unfused"``, as
+  Megatron-LM ran it in 2021 (megatron/model/transformer.py ``ParallelAttention``: Q·Kᵀ by
+  ``torch.baddbmm``, ``FusedScaleMaskSoftmax``, dropout, ``torch.bmm``; autoddl/attention.py).
 - Llama 3.1 70B and 405B at scale, as TorchTitan measured them at the end of 2024 on H100s with
   96 GB HBM2e at 500 W (torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``, torchtitan
   commit 820504e2, 2025-06-13; runs at torchtitan 9dec370 with torch 1963fc8): sequence 8192
@@ -56,7 +61,7 @@ from autoddl.training import Training  # noqa: E402
 from search.planner import parse_degrees, price_degrees, search  # noqa: E402
 
 OUT = ROOT / "results" / "published.csv"
-COLUMNS = ["job", "cluster", "devices", "precision", "recompute", "micro_batches", "scheme", "mesh", "fits",
+COLUMNS = ["job", "cluster", "devices", "precision", "recompute", "attention", "micro_batches", "scheme", "mesh", "fits",
            "memory_gb", "step_s", "tokens_per_s_per_gpu", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
            "published", "published_value", "predicted_over_published", "source", "plan_s"]
 
@@ -72,6 +77,12 @@ JOBS = [
      "published": [("TorchTitan paper", 6258, "TorchTitan paper (arXiv:2410.06511): FSDP 8 H100, selective AC, "
                                               "as quoted in issue 10"),
                    ("TorchTitan repository", 5762, "TorchTitan repository benchmark, as quoted in issue 10")]},
+    {"job": "llama3-8b seq 8192, local batch 2", "model": "examples/llama.py", "args": {"preset": "llama3-8b"},
+     "cluster": "h100-4x8", "devices": 8, "batch": 16, "micro_batches": 1, "memory_gb": 96,
+     "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="selective"), "degrees": "fsdp=8",
+     "metric": "tokens_per_s_per_gpu",
+     "published": [("TorchTitan repository, Table 1", 5762, TITAN_2024 + " Table 1: Llama 3.1 8B, 8 H100, FSDP, "
+                    "local batch 2 (global 16), selective AC, 82.4 GiB; no torch.compile, no Float8")]},
     {"job": "gpt 1.7B seq 2048", "model": "examples/gpt.py",
      "args": {"preset": "gpt2-xl", "n_layer": 24, "n_embd": 2304, "n_head": 24, "vocab_size": 51200,
               "block_size": 2048, "seq_len": 2048},
@@ -80,6 +91,15 @@ JOBS = [
      "metric": "hardware_tflops_per_gpu",
      "published": [("Megatron-LM paper", 137, "Narayanan et al., SC'21, Table 1: 1.7B, 32 A100, batch 512, "
                                               "137 TFLOP/s per GPU (44% of peak), full recompute")]},
+    {"job": "gpt 1.7B seq 2048, unfused attention", "model": "examples/gpt.py",
+     "args": {"preset": "gpt2-xl", "n_layer": 24, "n_embd": 2304, "n_head": 24, "vocab_size": 51200,
+              "block_size": 2048, "seq_len": 2048},
+     "cluster": "dgx-a100-8", "devices": 32, "batch": 128, "micro_batches": 4,
+     "training": dict(param_dtype="fp16", recompute="full", attention="unfused"), "degrees": "dp=32",
+     "metric": "hardware_tflops_per_gpu",
+     "published": [("Megatron-LM paper", 137, "Narayanan et al., SC'21, Table 1 (as above), priced with attention "
+                                              "unfused as Megatron-LM ran it then (baddbmm, FusedScaleMaskSoftmax, "
+                                              "bmm); the traced GPT has no attention dropout (Megatron's had 0.1)")]},
     {"job": "llama3.1-70b fsdp x tp", "model": "examples/llama.py", "args": {"preset": "llama3-70b"},
      "cluster": "h100-4x8", "devices": 256, "batch": 512, "micro_batches": 1, "memory_gb": 96,
      "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"), "degrees": "fsdp=32,sp=8",
@@ -120,6 +140,7 @@ def row(job: dict, scheme: str, plan, bd, graph, seconds: float) -> dict:
     recomputes = 4 if job["training"].get("recompute") == "full" else 3
     return {"job": job["job"], "cluster": job["cluster"], "devices": job["devices"],
             "precision": job["training"]["param_dtype"], "recompute": job["training"].get("recompute", "none"),
+            "attention": job["training"].get("attention", "flash"),
             "micro_batches": job["micro_batches"], "scheme": scheme, "mesh": "x".join(map(str, plan.mesh.shape)),
             "fits": bd.fits_memory, "memory_gb": round(bd.memory_bytes_per_device / 1e9, 2),
             "step_s": round(bd.step_time_s, 4),

@@ -155,7 +155,8 @@ def compute_floor_s(graph: OpGraph, plan: Plan, cluster: Cluster) -> float:
     mesh, rg, memo = tuple(plan.mesh.shape), requires_grad(graph), {}
 
     def kernel(node, forward: bool) -> float:
-        return kernel_time_s(node, signature_of(plan, node), forward, mesh, cluster, memo)
+        return kernel_time_s(node, signature_of(plan, node), forward, mesh, cluster, memo,
+                             attention=plan.training.attention)
     total = sum(kernel(n, True) + (kernel(n, False) if n.name in rg else 0.0) for n in graph.ops())
     total += sum(kernel(n, True) for ops in recomputed_ops(graph, plan).values() for n in ops)
     return total * plan.training.micro_batches

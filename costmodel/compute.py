@@ -27,7 +27,11 @@ the op is causal ("only half of the entries are calculated"), backward 2.5 x the
 the forward pass and 5 matmuls in the backward pass, due to recomputation"), both at ``attention`` x
 the dtype's peak (the memory roofline as for any op), plus the op's overhead
 (:func:`attention_time_s`). Without the field it is one more matmul-like op (2 x backward, full
-FLOPs, ``compute``), as CPU clusters price it.
+FLOPs, ``compute``), as CPU clusters price it. Under ``Training.attention = "unfused"`` an attention
+op is instead the separate kernels of autoddl/attention.py (:func:`unfused_attention_time_s`): its
+batched matmuls at the matmul roofline (``compute`` or the compute curve at each matmul's FLOPs, full
+FLOPs: an unfused kernel computes the masked half too) and its softmax / dropout passes over the
+scores at the memory roofline, whatever ``efficiency.attention`` says; one op overhead as before.
 
 Executor overheads (``cluster.executor``, 0 unless calibrated): autoddl's executor runs
 every op, views included, as one call of its compiled local program. An op whose family
@@ -59,6 +63,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from autoddl.attention import unfused_passes
 from autoddl.cluster import Cluster, OpCost
 from autoddl.op_families import MATMUL_LIKE, SDPA_OPS, ZERO_COST  # noqa: F401  (read from here too)
 from autoddl.graph import OpNode
@@ -139,6 +144,24 @@ def attention_time_s(node: OpNode, flops: float, nbytes: float, cluster: Cluster
                (2.0 if backward else 1.0) * nbytes / (dev.memory_bandwidth_gbps * 1e9 * cluster.efficiency.memory))
 
 
+def unfused_attention_time_s(node: OpNode, divisor: float, cluster: Cluster, backward: bool) -> float:
+    """Roofline seconds of one attention op run unfused (autoddl/attention.py ``unfused_passes``), its
+    local share 1 / ``divisor``, forward or backward, without overhead: each pass at
+    :func:`roofline_time_s` (its own FLOPs on the compute curve; elementwise passes memory-bound)."""
+    dtype = compute_dtype(node)
+    return sum(roofline_time_s(p.flops, p.nbytes, cluster, dtype=dtype)
+               for p in unfused_passes(node, divisor, backward=backward))
+
+
+def _attention_work_s(node: OpNode, divisor: float, flops: float, nbytes: float, cluster: Cluster,
+                      backward: bool, attention: str) -> float | None:
+    """An attention op's work seconds under the ``attention`` setting (module docstring); None for
+    any other op, or flash attention on a cluster without ``efficiency.attention``."""
+    if attention == "unfused" and node.op_name in SDPA_OPS:
+        return unfused_attention_time_s(node, divisor, cluster, backward)
+    return attention_time_s(node, flops, nbytes, cluster, backward)
+
+
 def executor_cost(node: OpNode, cluster: Cluster) -> OpCost | None:
     """The measured cost of ``node``'s op family in its compute dtype (module docstring), or None."""
     if not cluster.executor.op_us:
@@ -213,7 +236,8 @@ def recompute_overhead_s(node: OpNode, policy: str, phase: str, recomputed: bool
     return (block + (0.0 if node.op_name == "getitem" else per_op)) * 1e-6
 
 
-def op_forward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster) -> float:
+def op_forward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster,
+                      attention: str = "flash") -> float:
     if not node.is_op:
         return 0.0
     share = cluster.time_sharing(tuple(mesh_shape))
@@ -221,12 +245,13 @@ def op_forward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], c
         return executor_forward_s(node, cluster) * share
     d = work_divisor(sig, mesh_shape)
     flops, nbytes = node.flops / d, (node.bytes_read + node.bytes_written) / d
-    attention = attention_time_s(node, flops, nbytes, cluster, backward=False)
-    work = attention if attention is not None else roofline_time_s(flops, nbytes, cluster, dtype=compute_dtype(node))
+    attn = _attention_work_s(node, d, flops, nbytes, cluster, False, attention)
+    work = attn if attn is not None else roofline_time_s(flops, nbytes, cluster, dtype=compute_dtype(node))
     return forward_time_s(node.op_name, compute_dtype(node), work, cluster, inputs=len(node.inputs)) * share
 
 
-def op_backward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster) -> float:
+def op_backward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster,
+                       attention: str = "flash") -> float:
     factor = backward_factor(node.op_name)
     if not node.is_op:
         return 0.0
@@ -235,9 +260,9 @@ def op_backward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], 
         return executor_backward_s(node, cluster) * share
     d = work_divisor(sig, mesh_shape)
     flops, nbytes, dtype = node.flops / d, (node.bytes_read + node.bytes_written) / d, compute_dtype(node)
-    attention = attention_time_s(node, flops, nbytes, cluster, backward=True)
-    work = attention if attention is not None else roofline_time_s(factor * flops, factor * nbytes, cluster,
-                                                                   op_flops=flops, dtype=dtype)
+    attn = _attention_work_s(node, d, flops, nbytes, cluster, True, attention)
+    work = attn if attn is not None else roofline_time_s(factor * flops, factor * nbytes, cluster,
+                                                         op_flops=flops, dtype=dtype)
     fam = executor_cost(node, cluster)
     if fam is not None:       # the work scale at the op's size: its forward roofline
         size_us = roofline_time_s(flops, nbytes, cluster, dtype=dtype) * 1e6
@@ -246,10 +271,11 @@ def op_backward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], 
 
 
 def op_compute_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster,
-                      needs_backward: bool = True) -> float:
-    """Forward + backward seconds of ``node`` run with signature ``sig`` on ``mesh_shape``."""
-    fwd = op_forward_time_s(node, sig, mesh_shape, cluster)
-    return fwd + (op_backward_time_s(node, sig, mesh_shape, cluster) if needs_backward else 0.0)
+                      needs_backward: bool = True, attention: str = "flash") -> float:
+    """Forward + backward seconds of ``node`` run with signature ``sig`` on ``mesh_shape``
+    (``attention``: ``Training.attention``)."""
+    fwd = op_forward_time_s(node, sig, mesh_shape, cluster, attention)
+    return fwd + (op_backward_time_s(node, sig, mesh_shape, cluster, attention) if needs_backward else 0.0)
 
 
 def optimizer_bytes(param_bytes_local: float, param_numel_local: float, optimizer: str) -> float:

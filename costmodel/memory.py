@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from autoddl.activations import activation_bytes, local_bytes  # noqa: F401  (read from here too)
+from autoddl.activations import activation_bytes, kept_scores_bytes, local_bytes  # noqa: F401  (read from here too)
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.offload import grad_bytes, kept_parameters, spill_groups
 from autoddl.pipeline import Boundary, in_flight_peak, input_stage, pipeline_degree
@@ -141,6 +141,7 @@ def recomputed_bytes(graph: OpGraph, plan: Plan) -> int:
     mesh = plan.mesh.shape
     return max((sum(local_bytes(m.nbytes, nd, mesh) for n in block if n.op_name not in ZERO_COST
                     for m, nd in zip(n.outputs, signature_of(plan, n).outputs) if m.dtype != "none")
+                + sum(kept_scores_bytes(n, signature_of(plan, n), mesh, plan.training) for n in block)
                 for block in recomputed_ops(graph, plan).values()), default=0)
 
 

@@ -40,8 +40,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autoddl.attention import dropout_p
 from autoddl.cluster import Cluster
 from autoddl.graph import OpGraph, OpNode
+from autoddl.op_families import SDPA_OPS
 from autoddl.offload import HOST
 from autoddl.plan import Plan
 from autoddl.sbp import Signature
@@ -149,7 +151,7 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
     node = graph[task.op]
     sig = signature_of(plan, node)
     forward = task.phase in ("forward", "recompute")
-    t = kernel_time_s(node, sig, forward, mesh, cluster, op_times)
+    t = kernel_time_s(node, sig, forward, mesh, cluster, op_times, attention=plan.training.attention)
     policy = plan.training.recompute_of(block_of(node))
     if policy != "none" and cluster.executor.recompute:
         recompute = recompute or RecomputeInfo.of(graph, plan)
@@ -160,15 +162,17 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
 
 
 def kernel_time_s(node: OpNode, sig: Signature, forward: bool, mesh: tuple[int, ...], cluster: Cluster,
-                  memo: dict | None = None) -> float:
+                  memo: dict | None = None, attention: str = "flash") -> float:
     """``node``'s forward (else backward) kernel seconds under ``sig`` (costmodel/compute.py), kept in
     ``memo`` (one per plan and cluster) under all of the node those functions read, so the repeated
     blocks of a decoder price each op once."""
     key = (forward, sig, node.kind, node.target, node.flops, node.bytes_read, node.bytes_written,
-           node.input_metas, node.outputs, len(node.inputs), len(node.params), is_causal(node))
+           node.input_metas, node.outputs, len(node.inputs), len(node.params), is_causal(node),
+           attention, dropout_p(node) if attention == "unfused" and node.op_name in SDPA_OPS else 0.0)
     t = memo.get(key) if memo is not None else None
     if t is None:
-        t = op_forward_time_s(node, sig, mesh, cluster) if forward else op_backward_time_s(node, sig, mesh, cluster)
+        t = (op_forward_time_s(node, sig, mesh, cluster, attention) if forward
+             else op_backward_time_s(node, sig, mesh, cluster, attention))
         if memo is not None:
             memo[key] = t
     return t

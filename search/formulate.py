@@ -43,6 +43,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from autoddl import ops
+from autoddl.activations import kept_scores_bytes
 from autoddl.cluster import Cluster
 from autoddl.flops import VIEW_OPS
 from autoddl.collective_kinds import CollectiveKind
@@ -167,7 +168,7 @@ def formulate(graph: OpGraph, cluster: Cluster, mesh_shape: Sequence[int], *, op
     nodes, index, keys, rg, choices = cache.nodes, cache.index, cache.keys, cache.rg, cache.choices
     recomputed = recomputed_names(graph, training)
     k = training.micro_batches
-    setting = (k, training.param_dtype)                  # what node vectors depend on besides recompute
+    setting = (k, training.param_dtype, training.attention)   # what node vectors depend on besides recompute
 
     def node_vectors(i: int) -> tuple[np.ndarray, np.ndarray]:
         n, key = nodes[i], keys[i]
@@ -229,9 +230,10 @@ def _node_vectors(node: OpNode, cands: list[Signature], mesh: tuple[int, ...], c
     elif node.kind is NodeKind.OP:
         saves = node.op_name not in VIEW_OPS and node.op_name != "getitem"
         for j, sig in enumerate(cands):
-            step = op_compute_time_s(node, sig, mesh, cluster, needs_backward=needs_grad)
+            step = op_compute_time_s(node, sig, mesh, cluster, needs_backward=needs_grad,
+                                     attention=training.attention)
             if recomputed:
-                step += op_forward_time_s(node, sig, mesh, cluster)
+                step += op_forward_time_s(node, sig, mesh, cluster, training.attention)
             inner = ops.inner_collectives(node, sig, mesh)
             if inner:       # the kernel's own collectives, forward (and again when recomputed), and
                 # those autograd runs again in backward
@@ -242,6 +244,7 @@ def _node_vectors(node: OpNode, cands: list[Signature], mesh: tuple[int, ...], c
             if saves:
                 mem[j] = sum(m.nbytes * nd.shard_fraction(mesh)
                              for m, nd, kept in zip(node.outputs, sig.outputs, saved) if kept and m.dtype != "none")
+                mem[j] += 0 if recomputed else kept_scores_bytes(node, sig, mesh, training)
     return cost, mem
 
 

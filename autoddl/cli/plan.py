@@ -34,7 +34,8 @@ from autoddl.loader import ModelFile, ModelFileError, load_model_file
 from autoddl.ops import coverage_report
 from autoddl.plan import Mesh, Plan
 from autoddl.rebatch import at_batch
-from autoddl.training import DEFAULT_BUCKET_MB, DTYPES, OFFLOAD_CHOICES, RECOMPUTE_CHOICES, SCHEDULES, Training
+from autoddl.training import (ATTENTION_KERNELS, DEFAULT_BUCKET_MB, DTYPES, OFFLOAD_CHOICES, RECOMPUTE_CHOICES,
+                              SCHEDULES, Training)
 from search.planner import (SCHEMES, Scheme, SearchOutcome, data_parallel_degree, degrees_spec, parse_degrees,
                             price_degrees, resolve_cluster, search)
 from search.problem import NoFeasiblePlanError
@@ -66,6 +67,10 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
                         "those blocks' saved activations, out after forward, in before backward), or auto (none, "
                         "then optimizer, params, activations: the first with which a plan fits); needs the cluster "
                         "file's host_link, host_memory_gb, host_memory_bandwidth_gbps")
+    t.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
+                   help="price attention as one fused kernel (flash, default) or as the separate Q.K^T, softmax, "
+                        "dropout and probs.V kernels of Megatron-LM's 2021 attention, keeping the scores (unfused); "
+                        "a pricing choice: the plan still runs torch's SDPA")
     t.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB, metavar="MB",
                    help=f"gradient-sync bucket size (default {DEFAULT_BUCKET_MB:g}, as DDP)")
     t.add_argument("--micro-batch-size", type=int, metavar="M",
@@ -95,7 +100,8 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
 def training_of(args: argparse.Namespace) -> Training:
     """The Training of the command line's settings (one micro-step; the batch flags set micro_batches)."""
     return Training(bucket_mb=args.bucket_mb, param_dtype=args.precision, reduce_dtype=args.reduce_dtype,
-                    recompute=args.recompute, offload=getattr(args, "offload", "none"))
+                    recompute=args.recompute, offload=getattr(args, "offload", "none"),
+                    attention=getattr(args, "attention", "flash"))
 
 
 @dataclass
@@ -293,7 +299,8 @@ def _training_line(training: Training, result: Planned, args: argparse.Namespace
     text = (f"training: {precision}" + (f" (gradients reduced in {next(k for k, v in DTYPES.items() if v == reduce)})"
                                         if reduce != training.param_dtype else "")
             + f", recompute {args.recompute}, buckets {training.bucket_mb:g} MB"
-            + (f", offload {getattr(args, 'offload', 'none')}" if getattr(args, "offload", "none") != "none" else ""))
+            + (f", offload {getattr(args, 'offload', 'none')}" if getattr(args, "offload", "none") != "none" else "")
+            + (", attention priced unfused" if training.attention == "unfused" else ""))
     plan = result.outcome.found if result.outcome else result.given.plan if result.given else None
     if plan is not None and plan.batch_size:
         k = plan.training.micro_batches
