@@ -52,7 +52,7 @@ from autoddl.program import layout_of
 from executor.compiled import LocalStep, ProgramCompiler
 from executor.gradsync import GradSync
 from executor.moves import wait
-from executor.runtime import DistributedModel, PlanExecutionError, _local_of
+from executor.runtime import DistributedModel, PlanExecutionError, local_of
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -195,7 +195,7 @@ class PipelinedModel(DistributedModel):
         self._set_phase("grad_sync")
         with torch.no_grad():
             for fqn in self.layout.tied:
-                local = _local_of(params[fqn])
+                local = local_of(params[fqn])
                 grad = local.grad if fqn in self.held and local.grad is not None else torch.zeros_like(local)
                 self._on_collective(CollectiveKind.ALL_REDUCE, 0, grad.numel() * dtype.itemsize, f"tied {fqn}")
                 summed = wait(funcol.all_reduce(grad.to(dtype), "sum", self.boxer.groups[0]))

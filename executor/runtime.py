@@ -394,7 +394,7 @@ class LocalShardOptimizer:
     def __init__(self, name: str, params, lr: float = 1e-2):
         self.params = [p for p in params if p.requires_grad]
         with torch.no_grad():
-            self.locals = [_local_of(p) for p in self.params]
+            self.locals = [local_of(p) for p in self.params]
         self.inner = torch_optimizer(name, self.locals, lr, foreach=True)
 
     @property
@@ -427,7 +427,7 @@ class LocalShardOptimizer:
         return self.inner.state_dict()
 
 
-def _local_of(p: torch.Tensor) -> torch.Tensor:
+def local_of(p: torch.Tensor) -> torch.Tensor:
     """The local tensor the optimizer steps for ``p``: its ZeRO-1/2 shard, else the one a
     DistributedModel keeps (shared storage), else ``p``'s local piece."""
     local = getattr(p, "_autoddl_opt_local", None)
@@ -562,7 +562,7 @@ def run_check(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callabl
             continue
         dp = d_params[fqn]
         if fqn in r_grads:
-            grad = _local_of(dp).grad
+            grad = local_of(dp).grad
             if grad is None:
                 errors[f"grad/{fqn}"] = float("inf")
             else:
