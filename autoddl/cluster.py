@@ -380,8 +380,10 @@ class ExecutorOverheads:
     shard_param_us: float = 0.0     # per parameter a shard's backward updates (gradient, p -= lr * grad, reset)
     # Share (0..1) of a collective's duration that its ranks' compute stream also pays
     # (costmodel/simulate.py): on CPUs gloo's threads take the cores the ranks compute on (``autoddl
-    # calibrate --only collective_cpu`` measures it); on GPUs NCCL's kernels take SMs from the compute
-    # kernels they overlap (a cited slowdown s of overlapped compute gives s / (1 + s): the compute
+    # calibrate --only collective_cpu`` measures it; ``--across-hosts --only collective_cpu`` with the
+    # collectives across the link between hosts, whose kernel CPU a loopback run does not see: a share
+    # measured across a link is the one to use for collectives on that link); on GPUs NCCL's kernels take
+    # SMs from the compute kernels they overlap (a cited slowdown s of overlapped compute gives s / (1 + s): the compute
     # beside a collective of d seconds does d / (1 + s) seconds of work in d). 0: not priced.
     collective_compute_share: float = 0.0
     op_us: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)    # dtype -> family

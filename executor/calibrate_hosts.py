@@ -52,6 +52,22 @@ def host_groups(world: int, per_node: int) -> tuple[list[list[int]], list[list[i
     return intra, [list(range(r, world, per_node)) for r in range(per_node)]
 
 
+def torchrun_hosts(what: str) -> tuple[int, int]:
+    """(world size, ranks per host) of this torchrun rank; fails early on a launch that is not whole hosts."""
+    if "RANK" not in os.environ or "LOCAL_WORLD_SIZE" not in os.environ:
+        raise ValueError(f"{what} runs in torchrun ranks on several hosts; launch it with "
+                         f"`python benchmarks/two_hosts.py -- -m autoddl {what} --out YAML`")
+    world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    host_groups(world, per_node)
+    return world, per_node
+
+
+def testbed_command(options: str) -> str:
+    """The command line that re-runs ``autoddl calibrate --across-hosts`` + ``options`` on the testbed at this rate."""
+    rate = os.environ.get("TWO_HOSTS_RATE_MBIT", "?")
+    return f"python benchmarks/two_hosts.py --rate-mbit {rate} -- -m autoddl calibrate --across-hosts{options}"
+
+
 def _host_paths_rank(b: "Bench", per_node: int) -> dict[str, Any]:
     """One rank's timings of every path (and the 8 MB checks), keyed (path, kind, n, bytes)."""
     dist, sizes = b.dist, b.s.message_bytes
@@ -258,15 +274,8 @@ def calibrate_across_hosts(out: str | None, base_path: str, fit_kinds: Callable[
     """``autoddl calibrate --across-hosts`` in one torchrun rank: measure; rank 0 fits and writes ``out``."""
     from autoddl.cluster import Cluster
 
-    rate = os.environ.get("TWO_HOSTS_RATE_MBIT", "?")
-    command = (f"python benchmarks/two_hosts.py --rate-mbit {rate} -- -m autoddl calibrate --across-hosts"
-               + (f" --out {out}" if out else "") + (" --quick" if quick else ""))
-
-    if "RANK" not in os.environ or "LOCAL_WORLD_SIZE" not in os.environ:
-        raise ValueError("calibrate --across-hosts runs in torchrun ranks on several hosts; launch it with "
-                         "`python benchmarks/two_hosts.py -- -m autoddl calibrate --across-hosts --out YAML`")
-    world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    host_groups(world, per_node)                                  # fails early on a launch that is not whole hosts
+    command = testbed_command((f" --out {out}" if out else "") + (" --quick" if quick else ""))
+    world, per_node = torchrun_hosts("calibrate --across-hosts")
     base = Cluster.from_yaml(base_path)
     settings = Settings.default(world, "gloo", quick=quick, threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
     load_before = os.getloadavg()[0]

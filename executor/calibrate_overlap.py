@@ -17,6 +17,12 @@ alone (the collectives then run inside the compute, as an overlapped gradient bu
 repeat's time of each loop is the slowest rank's least; its fraction is ``(both - compute) / collectives``
 clamped to [0, 1] (:func:`collective_compute_share`); the result is the median over repeats. Progress
 goes to stderr (rank 0).
+
+``--across-hosts`` (:func:`measure_overlap_across_hosts`, in torchrun ranks under
+benchmarks/two_hosts.py) runs the same loops on every rank with the all-reduces on the inter-host
+groups (one rank per host, every group at once: a mesh axis across the hosts), so the kernel's CPU
+for the link (TCP, softirq, the qdisc's shaping) is in the share; a share measured across a link is
+the one to use for collectives on that link.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class OverlapResult:
     collectives: int
     nproc: int
     threads: int
+    path: str = ""                     # where the all-reduces ran, when not on one group of all local ranks
 
 
 def collective_compute_share(t: OverlapTiming) -> float:
@@ -77,14 +84,40 @@ def measure_overlap(nproc: int = 2, threads: int = 1, repeats: int = 15, timeout
     return OverlapResult(median_fraction(timings), timings, ranks[0]["matmuls"], COLLECTIVES, nproc, threads)
 
 
+def measure_overlap_across_hosts(threads: int = 1, repeats: int = 15) -> OverlapResult | None:
+    """Inside torchrun ranks on several hosts (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_* set): the
+    loops with the all-reduces on the inter-host groups, all at once; rank 0 gets the result."""
+    import torch.distributed as dist
+
+    from executor.calibrate_hosts import host_groups, torchrun_hosts
+
+    world, per_node = torchrun_hosts("calibrate --across-hosts --only collective_cpu")
+    inter = host_groups(world, per_node)[1]
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    times = _loops(dist.new_subgroups_by_enumeration(inter)[0], threads, repeats)
+    if int(os.environ["RANK"]) != 0:
+        return None
+    rate = os.environ.get("TWO_HOSTS_RATE_MBIT", "?")
+    path = (f"{world // per_node} hosts x {per_node} ranks (benchmarks/two_hosts.py), the all-reduces on the "
+            f"{len(inter)} inter-host groups {inter} at once across the tbf {rate} Mbit/s link")
+    timings = tuple(OverlapTiming(*t) for t in times["times"])
+    return OverlapResult(median_fraction(timings), timings, times["matmuls"], COLLECTIVES, world, threads, path)
+
+
 def _rank(threads: int, repeats: int) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    return _loops(dist.new_group(list(range(dist.get_world_size()))), threads, repeats)   # the collectives' own
+
+
+def _loops(group: object, threads: int, repeats: int) -> dict:
+    """The three loops (module docstring) in this rank, the all-reduces on ``group``; destroys the process group."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    group = dist.new_group(list(range(dist.get_world_size())))        # the collectives' own, as a bucket's
+    rank = dist.get_rank()
     m, n, k = MATMUL_SHAPE
     a, b = torch.randn(m, k), torch.randn(k, n)
     bufs = [torch.ones(MESSAGE_BYTES // 4) for _ in range(COLLECTIVES)]
@@ -138,8 +171,9 @@ def describe(result: OverlapResult, command: str) -> str:
     med = [statistics.median(getattr(t, f) for t in result.timings) * 1e3
            for f in ("compute_s", "collective_s", "both_s")]
     return (f"measured {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC by `{command}` "
-            f"(load average {os.getloadavg()[0]:.1f}): {nproc_text(result.nproc, result.threads)}, "
-            f"{result.collectives} async all-reduces of {MESSAGE_BYTES / 1e6:g} MB on their own group beside "
+            f"(load average {os.getloadavg()[0]:.1f}): {nproc_text(result.nproc, result.threads)}"
+            + (f"; {result.path}: " if result.path else ", ")
+            + f"{result.collectives} async all-reduces of {MESSAGE_BYTES / 1e6:g} MB on their own group beside "
             f"{result.matmuls} matmuls {MATMUL_SHAPE[0]}x{MATMUL_SHAPE[2]} @ {MATMUL_SHAPE[2]}x{MATMUL_SHAPE[1]}; "
             f"(both - compute alone) / collectives alone, median of {len(result.timings)} repeats "
             f"(medians: compute {med[0]:.1f} ms, collectives {med[1]:.1f} ms, both {med[2]:.1f} ms)")

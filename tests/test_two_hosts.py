@@ -5,6 +5,7 @@ Needs root and iproute2 (network namespaces, tc); skipped with the testbed's own
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -105,3 +106,78 @@ def test_host_groups_and_two_hosts_cluster_recover_both_links(tmp_path, monkeypa
     assert f"{CHECK_BYTES / 1e6:g} MB" in header and "tbf 1000 Mbit/s" in header and "R^2 1.0000" in header
     cluster.to_yaml(tmp_path / "two.yaml", comments=comments, header=header)
     assert Cluster.from_yaml(tmp_path / "two.yaml") == cluster
+
+
+# -- the collectives' compute share across the link (calibrate --across-hosts --only collective_cpu) ------
+def test_collective_cpu_across_hosts_writes_the_share_over_base_with_the_link_it_crossed(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """The CLI in a torchrun rank of the testbed, the measurement replaced by synthetic timings
+    (fractions 0.5, 0.75, 0.25: median 0.5): rank 0 writes --base with the share and a comment naming
+    the testbed command and its rate, every other field, comment and the header as they were; another
+    rank writes nothing; a launch outside torchrun and --only with another kind are refused by name."""
+    from autoddl.cli import main
+    from autoddl.cluster import CONFIG_DIR, Cluster, yaml_comments
+    from executor import calibrate_overlap
+    from executor.calibrate_overlap import OverlapResult, OverlapTiming, median_fraction
+
+    timings = (OverlapTiming(0.040, 0.010, 0.045), OverlapTiming(0.040, 0.008, 0.046), OverlapTiming(0.04, 0.01, 0.0425))
+    path = "2 hosts x 2 ranks, the all-reduces on the 2 inter-host groups [[0, 2], [1, 3]] across the tbf 10000 Mbit/s link"
+    rank, real = {"RANK": "0"}, calibrate_overlap.measure_overlap_across_hosts
+    monkeypatch.setattr(calibrate_overlap, "measure_overlap_across_hosts", lambda threads, repeats: None
+                        if rank["RANK"] != "0" else OverlapResult(median_fraction(timings), timings, 46, 8, 4, threads, path))
+    monkeypatch.setenv("TWO_HOSTS_RATE_MBIT", "10000")
+    base, out = CONFIG_DIR / "two-hosts.yaml", tmp_path / "two.yaml"
+    args = ["calibrate", "--across-hosts", "--only", "collective_cpu", "--base", str(base), "--out", str(out)]
+    rank["RANK"] = "1"
+    assert main(args) == 0 and not out.exists()
+    rank["RANK"] = "0"
+    assert main(args) == 0
+    got, want = Cluster.from_yaml(out), Cluster.from_yaml(base)
+    assert got.executor.collective_compute_share == 0.5
+    assert dataclasses.replace(got, executor=want.executor) == want
+    (header, comments), (base_header, base_comments) = yaml_comments(out), yaml_comments(base)
+    note = comments.pop("executor.collective_compute_share")
+    base_comments.pop("executor.collective_compute_share")
+    assert header == base_header and comments == base_comments
+    assert (f"`python benchmarks/two_hosts.py --rate-mbit 10000 -- -m autoddl calibrate --across-hosts --only "
+            f"collective_cpu --base {base} --out {out}`") in note
+    assert f"4 gloo ranks, 1 thread each; {path}: 8 async all-reduces of 1 MB" in note
+    assert "median of 3 repeats (medians: compute 40.0 ms, collectives 10.0 ms, both 45.0 ms)" in note
+    assert main(["calibrate", "--across-hosts", "--only", "all_reduce", "--out", str(out)]) == 2
+    assert "across hosts, --only takes collective_cpu alone" in capsys.readouterr().err
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="--only collective_cpu runs in torchrun ranks on several hosts"):
+        real(1, 1)
+
+
+@pytest.mark.distributed
+def test_collective_cpu_measured_across_the_testbed_link(tmp_path):
+    """The real measurement on the testbed (--quick: 5 repeats): rank 0 writes the median of the
+    fractions its repeats printed, with the inter-host groups and the link in the comment, every
+    other field of --base as it was; no namespace left behind."""
+    import re
+    import statistics
+
+    from autoddl.cluster import CONFIG_DIR, Cluster, yaml_comments
+
+    reason = _unavailable()
+    if reason:
+        pytest.skip(reason)
+    before, base, out = _our_namespaces(), CONFIG_DIR / "two-hosts.yaml", tmp_path / "two.yaml"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--rate-mbit", "10000", "--timeout-s", "90", "--", "-m",
+                          "autoddl", "calibrate", "--across-hosts", "--only", "collective_cpu", "--quick",
+                          "--base", str(base), "--out", str(out)],
+                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log
+    repeats = [tuple(float(x) for x in m) for m in
+               re.findall(r"repeat \d/5: compute ([\d.]+) ms, collectives ([\d.]+) ms, both ([\d.]+) ms", log)]
+    assert len(repeats) == 5, log
+    printed = statistics.median(min(1.0, max(0.0, (both - c) / coll)) for c, coll, both in repeats)
+    got, want = Cluster.from_yaml(out), Cluster.from_yaml(base)
+    assert got.executor.collective_compute_share == pytest.approx(printed, abs=0.02)   # times printed to 0.1 ms
+    assert dataclasses.replace(got, executor=want.executor) == want
+    note = yaml_comments(out)[1]["executor.collective_compute_share"]
+    assert "inter-host groups [[0, 2], [1, 3]] at once across the tbf 10000 Mbit/s link" in note
+    assert "4 gloo ranks, 1 thread each" in note and "median of 5 repeats" in note
+    assert _our_namespaces() <= before, f"namespaces left behind: {_our_namespaces() - before}"

@@ -6,6 +6,8 @@
         # the shard runner's executor.shard_* fields over --base, its comments kept
     autoddl calibrate --nproc 2 --only collective_cpu --base configs/local-cpu.yaml --out configs/local-cpu.yaml
         # executor.collective_compute_share (executor/calibrate_overlap.py) over --base, its comments kept
+    python benchmarks/two_hosts.py --rate-mbit 1000 -- -m autoddl calibrate --across-hosts --only collective_cpu \
+        --base configs/two-hosts.yaml --out configs/two-hosts.yaml   # the same, the all-reduces across the link
 
 The measuring and fitting are ``autoddl.calibration``'s (its docstring says what each
 field is made of); this module parses the options, writes the files and prints.
@@ -59,18 +61,22 @@ def add_calibrate(subparsers: "argparse._SubParsersAction") -> None:
                         "written into --base as executor.collective_compute_share, every other field and comment "
                         "as it was")
     p.add_argument("--across-hosts", action="store_true", help="run as torchrun ranks on several hosts "
-                   "(benchmarks/two_hosts.py -- -m autoddl calibrate --across-hosts): fit intra- and inter-host links")
+                   "(benchmarks/two_hosts.py -- -m autoddl calibrate --across-hosts): fit intra- and inter-host links; "
+                   f"with --only {COLLECTIVE_CPU}: measure it with the all-reduces on the inter-host groups")
     p.set_defaults(func=run_calibrate)
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    if args.across_hosts:            # measured by executor.calibrate, fitted per kind by autoddl.calibration
+    kinds = tuple(k.strip() for k in args.only.split(",")) if args.only else ()
+    if args.across_hosts and not kinds:     # measured by executor.calibrate, fitted per kind by autoddl.calibration
         from autoddl.calibration import fit_collectives
         from executor.calibrate_hosts import calibrate_across_hosts
         return calibrate_across_hosts(args.out, args.base, fit_collectives, quick=args.quick)
+    if args.across_hosts and kinds != (COLLECTIVE_CPU,):
+        raise ValueError(f"calibrate --across-hosts --only {args.only}: across hosts, --only takes "
+                         f"{COLLECTIVE_CPU} alone; leave --only out to fit both links")
     if args.devices_per_node is not None and args.devices_per_node < 1:
         raise ValueError(f"--devices-per-node must be a positive integer, got {args.devices_per_node}")
-    kinds = tuple(k.strip() for k in args.only.split(",")) if args.only else ()
     if SHARD_RUNNER in kinds:
         return _calibrate_shard_runner(args, kinds)
     if COLLECTIVE_CPU in kinds:
@@ -122,7 +128,8 @@ def _calibrate_shard_runner(args: argparse.Namespace, kinds: tuple[str, ...]) ->
 def _calibrate_collective_cpu(args: argparse.Namespace, kinds: tuple[str, ...]) -> int:
     """``--only collective_cpu`` (executor/calibrate_overlap.py): --base with
     ``executor.collective_compute_share`` measured, its header and every other comment kept."""
-    from executor.calibrate_overlap import describe, measure_overlap
+    from executor.calibrate_hosts import testbed_command
+    from executor.calibrate_overlap import describe, measure_overlap, measure_overlap_across_hosts
 
     if kinds != (COLLECTIVE_CPU,):
         raise ValueError(f"calibrate --only {args.only}: {COLLECTIVE_CPU} is timed alone; give --only "
@@ -132,10 +139,19 @@ def _calibrate_collective_cpu(args: argparse.Namespace, kinds: tuple[str, ...]) 
                          "priced (leave executor.collective_compute_share at 0 on GPU clusters)")
     base = Cluster.from_yaml(args.base)          # a bad base fails before the timing
     header, comments = yaml_comments(args.base)
-    result = measure_overlap(args.nproc, args.threads or 1, repeats=5 if args.quick else 15)
+    threads, repeats = args.threads or 1, 5 if args.quick else 15
+    if args.across_hosts:                        # torchrun ranks under benchmarks/two_hosts.py: rank 0 writes
+        result = measure_overlap_across_hosts(threads, repeats)
+        if result is None:
+            return 0
+        command = testbed_command(f" --only {COLLECTIVE_CPU} --base {shlex.quote(str(args.base))}"
+                                  + (f" --out {shlex.quote(args.out)}" if args.out else "")
+                                  + (" --quick" if args.quick else ""))
+    else:
+        result, command = measure_overlap(args.nproc, threads, repeats=repeats), _command(args)
     fraction = round(result.fraction, 3)
     cluster = dataclasses.replace(base, executor=dataclasses.replace(base.executor, collective_compute_share=fraction))
-    comments["executor.collective_compute_share"] = describe(result, _command(args))
+    comments["executor.collective_compute_share"] = describe(result, command)
     if _write(Calibration(cluster, comments, header, {}, None), args.out):
         print(f"wrote {args.out}: executor.collective_compute_share {fraction:g}")
     return 0
