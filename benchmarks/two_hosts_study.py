@@ -3,7 +3,8 @@
 For each link rate (``--rates``, Mbit/s; default 1000 and 10000):
 
 1. the cluster: ``configs/two-hosts.yaml`` when it was calibrated at that rate, else
-   ``autoddl calibrate --across-hosts`` on the testbed at that rate, written to ``--work``;
+   ``autoddl calibrate --across-hosts`` on the testbed at that rate, then its ``--only collective_cpu``
+   across the same link, written to ``--work``;
 2. per model (gpt and llama at sizes where communication matters, ``MODELS``): the planner on the
    2x2 mesh in-process (``autoddl.api.search_model``): every applicable baseline and the found plan,
    and each 2-D plan whose axes play different roles once more with its axes swapped (``tp_dp`` is
@@ -78,12 +79,16 @@ def cluster_for_rate(rate: float, work: Path, quick: bool) -> Path:
     if calibrated_rate(out) == rate:
         return out
     print(f"calibrating the testbed at {rate:g} Mbit/s -> {out}", flush=True)
-    cmd = [sys.executable, str(TESTBED), "--rate-mbit", f"{rate:g}", "--timeout-s", "590", "--",
-           "-m", "autoddl", "calibrate", "--across-hosts", "--out", str(out)] + (["--quick"] if quick else [])
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if res.returncode != 0 or not out.exists():
-        raise RuntimeError(f"calibration at {rate:g} Mbit/s failed (exit {res.returncode}):\n"
-                           + "\n".join((res.stdout + res.stderr).splitlines()[-20:]))
+    testbed = [sys.executable, str(TESTBED), "--rate-mbit", f"{rate:g}", "--timeout-s", "590", "--",
+               "-m", "autoddl", "calibrate", "--across-hosts"]
+    quick_flag = ["--quick"] if quick else []
+    # the links, then the collectives' compute share across this link (a share does not carry across rates)
+    for cmd in (testbed + ["--out", str(out)] + quick_flag,
+                testbed + ["--only", "collective_cpu", "--base", str(out), "--out", str(out)] + quick_flag):
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if res.returncode != 0 or not out.exists():
+            raise RuntimeError(f"calibration at {rate:g} Mbit/s failed (exit {res.returncode}): {' '.join(cmd)}\n"
+                               + "\n".join((res.stdout + res.stderr).splitlines()[-20:]))
     return out
 
 
