@@ -41,9 +41,7 @@ from autoddl.shard_program import BACKWARD, FORWARD, ScheduledTask, ShardedJob
 def shard_need_bytes(job: ShardedJob, shard: int) -> int:
     """The most one task of ``shard`` holds alone on an empty device: its backward's parameters,
     gradients, optimizer states and the activations its forward kept (module docstring)."""
-    states = job.state_bytes[shard] if job.state_bytes else 0
-    acts = job.activation_bytes[shard] if job.activation_bytes else 0
-    return 2 * job.param_bytes[shard] + states + acts
+    return 2 * job.param_bytes[shard] + job.states_of(shard) + job.activations_of(shard)
 
 
 @dataclass
@@ -113,12 +111,10 @@ class MemoryLedger:
         opens: list[tuple[tuple | None, _Interval]] = []
         closes: list[tuple[tuple, float]] = []
         if key.kind == FORWARD:
-            acts = job.activation_bytes[s] if job.activation_bytes else 0
-            opens.append((("act", task.job, key.step, s), _Interval(d, task.start_s, math.inf, acts)))
+            opens.append((("act", task.job, key.step, s), _Interval(d, task.start_s, math.inf, job.activations_of(s))))
         else:
             closes.append((("act", task.job, key.step, s), task.end_s))
             opens.append((None, _Interval(d, task.start_s, task.end_s, job.param_bytes[s])))
-        states = job.state_bytes[s] if job.state_bytes else 0
         if job.spill:
             opens += [(None, iv) for iv in self._spilled(job, task)]
         else:
@@ -127,7 +123,7 @@ class MemoryLedger:
             if key.kind == FORWARD and (where is None or where.device != d):
                 if where is not None:
                     closes.append((home, task.start_s))
-                opens.append((home, _Interval(d, task.placed_s, math.inf, job.param_bytes[s] + states)))
+                opens.append((home, _Interval(d, task.placed_s, math.inf, job.param_bytes[s] + job.states_of(s))))
             if key.kind == BACKWARD and key.step == job.steps - 1:
                 closes.append((home, task.end_s))
         return [(k, iv) for k, iv in opens if iv.nbytes and iv.end_s > iv.start_s], closes

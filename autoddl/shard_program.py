@@ -106,6 +106,14 @@ class ShardedJob:
     def duration_s(self, key: "TaskKey") -> float:
         return (self.forward_s if key.kind == FORWARD else self.backward_s)[key.shard]
 
+    def states_of(self, shard: int) -> int:
+        """Bytes of the optimizer states of ``shard``'s parameters (0 when none are given)."""
+        return self.state_bytes[shard] if self.state_bytes else 0
+
+    def activations_of(self, shard: int) -> int:
+        """Bytes ``shard``'s forward saves for its backward (0 when none are given)."""
+        return self.activation_bytes[shard] if self.activation_bytes else 0
+
     def host_copies(self, key: "TaskKey", resident: bool) -> tuple[int, int]:
         """(bytes loaded before ``key``, bytes written back after it) of a spilled job (module docstring);
         ``resident``: the device's previous task was this job's same shard. (0, 0) when not spilled."""
@@ -114,7 +122,7 @@ class ShardedJob:
         params = self.param_bytes[key.shard]
         if key.kind == FORWARD:
             return (0 if resident else params), 0
-        states = self.state_bytes[key.shard] if self.state_bytes else 0
+        states = self.states_of(key.shard)
         return (0 if resident else params) + states, params + states
 
 

@@ -180,8 +180,8 @@ def _require_one_task_fits(jobs: Sequence[ShardedJob], memory_bytes: float) -> N
                 raise ValueError(
                     f"job {job.name!r}: shard {s} needs {need / 1e9:.3g} GB on one device for its backward "
                     f"(parameters and their gradients {2 * job.param_bytes[s] / 1e9:.3g} GB, optimizer states "
-                    f"{(job.state_bytes[s] if job.state_bytes else 0) / 1e9:.3g} GB, saved activations "
-                    f"{(job.activation_bytes[s] if job.activation_bytes else 0) / 1e9:.3g} GB), above the device's "
+                    f"{job.states_of(s) / 1e9:.3g} GB, saved activations "
+                    f"{job.activations_of(s) / 1e9:.3g} GB), above the device's "
                     f"{memory_bytes / 1e9:.3g} GB; cut the job into more shards (shards:), "
                     f"{'' if job.spill else 'keep it in host memory (spill: host), '}or give it a smaller batch")
 
