@@ -32,7 +32,7 @@ prices); a collective that compute waits for costs nothing more (the share ends 
 collective does). A collective queued behind others pays its share where it was issued, not where
 it runs, so one that runs while the compute stream is idle (the tail of a communication-bound
 backward) is charged where compute was busy: an overestimate of at most its share. These shares
-are kept apart (``Timeline.collective_cpu``), not among the tasks: compute busy time stays the
+are kept apart (``Timeline.compute_shares``), not among the tasks: compute busy time stays the
 ops' own, and the time they add to the step is reported as exposed communication.
 """
 
@@ -72,12 +72,12 @@ class TimedTask:
 @dataclass
 class Timeline:
     tasks: list[TimedTask]
-    collective_cpu: list[TimedTask] = field(default_factory=list)   # collectives' shares of the compute stream
+    compute_shares: list[TimedTask] = field(default_factory=list)   # collectives' shares of the compute stream
     _sums: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def step_time_s(self) -> float:
-        return max((t.end_s for t in self.tasks + self.collective_cpu), default=0.0)
+        return max((t.end_s for t in self.tasks + self.compute_shares), default=0.0)
 
     def busy_s(self, *, stream: str | None = None, phase: str | None = None, collective: bool | None = None,
                pp_rank: int | None = None) -> float:
@@ -201,10 +201,10 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
         stream_free[stream] = finish
         timed.append(TimedTask(task, start, finish))
         if share and task.is_collective:        # its share of the compute stream (module docstring)
-            cpu = (task.pp_rank, COMPUTE)
-            at = stream_free.get(cpu, 0.0)
-            stream_free[cpu] = at + share * memo[key]
-            shares.append(TimedTask(task, at, stream_free[cpu]))
+            compute = (task.pp_rank, COMPUTE)
+            at = stream_free.get(compute, 0.0)
+            stream_free[compute] = at + share * memo[key]
+            shares.append(TimedTask(task, at, stream_free[compute]))
     return Timeline(timed, shares)
 
 
@@ -241,7 +241,7 @@ def chrome_trace(timeline: Timeline, ranks: int = 1) -> dict:
     same program, so the ``ranks`` processes' tracks are the same (they are there to sit beside a
     measured trace of each rank); with stages, one process per pp rank, holding its own tasks. The
     collectives' shares of the compute stream are events on the compute track ("compute share of ...")."""
-    streams = sorted({t.task.stream for t in timeline.tasks} | ({COMPUTE} if timeline.collective_cpu else set()),
+    streams = sorted({t.task.stream for t in timeline.tasks} | ({COMPUTE} if timeline.compute_shares else set()),
                      key=lambda s: (s != COMPUTE, s))
     tid = {s: i for i, s in enumerate(streams)}
     pp_ranks = sorted({t.task.pp_rank for t in timeline.tasks})
@@ -252,15 +252,15 @@ def chrome_trace(timeline: Timeline, ranks: int = 1) -> dict:
         events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": label}})
         events += [{"ph": "M", "name": "thread_name", "pid": rank, "tid": tid[s], "args": {"name": s}}
                    for s in streams]
-        for t, cpu in [(t, False) for t in timeline.tasks] + [(t, True) for t in timeline.collective_cpu]:
+        for t, is_share in [(t, False) for t in timeline.tasks] + [(t, True) for t in timeline.compute_shares]:
             task = t.task
             if staged and task.pp_rank != rank:
                 continue
             name = (f"{task.collective.value} {task.tensor}" if task.is_collective
                     else f"{task.phase} {task.op}") + (f" mb{task.micro_step}" if staged else "")
-            name = f"compute share of {name}" if cpu else name
+            name = f"compute share of {name}" if is_share else name
             events.append({"ph": "X", "name": name, "cat": task.phase, "pid": rank,
-                           "tid": tid[COMPUTE if cpu else task.stream],
+                           "tid": tid[COMPUTE if is_share else task.stream],
                            "ts": t.start_s * 1e6, "dur": t.duration_s * 1e6,
                            "args": {"bytes": task.nbytes, "axis": task.axis, "local_flops": task.local_flops}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -72,7 +72,7 @@ def test_a_matmul_beside_an_all_reduce_pays_the_fraction_of_it(fraction, collect
     assert timeline.step_time_s == pytest.approx(max(c + fraction * d, d), rel=1e-9)
     assert overlapped_time_s(c, d, cluster) == pytest.approx(max(c + fraction * d, d), rel=1e-12)
     assert timeline.busy_s(stream=COMPUTE) == pytest.approx(c, rel=1e-12)
-    assert [t.duration_s for t in timeline.collective_cpu] == pytest.approx([fraction * d] if fraction else [])
+    assert [t.duration_s for t in timeline.compute_shares] == pytest.approx([fraction * d] if fraction else [])
 
 
 def test_an_exposed_bucket_is_free_an_overlapped_loss_all_reduce_is_not():
@@ -98,7 +98,7 @@ def test_an_exposed_bucket_is_free_an_overlapped_loss_all_reduce_is_not():
     plan2 = batch_split_plan(graph, 2, NdSbp((B,)), "dp")
     before, after = plan_cost(graph, plan2, cpu2(0.0)), plan_cost(graph, plan2, cpu2(f))
     assert before.comm_s > before.compute_s and after.step_time_s == before.step_time_s
-    assert sum(t.duration_s for t in after.timeline.collective_cpu) == pytest.approx(f * after.comm_s, rel=1e-12)
+    assert sum(t.duration_s for t in after.timeline.compute_shares) == pytest.approx(f * after.comm_s, rel=1e-12)
 
 
 def test_the_fraction_is_the_compute_slowdown_over_the_collectives_time():
