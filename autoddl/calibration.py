@@ -139,6 +139,12 @@ class Calibration:
     def write(self, path: str | os.PathLike) -> None:
         self.cluster.to_yaml(path, comments=self.comments, header=self.header)
 
+    @classmethod
+    def of_file(cls, path: str | os.PathLike) -> "Calibration":
+        """The cluster file at ``path`` with its header and comments, to write again with some fields measured."""
+        header, comments = yaml_comments(path)
+        return cls(Cluster.from_yaml(path), comments, header, {}, None)
+
 
 def _total_memory_gb() -> float:
     try:
@@ -552,9 +558,9 @@ def with_shard_runner(cal: Calibration, settings: Settings) -> Calibration:
 def calibrate_shard_runner(base_path: str | os.PathLike, settings: Settings, command: str = "") -> Calibration:
     """``autoddl calibrate --only shard_runner``: the cluster file at ``base_path`` with the shard runner's
     three fields measured (:func:`with_shard_runner`), its header and every other comment kept."""
-    header, comments = yaml_comments(base_path)
+    base = Calibration.of_file(base_path)
     note = (f"executor.shard_*: measured by `{command or 'autoddl calibrate --only shard_runner'}` on "
             f"{time.strftime('%Y-%m-%d %H:%M')}, only these fields.")
-    header = "\n".join([line for line in header.splitlines() if not line.startswith("executor.shard_*:")] + [note])
-    base = Calibration(Cluster.from_yaml(base_path), comments, header, {}, None)
-    return with_shard_runner(base, settings)
+    header = "\n".join([line for line in base.header.splitlines() if not line.startswith("executor.shard_*:")]
+                       + [note])
+    return with_shard_runner(dataclasses.replace(base, header=header), settings)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from autoddl.calibration import DEFAULT_BASE, MIN_R2, Calibration, calibrate, calibrate_shard_runner, write_raw
 from autoddl.cli import common_options, register
-from autoddl.cluster import FITTED_KINDS, Backend, Cluster, yaml_comments
+from autoddl.cluster import FITTED_KINDS, Backend, Cluster
 from executor.calibrate import Settings
 
 SHARD_RUNNER = "shard_runner"      # --only: the shard runner's fixed costs instead of communication kinds
@@ -77,10 +77,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
                          f"{COLLECTIVE_CPU} alone; leave --only out to fit both links")
     if args.devices_per_node is not None and args.devices_per_node < 1:
         raise ValueError(f"--devices-per-node must be a positive integer, got {args.devices_per_node}")
-    if SHARD_RUNNER in kinds:
-        return _calibrate_shard_runner(args, kinds)
-    if COLLECTIVE_CPU in kinds:
-        return _calibrate_collective_cpu(args, kinds)
+    alone = [k for k in (SHARD_RUNNER, COLLECTIVE_CPU) if k in kinds]      # measured apart, written over --base
+    if alone and kinds != (alone[0],):
+        raise ValueError(f"calibrate --only {args.only}: {alone[0]} is timed alone; give --only {alone[0]} "
+                         "and the communication kinds in another run")
+    if alone:
+        return (_calibrate_shard_runner if alone[0] == SHARD_RUNNER else _calibrate_collective_cpu)(args)
     base = Cluster.from_yaml(args.base)
     only = {"kinds": kinds, "comm_only": True} if args.only else {}
     settings = Settings.default(args.nproc, args.backend, quick=args.quick, threads=args.threads, **only)
@@ -109,11 +111,8 @@ def _write(cal, out: str | None) -> bool:
     return False
 
 
-def _calibrate_shard_runner(args: argparse.Namespace, kinds: tuple[str, ...]) -> int:
+def _calibrate_shard_runner(args: argparse.Namespace) -> int:
     """``--only shard_runner`` (``autoddl.calibration.calibrate_shard_runner``)."""
-    if kinds != (SHARD_RUNNER,):
-        raise ValueError(f"calibrate --only {args.only}: {SHARD_RUNNER} is timed alone; give --only {SHARD_RUNNER} "
-                         "and the communication kinds in another run")
     settings = Settings.default(args.nproc, args.backend, quick=args.quick, threads=args.threads)
     print(f"calibrate: the shard runner on {settings.nproc} ranks, {settings.threads} thread(s) each",
           file=sys.stderr, flush=True)
@@ -125,20 +124,17 @@ def _calibrate_shard_runner(args: argparse.Namespace, kinds: tuple[str, ...]) ->
     return 0
 
 
-def _calibrate_collective_cpu(args: argparse.Namespace, kinds: tuple[str, ...]) -> int:
+def _calibrate_collective_cpu(args: argparse.Namespace) -> int:
     """``--only collective_cpu`` (executor/calibrate_overlap.py): --base with
     ``executor.collective_compute_share`` measured, its header and every other comment kept."""
     from executor.calibrate_hosts import testbed_command
     from executor.calibrate_overlap import describe, measure_overlap, measure_overlap_across_hosts
 
-    if kinds != (COLLECTIVE_CPU,):
-        raise ValueError(f"calibrate --only {args.only}: {COLLECTIVE_CPU} is timed alone; give --only "
-                         f"{COLLECTIVE_CPU} and the communication kinds in another run")
     if args.backend != Backend.GLOO.value:
         raise ValueError(f"calibrate --only {COLLECTIVE_CPU} times gloo ranks on this CPU; NCCL's SM use is not "
-                         "priced (leave executor.collective_compute_share at 0 on GPU clusters)")
-    base = Cluster.from_yaml(args.base)          # a bad base fails before the timing
-    header, comments = yaml_comments(args.base)
+                         "timed here (GPU cluster files take executor.collective_compute_share from a published "
+                         "measurement, as configs/h100-4x8.yaml does)")
+    base = Calibration.of_file(args.base)        # a bad base fails before the timing
     threads, repeats = args.threads or 1, 5 if args.quick else 15
     if args.across_hosts:                        # torchrun ranks under benchmarks/two_hosts.py: rank 0 writes
         result = measure_overlap_across_hosts(threads, repeats)
@@ -150,9 +146,10 @@ def _calibrate_collective_cpu(args: argparse.Namespace, kinds: tuple[str, ...]) 
     else:
         result, command = measure_overlap(args.nproc, threads, repeats=repeats), _command(args)
     fraction = round(result.fraction, 3)
-    cluster = dataclasses.replace(base, executor=dataclasses.replace(base.executor, collective_compute_share=fraction))
-    comments["executor.collective_compute_share"] = describe(result, command)
-    if _write(Calibration(cluster, comments, header, {}, None), args.out):
+    ex = dataclasses.replace(base.cluster.executor, collective_compute_share=fraction)
+    cal = dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, executor=ex),
+                              comments={**base.comments, "executor.collective_compute_share": describe(result, command)})
+    if _write(cal, args.out):
         print(f"wrote {args.out}: executor.collective_compute_share {fraction:g}")
     return 0
 
