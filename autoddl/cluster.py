@@ -53,6 +53,15 @@ the link at once while its ``bandwidth_gbps`` was measured (then the bandwidth o
 a collective is then priced from the flows it puts on the link at once
 (``LinkSpec.per_flow``, costmodel/collectives.py ``node_link``). Without them every device
 has its own inter-node link (GPU clusters: a NIC per GPU) and ``bandwidth_gbps`` is per device.
+Such a link may also give ``flow_bandwidth_gbps``, what one flow reached alone on it: where the
+ranks' CPU rather than the wire limits a flow (the testbed at 10 Gbit/s), fewer flows at once do not
+each go faster, and no flow is priced above it.
+Both links may give ``cpu_ns_per_byte``: the host CPU a rank spends per byte it sends over the link
+(gloo: copies, reductions, the kernel's TCP stack; on a shaped veth link also the qdisc), taken from
+the cores the ranks compute on; ``autoddl calibrate --only collective_cpu`` measures it on loopback,
+``--across-hosts --only collective_cpu`` across the testbed's link. costmodel/simulate.py charges it
+to the compute stream of a collective's ranks (GPU files leave it out: NCCL's cost to the compute is
+``executor.collective_compute_share``).
 
 ``device.peak_tflops`` is either one number (the dense peak, used for every dtype)
 or a mapping per dtype, ``{float32: 67, bfloat16: 989, float16: 989}`` (torch dtype
@@ -216,23 +225,34 @@ class LinkSpec:
     latency_us: float               # per message (alpha of the alpha-beta model)
     shared_by_node: bool = False    # links.inter_node only: the node's devices all cross this one link
     measured_flows: int | None = None   # with shared_by_node: flows crossing it at once when bandwidth_gbps was fitted
+    flow_bandwidth_gbps: float | None = None   # with shared_by_node: the most one flow alone reaches (its ranks' own limit)
+    cpu_ns_per_byte: float = 0.0    # host CPU a rank spends per byte it sends over this link (gloo's TCP); 0: not priced
 
     def to_dict(self) -> dict[str, Any]:
-        """The YAML mapping: the sharing fields only when the link is shared."""
+        """The YAML mapping: the sharing fields only when the link is shared, the CPU cost only when priced."""
         d: dict[str, Any] = {"bandwidth_gbps": self.bandwidth_gbps, "latency_us": self.latency_us}
         if self.shared_by_node or self.measured_flows is not None:
             d.update(shared_by_node=self.shared_by_node, measured_flows=self.measured_flows)
+        if self.flow_bandwidth_gbps is not None:
+            d["flow_bandwidth_gbps"] = self.flow_bandwidth_gbps
+        if self.cpu_ns_per_byte:
+            d["cpu_ns_per_byte"] = self.cpu_ns_per_byte
         return d
 
     def per_flow(self, flows: int) -> "LinkSpec":
         """The link as each of ``flows`` flows crossing it at once sees it. A link the node's devices
         share gives each flow ``bandwidth_gbps * measured_flows / flows`` (its fit was one of
-        ``measured_flows``), with the latency as measured; a link of each device's own is itself."""
+        ``measured_flows``), but never more than ``flow_bandwidth_gbps``, what one flow reached alone
+        (where the ranks' CPU, not the wire, limits a flow, fewer flows do not each go faster); the
+        latency and CPU cost as measured. A link of each device's own is itself."""
         if not self.shared_by_node:
             return self
         if isinstance(flows, bool) or not isinstance(flows, int) or flows < 1:
             raise ValueError(f"LinkSpec.per_flow: flows must be a positive integer, got {flows!r}")
-        return LinkSpec(bandwidth_gbps=self.bandwidth_gbps * self.measured_flows / flows, latency_us=self.latency_us)
+        bandwidth = self.bandwidth_gbps * self.measured_flows / flows
+        if self.flow_bandwidth_gbps is not None:
+            bandwidth = min(bandwidth, self.flow_bandwidth_gbps)
+        return LinkSpec(bandwidth_gbps=bandwidth, latency_us=self.latency_us, cpu_ns_per_byte=self.cpu_ns_per_byte)
 
 
 @dataclass(frozen=True)
@@ -357,7 +377,7 @@ class ExecutorOverheads:
     makes every parameter use a leaf whose gradient it syncs to the storage layout, and
     issues each collective as a functional collective it waits for. ``autoddl calibrate``
     measures these by timing the executor on chains of tiny ops (the scalar fields but
-    ``collective_compute_share``, timed by ``--only collective_cpu``) and
+    ``collective_compute_share``, from a published measurement on GPUs) and
     each op family on synthetic inputs of a few sizes, per compute dtype (``op_us``:
     ``{dtype: {family: (forward_us, backward_us)}}``; ``op_work``: ``{dtype: {family:
     ((roofline_us, forward_work, backward_work), ...)}}``; see :class:`OpCost`); the scalar
@@ -379,12 +399,10 @@ class ExecutorOverheads:
     shard_backward_us: float = 0.0  # per shard backward task beyond its ops (autograd.backward of its outputs)
     shard_param_us: float = 0.0     # per parameter a shard's backward updates (gradient, p -= lr * grad, reset)
     # Share (0..1) of a collective's duration that its ranks' compute stream also pays
-    # (costmodel/simulate.py): on CPUs gloo's threads take the cores the ranks compute on (``autoddl
-    # calibrate --only collective_cpu`` measures it; ``--across-hosts --only collective_cpu`` with the
-    # collectives across the link between hosts, whose kernel CPU a loopback run does not see: a share
-    # measured across a link is the one to use for collectives on that link); on GPUs NCCL's kernels take
-    # SMs from the compute kernels they overlap (a cited slowdown s of overlapped compute gives s / (1 + s): the compute
-    # beside a collective of d seconds does d / (1 + s) seconds of work in d). 0: not priced.
+    # (costmodel/simulate.py): on GPUs NCCL's kernels take SMs from the compute kernels they overlap (a
+    # cited slowdown s of overlapped compute gives s / (1 + s): the compute beside a collective of d seconds
+    # does d / (1 + s) seconds of work in d). 0: not priced. CPU files price gloo's CPU per byte instead
+    # (``links.*.cpu_ns_per_byte``): what a collective costs the cores goes with its bytes, not its duration.
     collective_compute_share: float = 0.0
     op_us: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)    # dtype -> family
     op_work: Mapping[str, Mapping[str, tuple[tuple[float, float, float], ...]]] = field(default_factory=dict)
@@ -436,8 +454,9 @@ class ExecutorOverheads:
         return self.recompute.get(policy) or RecomputeCost()
 
     def to_dict(self) -> dict[str, Any]:
-        """The YAML section: the scalar fields, then the measured tables (left out when empty)."""
-        out: dict[str, Any] = dict(self.scalars())
+        """The YAML section: the scalar fields (those that are 0 when not priced left out at 0), then the
+        measured tables (left out when empty)."""
+        out: dict[str, Any] = {k: v for k, v in self.scalars().items() if v or k not in _UNPRICED_WHEN_ZERO}
         if self.op_us:
             out["op_us"] = {dt: {f: list(v) for f, v in fams.items()} for dt, fams in self.op_us.items()}
         if self.op_work:
@@ -461,11 +480,20 @@ _LINK_FIELDS = {
     "bandwidth_gbps": ("a positive number in GB/s per device, one direction", "pos"),
     "latency_us": ("a non-negative number in microseconds", "nonneg"),
 }
+_LINK_CPU_FIELD = {         # links.intra_node and links.inter_node (module docstring)
+    "cpu_ns_per_byte": ("a non-negative number of nanoseconds of host CPU a rank spends per byte it sends over "
+                        "the link (gloo's copies, reductions and the kernel's network stack, taken from the cores the "
+                        "ranks compute on; `autoddl calibrate --only collective_cpu` measures it); leave it out on "
+                        "GPU clusters", "nonneg"),
+}
 _SHARED_LINK_FIELDS = {     # links.inter_node only (module docstring)
     "shared_by_node": ("true or false: true when a node's devices all cross ONE link to the other nodes "
                        "(a host's one network interface); leave it out when each device has its own", "bool"),
     "measured_flows": ("a positive integer: the flows (groups with a rank on each node) crossing the link at once "
                        "while bandwidth_gbps was measured", "int"),
+    "flow_bandwidth_gbps": ("a positive number in GB/s: the bandwidth one flow reached alone on the shared link "
+                            "(one group alone); no flow is priced faster. Leave it out when the wire is the only "
+                            "limit", "pos"),
 }
 _EFFICIENCY_FIELDS = {**{k: ("a fraction in (0, 1]", "frac") for k in ("compute", "memory", "network")},
                       "attention": ("a fraction in (0, 1] of the dtype's peak a fused attention kernel reaches "
@@ -483,7 +511,9 @@ _EXECUTOR_FIELDS = {k: (f"a non-negative number of microseconds {what}", "nonneg
     ("shard_backward_us", "per shard backward task of the shard runner, beyond its ops"),
     ("shard_param_us", "per parameter a shard runner's backward updates"))}
 _EXECUTOR_FIELDS["collective_compute_share"] = ("a number from 0 to 1: the share of a collective's duration its ranks' "
-                                               "compute stream also pays (gloo's CPU use, NCCL's SM use)", "unit")
+                                               "compute stream also pays (NCCL's SM use; gloo's CPU is "
+                                               "links.*.cpu_ns_per_byte)", "unit")
+_UNPRICED_WHEN_ZERO = ("shard_forward_us", "shard_backward_us", "shard_param_us", "collective_compute_share")  # 0: left out
 _TOP_KEYS = ("name", "nodes", "devices_per_node", "device", "links", "backend", "efficiency",
              "op_overhead_us", "collectives", "compute_curve", "executor", "cores_per_node",
              "comm_measured_ranks_per_node", "host_link", "host_memory_gb", "host_memory_bandwidth_gbps")
@@ -722,7 +752,8 @@ def _parse_links(d: dict, src: str, kw: dict[str, Any], errors: list[str]) -> No
         errors.append(f"{src}: links.intra_node: missing; expected "
                       "{bandwidth_gbps: GB/s per device, latency_us: microseconds}")
     else:
-        intra = _section(src, "links.intra_node", links["intra_node"], _LINK_FIELDS, errors)
+        intra = _section(src, "links.intra_node", links["intra_node"], {**_LINK_FIELDS, **_LINK_CPU_FIELD}, errors,
+                         defaults={"cpu_ns_per_byte": 0.0})
         kw["intra_node"] = LinkSpec(**intra) if intra else None
     if "inter_node" in links:
         kw["inter_node"] = _inter_node(src, links["inter_node"], errors)
@@ -785,16 +816,18 @@ def _parse_optional(d: dict, src: str, kw: dict[str, Any], errors: list[str]) ->
 def _inter_node(src: str, value: Any, errors: list[str]) -> LinkSpec | None:
     """``links.inter_node``: a link, optionally shared by the node's devices (module docstring); None on error."""
     n_before = len(errors)
-    link = _section(src, "links.inter_node", value, {**_LINK_FIELDS, **_SHARED_LINK_FIELDS}, errors,
-                    defaults={"shared_by_node": False, "measured_flows": None})
+    link = _section(src, "links.inter_node", value, {**_LINK_FIELDS, **_LINK_CPU_FIELD, **_SHARED_LINK_FIELDS},
+                    errors, defaults={"shared_by_node": False, "measured_flows": None, "flow_bandwidth_gbps": None,
+                                      "cpu_ns_per_byte": 0.0})
     if link is None:
         return None
     if link["shared_by_node"] and link["measured_flows"] is None:
         errors.append(f"{src}: links.inter_node.measured_flows: missing; shared_by_node: true needs "
                       f"{_SHARED_LINK_FIELDS['measured_flows'][0]} (the two-host testbed's fit: 2)")
-    elif not link["shared_by_node"] and link["measured_flows"] is not None:
-        errors.append(f"{src}: links.inter_node.measured_flows: given without shared_by_node: true; it applies only "
-                      "to a link the node's devices share: add shared_by_node: true, or drop measured_flows")
+    for key in ("measured_flows", "flow_bandwidth_gbps"):
+        if not link["shared_by_node"] and link[key] is not None:
+            errors.append(f"{src}: links.inter_node.{key}: given without shared_by_node: true; it applies only "
+                          f"to a link the node's devices share: add shared_by_node: true, or drop {key}")
     return LinkSpec(**link) if len(errors) == n_before else None
 
 

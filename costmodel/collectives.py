@@ -36,6 +36,10 @@ beyond the sharing the fits were measured under).
 A point-to-point send (a pipeline stage's activations or gradients, a shard's transfer) is
 priced by :func:`send_recv_time_s` alone, from the two devices it joins, with the same rules.
 
+What a collective costs the host CPU its ranks compute on (gloo) is :func:`collective_cpu_s`: the
+bytes a rank sends (the bandwidth term's coefficient times ``M``) times the link's
+``cpu_ns_per_byte``; :func:`cpu_ns_per_byte` is its inverse, for the calibration.
+
 Across nodes the link is :func:`node_link`: ``links.inter_node`` as is, or, where the file says a
 node's devices share that one link (``shared_by_node``, ``measured_flows``: the two-host testbed),
 the bandwidth one of the flows the collective puts on the node's link at once gets.
@@ -128,27 +132,63 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
     axis: it is :func:`send_recv_time_s` from the first device to the next one along ``axis``.
     """
     mesh = tuple(mesh_shape)
-    for a in group_axes(axis):
-        cluster.link_for_axis(mesh, a)                  # validates mesh and axes
-    axes = {a % len(mesh) for a in group_axes(axis)}
-    if len(axes) != len(group_axes(axis)):
-        raise ValueError(f"a collective's group must be distinct mesh axes, got {axis!r} on mesh {mesh}")
+    axes, n, intra = _group(mesh, axis, cluster)
     outer = min(axes)
-    link = cluster.link_for_axis(mesh, outer)
-    n = math.prod(mesh[a] for a in axes)
     if CollectiveKind(kind) is CollectiveKind.SEND_RECV:
         if len(axes) > 1:
             raise ValueError(f"a send_recv is between two ranks along one mesh axis, got the group {axis!r}")
         next_s = math.prod(mesh[outer + 1:])             # row-major: the next rank along the axis
         return send_recv_time_s(nbytes, 0, next_s, cluster, mesh) if n > 1 else 0.0
-    if math.prod(mesh[outer:]) <= cluster.devices_per_node:
+    if intra:
         fit = cluster.collectives.get(kind) or cluster.collectives.get(carried_out_as(kind, cluster.backend))
-        link = fit or link
+        link = fit or cluster.intra_node
     else:
         link = node_link(cluster, mesh, tuple(axes))
     fixed_s = cluster.executor.collective_us * 1e-6 if n > 1 else 0.0
     return (collective_time_s(kind, nbytes, n, link, cluster.backend, cluster.efficiency.network)
             + fixed_s) * cluster.comm_time_sharing(mesh)
+
+
+def _group(mesh: tuple[int, ...], axis: Group, cluster: Cluster) -> tuple[tuple[int, ...], int, bool]:
+    """(the group's mesh axes, its ranks, whether it fits in a node: the outermost axis and every axis
+    inside it within ``devices_per_node``), the mesh and axes validated."""
+    for a in group_axes(axis):
+        cluster.link_for_axis(mesh, a)                  # validates mesh and axes
+    axes = tuple(sorted({a % len(mesh) for a in group_axes(axis)}))
+    if len(axes) != len(group_axes(axis)):
+        raise ValueError(f"a collective's group must be distinct mesh axes, got {axis!r} on mesh {mesh}")
+    return axes, math.prod(mesh[a] for a in axes), math.prod(mesh[axes[0]:]) <= cluster.devices_per_node
+
+
+def collective_cpu_s(kind: CollectiveKind, nbytes: float, mesh_shape: Sequence[int], axis: Group,
+                     cluster: Cluster) -> float:
+    """Host CPU seconds one rank spends on ``kind`` of ``nbytes`` (M) over mesh ``axis``, taken from its
+    compute (costmodel/simulate.py): the bytes it sends, the bandwidth term's coefficient times M
+    (:func:`formula_coefficients` of the kind as the backend carries it out; a ``send_recv``: M), times
+    the link's ``cpu_ns_per_byte`` (``links.intra_node`` for a group inside a node, else
+    ``links.inter_node``), slowed by ``cluster.time_sharing`` as the ranks' compute is. 0 for a group
+    of one rank and on links without a CPU cost (GPU clusters)."""
+    mesh = tuple(mesh_shape)
+    axes, n, intra = _group(mesh, axis, cluster)
+    per_byte_ns = (cluster.intra_node if intra else cluster.inter_node).cpu_ns_per_byte
+    if n == 1 or not per_byte_ns:
+        return 0.0
+    kind = CollectiveKind(kind)
+    sent = nbytes if kind is CollectiveKind.SEND_RECV else \
+        formula_coefficients(carried_out_as(kind, cluster.backend), n)[1] * nbytes
+    return sent * per_byte_ns * 1e-9 * cluster.time_sharing(mesh)
+
+
+def cpu_ns_per_byte(lost_compute_s: float, kind: CollectiveKind, nbytes: float, n_devices: int,
+                    backend: Backend | str, time_sharing: float = 1.0) -> float:
+    """A link's ``cpu_ns_per_byte`` from the compute one rank lost beside one ``kind`` of ``nbytes`` on
+    ``n_devices`` ranks, measured with the ranks sharing cores ``time_sharing`` times over: the inverse
+    of :func:`collective_cpu_s` (``autoddl calibrate --only collective_cpu``)."""
+    sent = formula_coefficients(carried_out_as(CollectiveKind(kind), backend), n_devices)[1] * nbytes
+    if sent <= 0 or time_sharing <= 0:
+        raise ValueError(f"cpu_ns_per_byte: {kind} of {nbytes} bytes on {n_devices} ranks sends nothing to "
+                         "divide by; time a collective of at least 2 ranks")
+    return lost_compute_s / sent / time_sharing * 1e9
 
 
 def send_recv_time_s(nbytes: float, src: int, dst: int, cluster: Cluster, busy_mesh: Sequence[int]) -> float:

@@ -22,16 +22,19 @@ activations: the bubble, priced as the schedule runs. Durations:
   their gradients (working-copy casts, micro-step gradient accumulation: costmodel/master_passes.py);
 - host copy (``copy`` stream, offload): latency + bytes / bandwidth of the host link (costmodel/host.py).
 
-A collective of duration ``d`` also costs its ranks' compute stream ``f * d``, ``f`` =
-``cluster.executor.collective_compute_share`` (gloo's threads run on the cores the ranks compute
-on; NCCL's kernels on the SMs the compute kernels use). The rule: when a collective is issued, the compute stream of its pp rank gets a
-task of ``f * d`` at the compute stream's place in issue order (it starts when the compute issued
-before it is done). Overlapped with compute, the compute after it finishes ``f * d`` later
-(``max(c + f d, d)`` for compute ``c`` beside a collective ``d``: what ``overlapped_time_s``
-prices); a collective that compute waits for costs nothing more (the share ends before the
-collective does). A collective queued behind others pays its share where it was issued, not where
+A collective also costs its ranks' compute stream ``f * d + c``: ``f * d``, ``f`` =
+``cluster.executor.collective_compute_share`` of its duration ``d`` (NCCL's kernels on the SMs the
+compute kernels use), and ``c``, the host CPU its rank spends on the bytes it sends
+(``costmodel.collectives.collective_cpu_s``: the link's ``cpu_ns_per_byte``; gloo's threads and the
+kernel's network stack run on the cores the ranks compute on, and that CPU goes with the bytes, not
+with how long the collective lasts). The rule: when a collective is issued, the compute stream of its pp rank gets a
+task of ``f * d + c`` at the compute stream's place in issue order (it starts when the compute issued
+before it is done). Overlapped with compute, the compute after it finishes that much later
+(``max(comp + f d + c, d)`` for compute ``comp`` beside a collective ``d``: what ``overlapped_time_s``
+prices); a collective that compute waits for costs nothing more once its cost to the compute is
+within its duration. A collective queued behind others pays where it was issued, not where
 it runs, so one that runs while the compute stream is idle (the tail of a communication-bound
-backward) is charged where compute was busy: an overestimate of at most its share. These shares
+backward) is charged where compute was busy. These costs
 are kept apart (``Timeline.compute_shares``), not among the tasks: compute busy time stays the
 ops' own, and the time they add to the step is reported as exposed communication.
 """
@@ -50,7 +53,7 @@ from autoddl.sbp import Signature
 from autoddl.pipeline import schedule_makespan
 from autoddl.program import COMPUTE, StepProgram, Task, block_of, recomputed_ops, signature_of
 from autoddl.collective_kinds import CollectiveKind
-from costmodel.collectives import cluster_collective_time_s, send_recv_time_s, stage_device
+from costmodel.collectives import cluster_collective_time_s, collective_cpu_s, send_recv_time_s, stage_device
 from costmodel.compute import (is_causal, op_backward_time_s, op_forward_time_s, optimizer_time_s,
                                recompute_overhead_s)
 from costmodel.host import host_copy_time_s, host_optimizer_time_s
@@ -187,8 +190,9 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
     rank_params = program.pipeline.rank_params if program.pipeline is not None else ()
     memo: dict[tuple, float] = {}       # a pipeline copies each chunk's tasks once per micro-batch
     op_times: dict[tuple, float] = {}   # op kernel times, shared by the repeated blocks' ops
-    share = cluster.executor.collective_compute_share
+    mesh = tuple(plan.mesh.shape)
     shares: list[TimedTask] = []
+    compute_costs: dict[tuple, float] = {}      # per collective task key: its cost to the compute stream
     for task in program.tasks:
         key = (task.phase, task.op, task.stream, task.collective, task.axis, task.nbytes, task.pp_rank, task.copy)
         if key not in memo:
@@ -200,18 +204,30 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
         end.append(finish)
         stream_free[stream] = finish
         timed.append(TimedTask(task, start, finish))
-        if share and task.is_collective:        # its share of the compute stream (module docstring)
-            compute = (task.pp_rank, COMPUTE)
-            at = stream_free.get(compute, 0.0)
-            stream_free[compute] = at + share * memo[key]
-            shares.append(TimedTask(task, at, stream_free[compute]))
+        if task.is_collective:                  # its cost to the compute stream (module docstring)
+            if key not in compute_costs:
+                compute_costs[key] = collective_compute_s(task.collective, task.nbytes, mesh, task.axis, cluster,
+                                                          memo[key])
+            if compute_costs[key]:
+                compute = (task.pp_rank, COMPUTE)
+                at = stream_free.get(compute, 0.0)
+                stream_free[compute] = at + compute_costs[key]
+                shares.append(TimedTask(task, at, stream_free[compute]))
     return Timeline(timed, shares)
 
 
-def overlapped_time_s(compute_s: float, comm_s: float, cluster: Cluster) -> float:
-    """Time of ``compute_s`` of compute beside a collective of ``comm_s`` started with it: the
-    longer of the two, the compute paying the collective's share (module docstring)."""
-    return max(compute_s + cluster.executor.collective_compute_share * comm_s, comm_s)
+def collective_compute_s(kind: CollectiveKind, nbytes: float, mesh_shape: tuple[int, ...], axis, cluster: Cluster,
+                         duration_s: float) -> float:
+    """What a collective of ``duration_s`` costs its ranks' compute stream (module docstring):
+    ``collective_compute_share * duration_s`` plus the host CPU of the bytes it sends."""
+    return (cluster.executor.collective_compute_share * duration_s
+            + collective_cpu_s(kind, nbytes, mesh_shape, axis, cluster))
+
+
+def overlapped_time_s(compute_s: float, comm_s: float, comm_compute_s: float) -> float:
+    """Time of ``compute_s`` of compute beside a collective of ``comm_s`` started with it, which costs
+    the compute ``comm_compute_s`` (:func:`collective_compute_s`): the longer of the two."""
+    return max(compute_s + comm_compute_s, comm_s)
 
 
 def bubble_s(timeline: Timeline, program: StepProgram) -> float:

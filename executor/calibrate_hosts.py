@@ -203,7 +203,10 @@ def two_hosts_cluster(ht: HostTimings, fits: dict[str, dict[str, Any]], base: An
     from autoddl.cluster import CollectiveFits, LinkSpec
 
     intra, inter = _median_link(fits["intra_host"]), _median_link(fits["inter_host"])
-    inter = dataclasses.replace(inter, shared_by_node=True, measured_flows=ht.per_node)   # host_groups: per_node sets
+    alone = _median_link(fits["inter_host_alone"]).bandwidth_gbps if fits.get("inter_host_alone") else None
+    inter = dataclasses.replace(inter, shared_by_node=True, measured_flows=ht.per_node,   # host_groups: per_node sets
+                                flow_bandwidth_gbps=alone)
+    intra = dataclasses.replace(intra, cpu_ns_per_byte=base.intra_node.cpu_ns_per_byte)   # loopback inside a host too
     per_kind = {k: LinkSpec(float(f"{f.bandwidth_gbps:.4g}"), float(f"{f.latency_us:.4g}"))
                 for k, f in fits["intra_host"].items()}
     differ = [k for k, v in per_kind.items() if abs(v.bandwidth_gbps / intra.bandwidth_gbps - 1) > 0.2
@@ -244,11 +247,19 @@ def _two_hosts_text(ht: HostTimings, fits: dict[str, dict[str, Any]], intra: Any
                                             "ranks all cross it"),
         "links.inter_node.measured_flows": (f"the inter_host fits ran {ht.per_node} groups (one rank per host each) "
                                             "at once on the link"),
+
         "cores_per_node": (f"this machine's {cores} cores / {s.threads} thread{'s' * (s.threads > 1)} per rank / "
                            f"{ht.nodes} hosts: the hosts share the cores"),
         "comm_measured_ranks_per_node": (f"the links and collectives above were measured with all {ht.per_node} ranks "
                                          "of each host busy at once: their time-sharing is in the fits"),
     }
+    if inter.flow_bandwidth_gbps is not None:
+        comments["links.inter_node.flow_bandwidth_gbps"] = (
+            f"fitted: median over the {len(fits['inter_host_alone'])} kinds of inter_host_alone, one group alone on "
+            "the link: no flow is priced faster")
+    if intra.cpu_ns_per_byte:
+        comments["links.intra_node.cpu_ns_per_byte"] = (f"from {src}: loopback inside a host too (links.inter_node's "
+                                                        "is measured by `--across-hosts --only collective_cpu`)")
     if differ:
         comments["collectives"] = (f"per-kind intra-host fits ({', '.join(differ)} differ from links.intra_node by "
                                    "> 20%); used instead of it on intra-host axes")

@@ -1,5 +1,5 @@
-"""``autoddl calibrate --only collective_cpu``: the share of a collective's duration that its ranks'
-compute also pays (``executor.collective_compute_share``; costmodel/simulate.py prices it).
+"""``autoddl calibrate --only collective_cpu``: the host CPU a collective takes from its ranks' compute,
+per byte it sends (``links.*.cpu_ns_per_byte``; costmodel/simulate.py prices it).
 
 On ``nproc`` local ranks (gloo on 127.0.0.1, ``threads`` intra-op threads each: as the executor runs
 them), each repeat times, after a barrier, on every rank at once (``TRIES`` times, interleaved; the
@@ -14,15 +14,15 @@ least of each loop's tries is the repeat's):
 
 ``matmuls`` is chosen after a warm-up so that the compute alone lasts ``COVER`` times the collectives
 alone (the collectives then run inside the compute, as an overlapped gradient bucket does). A
-repeat's time of each loop is the slowest rank's least; its fraction is ``(both - compute) / collectives``
-clamped to [0, 1] (:func:`collective_compute_share`); the result is the median over repeats. Progress
-goes to stderr (rank 0).
+repeat's time of each loop is the slowest rank's least; the compute it lost to one collective is
+``(both - compute) / collectives``, at least 0 (:func:`lost_compute_s`), and the result is the median
+over repeats. The CLI turns it into nanoseconds per byte sent (costmodel/collectives.py
+``cpu_ns_per_byte``, the inverse of the pricing). Progress goes to stderr (rank 0).
 
 ``--across-hosts`` (:func:`measure_overlap_across_hosts`, in torchrun ranks under
 benchmarks/two_hosts.py) runs the same loops on every rank with the all-reduces on the inter-host
 groups (one rank per host, every group at once: a mesh axis across the hosts), so the kernel's CPU
-for the link (TCP, softirq, the qdisc's shaping) is in the share; a share measured across a link is
-the one to use for collectives on that link.
+for the link (TCP, softirq, the qdisc's shaping) is in it: the cost of the inter-host link.
 """
 
 from __future__ import annotations
@@ -54,34 +54,35 @@ class OverlapTiming:
 
 @dataclass(frozen=True)
 class OverlapResult:
-    fraction: float                    # median over repeats of collective_compute_share
+    lost_s: float                      # median over repeats of the compute lost to one collective
     timings: tuple[OverlapTiming, ...]
     matmuls: int
     collectives: int
     nproc: int
     threads: int
+    group_size: int                    # ranks of each all-reduce
     path: str = ""                     # where the all-reduces ran, when not on one group of all local ranks
 
 
-def collective_compute_share(t: OverlapTiming) -> float:
-    """The compute's slowdown beside the collectives, as a share of the collectives' own time, in [0, 1]."""
+def lost_compute_s(t: OverlapTiming, collectives: int = COLLECTIVES) -> float:
+    """The compute's slowdown beside the collectives, per collective, in seconds (at least 0)."""
     if t.collective_s <= 0:
-        raise ValueError(f"collective_compute_share: the collectives alone took {t.collective_s} s; expected > 0")
-    return min(1.0, max(0.0, (t.both_s - t.compute_s) / t.collective_s))
+        raise ValueError(f"lost_compute_s: the collectives alone took {t.collective_s} s; expected > 0")
+    return max(0.0, t.both_s - t.compute_s) / collectives
 
 
-def median_fraction(timings: tuple[OverlapTiming, ...]) -> float:
-    """The median over repeats of each repeat's :func:`collective_compute_share`."""
-    return statistics.median(collective_compute_share(t) for t in timings)
+def median_lost_s(timings: tuple[OverlapTiming, ...], collectives: int = COLLECTIVES) -> float:
+    """The median over repeats of each repeat's :func:`lost_compute_s`."""
+    return statistics.median(lost_compute_s(t, collectives) for t in timings)
 
 
 def measure_overlap(nproc: int = 2, threads: int = 1, repeats: int = 15, timeout_s: float = 300.0) -> OverlapResult:
-    """Run the three loops (module docstring) on ``nproc`` local gloo ranks; the median fraction."""
+    """Run the three loops (module docstring) on ``nproc`` local gloo ranks; the median compute lost per collective."""
     if nproc < 2:
         raise ValueError(f"calibrate --only collective_cpu: --nproc must be at least 2, got {nproc}")
     ranks = run_ranks(_rank, nproc, threads, repeats, timeout_s=timeout_s, threads=threads)
     timings = tuple(OverlapTiming(*ranks[0]["times"][i]) for i in range(repeats))     # agreed: the slowest rank's
-    return OverlapResult(median_fraction(timings), timings, ranks[0]["matmuls"], COLLECTIVES, nproc, threads)
+    return OverlapResult(median_lost_s(timings), timings, ranks[0]["matmuls"], COLLECTIVES, nproc, threads, nproc)
 
 
 def measure_overlap_across_hosts(threads: int = 1, repeats: int = 15) -> OverlapResult | None:
@@ -101,7 +102,8 @@ def measure_overlap_across_hosts(threads: int = 1, repeats: int = 15) -> Overlap
     path = (f"{world // per_node} hosts x {per_node} ranks (benchmarks/two_hosts.py), the all-reduces on the "
             f"{len(inter)} inter-host groups {inter} at once across the tbf {rate} Mbit/s link")
     timings = tuple(OverlapTiming(*t) for t in times["times"])
-    return OverlapResult(median_fraction(timings), timings, times["matmuls"], COLLECTIVES, world, threads, path)
+    return OverlapResult(median_lost_s(timings), timings, times["matmuls"], COLLECTIVES, world, threads, len(inter[0]),
+                         path)
 
 
 def _rank(threads: int, repeats: int) -> dict:
@@ -173,7 +175,8 @@ def describe(result: OverlapResult, command: str) -> str:
     return (f"measured {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC by `{command}` "
             f"(load average {os.getloadavg()[0]:.1f}): {nproc_text(result.nproc, result.threads)}"
             + (f"; {result.path}: " if result.path else ", ")
-            + f"{result.collectives} async all-reduces of {MESSAGE_BYTES / 1e6:g} MB on their own group beside "
-            f"{result.matmuls} matmuls {MATMUL_SHAPE[0]}x{MATMUL_SHAPE[2]} @ {MATMUL_SHAPE[2]}x{MATMUL_SHAPE[1]}; "
-            f"(both - compute alone) / collectives alone, median of {len(result.timings)} repeats "
-            f"(medians: compute {med[0]:.1f} ms, collectives {med[1]:.1f} ms, both {med[2]:.1f} ms)")
+            + f"{result.collectives} async all-reduces of {MESSAGE_BYTES / 1e6:g} MB on their own group of "
+            f"{result.group_size} beside {result.matmuls} matmuls {MATMUL_SHAPE[0]}x{MATMUL_SHAPE[2]} @ "
+            f"{MATMUL_SHAPE[2]}x{MATMUL_SHAPE[1]}; compute lost per all-reduce, (both - compute alone) / "
+            f"{result.collectives}: median of {len(result.timings)} repeats {result.lost_s * 1e3:.3g} ms (medians: "
+            f"compute {med[0]:.1f} ms, collectives {med[1]:.1f} ms, both {med[2]:.1f} ms)")

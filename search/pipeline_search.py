@@ -43,7 +43,7 @@ from autoddl.training import Training
 from autoddl.precision import itemsize
 from costmodel.collectives import cluster_collective_time_s, send_recv_time_s, stage_device
 from costmodel.memory import param_state_bytes, received_bytes, step_gathered_bytes
-from costmodel.simulate import overlapped_time_s
+from costmodel.simulate import collective_compute_s, overlapped_time_s
 from search.meshes import role_splits
 from search.stages import BlockCosts, block_costs, cuts_of
 
@@ -99,7 +99,7 @@ def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int
                for r in hops), default=0.0)                     # the slowest hop between stages
     actions = schedule_actions(schedule, pp, m, v)
     tail_s, peak = 0.0, 0.0
-    gather_s, scatter_s = [0.0] * n, [0.0] * n       # fsdp: per chunk, its step's all-gather and reduce-scatter
+    gather_s, scatter_s = [(0.0, 0.0)] * n, [(0.0, 0.0)] * n   # fsdp, per chunk: (seconds, cost to the compute)
     for rank in range(pp):
         chunks = list(range(rank, n, pp))
         per_chunk = [_chunk_state(costs, runs[c], inner.training, inner.optimizer, dp if role == "fsdp" else 1, tp)
@@ -109,11 +109,10 @@ def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int
             * itemsize(inner.training.grad_reduce_dtype)
         if role == "fsdp":      # gathered in a chunk's first forward, reduce-scattered in its last backward
             for c, (_, numel) in zip(chunks, per_chunk):
-                gather_s[c] = cluster_collective_time_s(CollectiveKind.ALL_GATHER,
-                                                        numel * itemsize(inner.training.param_dtype), mesh, 1, cluster)
-                scatter_s[c] = cluster_collective_time_s(CollectiveKind.REDUCE_SCATTER,
-                                                         numel * itemsize(inner.training.grad_reduce_dtype), mesh, 1,
-                                                         cluster)
+                gather_s[c] = _collective(CollectiveKind.ALL_GATHER, numel * itemsize(inner.training.param_dtype),
+                                          mesh, cluster)
+                scatter_s[c] = _collective(CollectiveKind.REDUCE_SCATTER,
+                                           numel * itemsize(inner.training.grad_reduce_dtype), mesh, cluster)
             sync = 0.0
         else:
             sync = cluster_collective_time_s(CollectiveKind.ALL_REDUCE, grad, mesh, 1, cluster)
@@ -125,10 +124,16 @@ def estimate(costs: BlockCosts, graph: OpGraph, inner, cluster: Cluster, pp: int
     def seconds(r: int, a) -> float:        # fsdp: a chunk's first forward / last backward waits for its collectives
         c = a.chunk * pp + r
         if a.kind == "F":
-            return overlapped_time_s(fwd[c], gather_s[c], cluster) if a.micro_batch == 0 else fwd[c]
-        return overlapped_time_s(bwd[c], scatter_s[c], cluster) if a.micro_batch == m - 1 else bwd[c]
+            return overlapped_time_s(fwd[c], *gather_s[c]) if a.micro_batch == 0 else fwd[c]
+        return overlapped_time_s(bwd[c], *scatter_s[c]) if a.micro_batch == m - 1 else bwd[c]
 
     return schedule_makespan(actions, v, seconds, p2p) + tail_s, peak
+
+
+def _collective(kind: CollectiveKind, nbytes: float, mesh: tuple[int, ...], cluster: Cluster) -> tuple[float, float]:
+    """(seconds, cost to the compute stream) of the dp axis's ``kind`` of ``nbytes`` (costmodel/simulate.py)."""
+    seconds = cluster_collective_time_s(kind, nbytes, mesh, 1, cluster)
+    return seconds, collective_compute_s(kind, nbytes, mesh, 1, cluster, seconds)
 
 
 def _bucket_bytes(costs: BlockCosts, runs: list[range], training: Training, dp: int) -> float:

@@ -622,6 +622,17 @@ def test_shared_inter_node_link_loads_round_trips_and_old_files_are_unchanged(tm
     assert gpu.inter_node.per_flow(1) is gpu.inter_node
     with pytest.raises(ValueError, match="flows must be a positive integer, got 0"):
         c.inter_node.per_flow(0)
+    # where one flow alone reached less than the wire's share (the ranks' CPU limits it), none goes faster;
+    # the CPU cost per byte is the link's whatever the flows
+    capped = dataclasses.replace(c.inter_node, flow_bandwidth_gbps=0.1, cpu_ns_per_byte=0.8)
+    assert capped.per_flow(1) == LinkSpec(0.1, 810.3, cpu_ns_per_byte=0.8)
+    assert capped.per_flow(2) == LinkSpec(0.06505, 810.3, cpu_ns_per_byte=0.8)
+    shared["links"]["inter_node"].update(flow_bandwidth_gbps=0.1, cpu_ns_per_byte=0.8)
+    shared["links"]["intra_node"]["cpu_ns_per_byte"] = 0.3
+    c = Cluster.from_yaml(write(tmp_path, shared, "capped.yaml"))
+    assert (c.inter_node, c.intra_node.cpu_ns_per_byte) == (capped, 0.3)
+    c.to_yaml(tmp_path / "capped-back.yaml")
+    assert Cluster.from_yaml(tmp_path / "capped-back.yaml") == c
 
 
 @pytest.mark.parametrize("inter, field, expected", [
@@ -638,6 +649,11 @@ def test_shared_inter_node_link_loads_round_trips_and_old_files_are_unchanged(tm
      "expected true or false: true when a node's devices all cross ONE link"),
     ({"shared_by_nodes": True, "measured_flows": 2}, "links.inter_node.shared_by_nodes",
      "unknown key; did you mean 'shared_by_node'?"),
+    ({"flow_bandwidth_gbps": 0.1}, "links.inter_node.flow_bandwidth_gbps", "given without shared_by_node: true"),
+    ({"shared_by_node": True, "measured_flows": 2, "flow_bandwidth_gbps": 0}, "links.inter_node.flow_bandwidth_gbps",
+     "expected a positive number in GB/s: the bandwidth one flow reached alone"),
+    ({"cpu_ns_per_byte": -0.5}, "links.inter_node.cpu_ns_per_byte",
+     "expected a non-negative number of nanoseconds of host CPU a rank spends per byte"),
 ])
 def test_shared_inter_node_link_bad_values_name_the_field(tmp_path, inter, field, expected):
     d = edited(links__inter_node={"bandwidth_gbps": 0.065, "latency_us": 810.0, **inter})

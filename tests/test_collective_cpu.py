@@ -1,5 +1,7 @@
-"""A collective's share of the compute stream (``executor.collective_compute_share``): the simulator's
-rule against hand formulas, the calibration's fraction from synthetic timings, its YAML write-back."""
+"""What a collective costs its ranks' compute stream: NCCL's share of its duration
+(``executor.collective_compute_share``) and gloo's host CPU per byte sent (``links.*.cpu_ns_per_byte``):
+the simulator's rule against hand formulas, the calibration's per-byte cost from synthetic timings,
+its YAML write-back."""
 
 from __future__ import annotations
 
@@ -19,19 +21,21 @@ from autoddl.program import COMPUTE, StepProgram, Task, comm_stream
 from autoddl.sbp import B, NdSbp, Signature
 from costmodel import plan_cost
 from costmodel.compute import op_forward_time_s
-from costmodel.simulate import overlapped_time_s, simulate
+from costmodel.collectives import collective_cpu_s, cpu_ns_per_byte
+from costmodel.simulate import collective_compute_s, overlapped_time_s, simulate
 from executor import calibrate_overlap
-from executor.calibrate_overlap import (OverlapResult, OverlapTiming, collective_compute_share, measure_overlap,
-                                        median_fraction)
+from executor.calibrate_overlap import OverlapResult, OverlapTiming, lost_compute_s, measure_overlap, median_lost_s
 from test_breakdown import batch_split_plan
 
 NBYTES = 4_000_000
 
 
-def cpu2(fraction: float) -> Cluster:
-    """local-cpu on 2 devices, collectives on the link formula, no executor costs but the fraction."""
+def cpu2(fraction: float, ns_per_byte: float = 0.0) -> Cluster:
+    """local-cpu on 2 devices, collectives on the link formula, no executor costs but the fraction,
+    the intra-node link's CPU cost ``ns_per_byte``."""
     cluster = Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml").resized(2)
     return dataclasses.replace(cluster, collectives=CollectiveFits(), cores_per_node=None,
+                               intra_node=dataclasses.replace(cluster.intra_node, cpu_ns_per_byte=ns_per_byte),
                                executor=ExecutorOverheads(collective_compute_share=fraction))
 
 
@@ -70,7 +74,8 @@ def test_a_matmul_beside_an_all_reduce_pays_the_fraction_of_it(fraction, collect
     c, d = op_forward_time_s(node, plan.signatures[node.name], (2,), cluster), _all_reduce_s(cluster, NBYTES)
     assert c > 0.5 * d and d > c            # both orders of max() are met across the fractions
     assert timeline.step_time_s == pytest.approx(max(c + fraction * d, d), rel=1e-9)
-    assert overlapped_time_s(c, d, cluster) == pytest.approx(max(c + fraction * d, d), rel=1e-12)
+    cost = collective_compute_s(CollectiveKind.ALL_REDUCE, NBYTES, (2,), 0, cluster, d)
+    assert overlapped_time_s(c, d, cost) == pytest.approx(max(c + fraction * d, d), rel=1e-12)
     assert timeline.busy_s(stream=COMPUTE) == pytest.approx(c, rel=1e-12)
     assert [t.duration_s for t in timeline.compute_shares] == pytest.approx([fraction * d] if fraction else [])
 
@@ -101,47 +106,100 @@ def test_an_exposed_bucket_is_free_an_overlapped_loss_all_reduce_is_not():
     assert sum(t.duration_s for t in after.timeline.compute_shares) == pytest.approx(f * after.comm_s, rel=1e-12)
 
 
-def test_the_fraction_is_the_compute_slowdown_over_the_collectives_time():
-    """(both - compute alone) / collectives alone, clamped to [0, 1]; the median over repeats."""
-    assert collective_compute_share(OverlapTiming(0.010, 0.004, 0.013)) == pytest.approx(0.75)
-    assert collective_compute_share(OverlapTiming(0.010, 0.004, 0.009)) == 0.0       # faster beside: noise
-    assert collective_compute_share(OverlapTiming(0.010, 0.004, 0.016)) == 1.0       # more than all of it
+@pytest.mark.parametrize("collective_first", [True, False])
+def test_a_matmul_beside_an_all_reduce_pays_the_cpu_of_its_bytes(collective_first):
+    """The same two tasks with no share but the link's CPU cost k ns per byte: the all-reduce of M
+    on 2 ranks sends M (ring: 2 (n-1)/n M), so the compute pays k M, whatever the all-reduce's
+    duration: step = max(c + k M, d)."""
+    graph, plan, node = one_matmul()
+    k = 0.6
+    cluster = cpu2(0.0, k)
+    mm = Task(0, "forward", COMPUTE, (), op=node.name)
+    ar = Task(0, "grad_sync", comm_stream(0), (), collective=CollectiveKind.ALL_REDUCE, axis=0, nbytes=NBYTES)
+    tasks = [ar, mm] if collective_first else [mm, ar]
+    program = StepProgram("b", (2,), [dataclasses.replace(t, id=i) for i, t in enumerate(tasks)])
+    timeline = simulate(program, graph, plan, cluster)
+    c, d, cpu = (op_forward_time_s(node, plan.signatures[node.name], (2,), cluster), _all_reduce_s(cluster, NBYTES),
+                 k * 1e-9 * NBYTES)
+    assert timeline.step_time_s == pytest.approx(max(c + cpu, d), rel=1e-9)
+    assert [t.duration_s for t in timeline.compute_shares] == pytest.approx([cpu])
+    assert timeline.busy_s(stream=COMPUTE) == pytest.approx(c, rel=1e-12)
+
+
+def test_the_cpu_of_a_collective_is_the_bytes_a_rank_sends_on_its_link():
+    """collective_cpu_s by hand on configs/two-hosts.yaml (2 hosts x 2 ranks, 1 core per host's 2 ranks:
+    time-sharing 2) with intra 0.5 and inter 2 ns per byte: an all-reduce of M on a host's pair sends
+    M (intra), on the 4 ranks' ring 1.5 M (inter: the group crosses the hosts); an all-gather of M on
+    the pairs across hosts sends M / 2, a reduce-scatter (gloo: an all-reduce) M, a send_recv M; a
+    group of one rank and a link without a cost give 0. cpu_ns_per_byte inverts it."""
+    base = Cluster.from_yaml(CONFIG_DIR / "two-hosts.yaml")
+    cluster = dataclasses.replace(base, intra_node=dataclasses.replace(base.intra_node, cpu_ns_per_byte=0.5),
+                                  inter_node=dataclasses.replace(base.inter_node, cpu_ns_per_byte=2.0))
+    m, mesh, share = 1e6, (2, 2), 2.0
+    assert cluster.time_sharing(mesh) == share
+    cases = [(CollectiveKind.ALL_REDUCE, 1, 0.5 * m), (CollectiveKind.ALL_REDUCE, (0, 1), 2.0 * 1.5 * m),
+             (CollectiveKind.ALL_GATHER, 0, 2.0 * m / 2), (CollectiveKind.REDUCE_SCATTER, 0, 2.0 * m),
+             (CollectiveKind.SEND_RECV, 0, 2.0 * m), (CollectiveKind.ALL_GATHER, 1, 0.5 * m / 2)]
+    for kind, axis, ns in cases:
+        assert collective_cpu_s(kind, m, mesh, axis, cluster) == pytest.approx(ns * 1e-9 * share, rel=1e-12), kind
+    assert collective_cpu_s(CollectiveKind.ALL_REDUCE, m, (1, 4), 0, cluster) == 0.0
+    assert collective_cpu_s(CollectiveKind.ALL_REDUCE, m, mesh, 0, base) == 0.0
+    lost = collective_cpu_s(CollectiveKind.ALL_REDUCE, m, mesh, (0, 1), cluster)
+    assert cpu_ns_per_byte(lost, CollectiveKind.ALL_REDUCE, m, 4, "gloo", share) == pytest.approx(2.0, rel=1e-12)
+    with pytest.raises(ValueError, match="sends nothing"):
+        cpu_ns_per_byte(lost, CollectiveKind.ALL_REDUCE, m, 1, "gloo")
+
+
+def test_the_lost_compute_is_the_slowdown_per_collective():
+    """(both - compute alone) / collectives, at least 0; the median over repeats."""
+    assert lost_compute_s(OverlapTiming(0.010, 0.004, 0.013), 8) == pytest.approx(0.003 / 8)
+    assert lost_compute_s(OverlapTiming(0.010, 0.004, 0.009), 8) == 0.0       # faster beside: noise
     timings = (OverlapTiming(0.010, 0.004, 0.011), OverlapTiming(0.010, 0.005, 0.014), OverlapTiming(0.02, 0.01, 0.03))
-    assert median_fraction(timings) == pytest.approx(0.8)                          # 0.25, 0.8, 1.0
+    assert median_lost_s(timings, 2) == pytest.approx(0.002)                   # 0.5, 2, 5 ms
     with pytest.raises(ValueError, match="collectives alone took 0"):
-        collective_compute_share(OverlapTiming(0.01, 0.0, 0.01))
+        lost_compute_s(OverlapTiming(0.01, 0.0, 0.01))
 
 
 def test_the_measurement_runs_on_two_gloo_ranks():
     """One repeat on 2 ranks: three positive loop times, compute sized to cover the collectives, and
-    the result is the fraction of those times (not timed for the record)."""
+    the result is the compute lost per collective of those times (not timed for the record)."""
     result = measure_overlap(2, 1, repeats=1, timeout_s=120)
     (t,) = result.timings
     assert min(t.compute_s, t.collective_s, t.both_s) > 0 and result.matmuls >= 4
-    assert result.fraction == collective_compute_share(t)
+    assert result.lost_s == lost_compute_s(t) and result.group_size == 2
 
 
-def test_calibrate_only_collective_cpu_sets_the_field_over_base_keeping_every_comment(tmp_path, monkeypatch, capsys):
-    """The CLI with the measurement replaced by synthetic timings (fractions 0.75, 0.75, 0.5: median
-    0.75): --out is --base with the field set and its comment added, every other field and comment
-    as it was; a fraction outside [0, 1] in a file is refused by name."""
+def test_calibrate_only_collective_cpu_sets_the_links_cost_over_base_keeping_every_comment(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """The CLI with the measurement replaced by synthetic timings (lost 3, 3, 2 ms per 8 all-reduces
+    of 1 MB on 2 ranks: median 3 / 8 ms, 1 MB sent each: 0.375 ns per byte): --out is --base with
+    links.intra_node.cpu_ns_per_byte (and inter_node's, one node) set and commented, the compute
+    share dropped, every other field and comment as it was; a negative cost in a file is refused by name."""
     timings = (OverlapTiming(0.010, 0.004, 0.013),) * 2 + (OverlapTiming(0.01, 0.004, 0.012),)
     monkeypatch.setattr(calibrate_overlap, "measure_overlap", lambda nproc, threads, repeats: OverlapResult(
-        median_fraction(timings), timings, 20, 8, nproc, threads))
+        median_lost_s(timings), timings, 20, 8, nproc, threads, nproc))
     base = CONFIG_DIR / "local-cpu.yaml"
     out = tmp_path / "c.yaml"
     assert main(["calibrate", "--only", "collective_cpu", "--nproc", "2", "--out", str(out)]) == 0
     got, want = Cluster.from_yaml(out), Cluster.from_yaml(base)
-    assert got.executor.collective_compute_share == 0.75
-    assert dataclasses.replace(got, executor=want.executor) == want
+    assert got.intra_node.cpu_ns_per_byte == got.inter_node.cpu_ns_per_byte == pytest.approx(0.375)
+    assert got.executor.collective_compute_share == 0.0
+    assert dataclasses.replace(got, executor=want.executor, intra_node=want.intra_node,
+                               inter_node=want.inter_node) == want
+    assert dataclasses.replace(got.intra_node, cpu_ns_per_byte=0.0) == dataclasses.replace(want.intra_node,
+                                                                                           cpu_ns_per_byte=0.0)
     (header, comments), (base_header, base_comments) = yaml_comments(out), yaml_comments(base)
     assert header == base_header
-    note = comments.pop("executor.collective_compute_share")
-    base_comments.pop("executor.collective_compute_share", None)
+    note = comments.pop("links.intra_node.cpu_ns_per_byte")
+    assert comments.pop("links.inter_node.cpu_ns_per_byte") == "as links.intra_node (one node)"
+    for key in ("executor.collective_compute_share", "links.intra_node.cpu_ns_per_byte",
+                "links.inter_node.cpu_ns_per_byte"):
+        base_comments.pop(key, None)
     assert comments == base_comments
-    assert "--only collective_cpu" in note and "median of 3 repeats" in note
+    assert "--only collective_cpu" in note and "median of 3 repeats 0.375 ms" in note
+    assert note.endswith("per byte a rank sends (an all-reduce on 2 ranks, time-sharing 1): 0.375 ns")
     assert main(["calibrate", "--only", "collective_cpu,all_reduce", "--out", str(out)]) == 2
     assert "collective_cpu is timed alone" in capsys.readouterr().err
-    out.write_text(out.read_text().replace("collective_compute_share: 0.75", "collective_compute_share: 1.5"))
-    with pytest.raises(ClusterConfigError, match=r"executor\.collective_compute_share: expected a number from 0 to 1"):
+    out.write_text(out.read_text().replace("cpu_ns_per_byte: 0.375", "cpu_ns_per_byte: -1", 1))
+    with pytest.raises(ClusterConfigError, match=r"links\.intra_node\.cpu_ns_per_byte: expected a non-negative"):
         Cluster.from_yaml(out)

@@ -98,6 +98,10 @@ def test_host_groups_and_two_hosts_cluster_recover_both_links(tmp_path, monkeypa
     # the inter-host fit ran 2 pairs at once on the hosts' one link: written as shared, 2 flows measured
     assert (cluster.inter_node.shared_by_node, cluster.inter_node.measured_flows) == (True, 2)
     assert "2 groups (one rank per host each) at once" in comments["links.inter_node.measured_flows"]
+    # one pair alone reached 0.125 GB/s: no flow is priced faster (here the wire's two-flow share is the same)
+    assert cluster.inter_node.flow_bandwidth_gbps == pytest.approx(0.125)
+    assert "median over the 2 kinds of inter_host_alone" in comments["links.inter_node.flow_bandwidth_gbps"]
+    assert cluster.intra_node.cpu_ns_per_byte == Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml").intra_node.cpu_ns_per_byte
     # 2 pairs at once, 2 flows as fitted: 2 * 300 us + 8e6 B / 0.0625 GB/s = 128.6 ms, measured 130 ms
     assert "2 pairs at once (links.inter_node, 2 flows of 2): measured 130.0 ms, alpha-beta 128.6 ms (-1%)" in header
     # all 4 ranks, one ring: 1 flow, twice the fitted bandwidth: 6 * 300 us + 1.5 * 8e6 B / 0.125 GB/s = 97.8 ms
@@ -108,23 +112,25 @@ def test_host_groups_and_two_hosts_cluster_recover_both_links(tmp_path, monkeypa
     assert Cluster.from_yaml(tmp_path / "two.yaml") == cluster
 
 
-# -- the collectives' compute share across the link (calibrate --across-hosts --only collective_cpu) ------
-def test_collective_cpu_across_hosts_writes_the_share_over_base_with_the_link_it_crossed(tmp_path, monkeypatch,
-                                                                                        capsys):
-    """The CLI in a torchrun rank of the testbed, the measurement replaced by synthetic timings
-    (fractions 0.5, 0.75, 0.25: median 0.5): rank 0 writes --base with the share and a comment naming
-    the testbed command and its rate, every other field, comment and the header as they were; another
-    rank writes nothing; a launch outside torchrun and --only with another kind are refused by name."""
+# -- the link's CPU per byte across the hosts (calibrate --across-hosts --only collective_cpu) -----------
+def test_collective_cpu_across_hosts_writes_the_inter_node_cost_over_base(tmp_path, monkeypatch, capsys):
+    """The CLI in a torchrun rank of the testbed, the measurement replaced by synthetic timings (lost
+    5, 6, 2.5 ms per 8 all-reduces of 1 MB on the pairs across hosts: median 5 / 8 ms; each rank sends
+    1 MB, and two-hosts.yaml's 4 ranks time-share 2 cores: 0.625 / 2 = 0.3125 ns per byte): rank 0
+    writes --base with links.inter_node.cpu_ns_per_byte and a comment naming the testbed command and
+    its rate, every other field, comment and the header as they were; another rank writes nothing; a
+    launch outside torchrun and --only with another kind are refused by name."""
     from autoddl.cli import main
     from autoddl.cluster import CONFIG_DIR, Cluster, yaml_comments
     from executor import calibrate_overlap
-    from executor.calibrate_overlap import OverlapResult, OverlapTiming, median_fraction
+    from executor.calibrate_overlap import OverlapResult, OverlapTiming, median_lost_s
 
     timings = (OverlapTiming(0.040, 0.010, 0.045), OverlapTiming(0.040, 0.008, 0.046), OverlapTiming(0.04, 0.01, 0.0425))
     path = "2 hosts x 2 ranks, the all-reduces on the 2 inter-host groups [[0, 2], [1, 3]] across the tbf 10000 Mbit/s link"
     rank, real = {"RANK": "0"}, calibrate_overlap.measure_overlap_across_hosts
     monkeypatch.setattr(calibrate_overlap, "measure_overlap_across_hosts", lambda threads, repeats: None
-                        if rank["RANK"] != "0" else OverlapResult(median_fraction(timings), timings, 46, 8, 4, threads, path))
+                        if rank["RANK"] != "0" else OverlapResult(median_lost_s(timings), timings, 46, 8, 4, threads, 2,
+                                                                  path))
     monkeypatch.setenv("TWO_HOSTS_RATE_MBIT", "10000")
     base, out = CONFIG_DIR / "two-hosts.yaml", tmp_path / "two.yaml"
     args = ["calibrate", "--across-hosts", "--only", "collective_cpu", "--base", str(base), "--out", str(out)]
@@ -133,16 +139,19 @@ def test_collective_cpu_across_hosts_writes_the_share_over_base_with_the_link_it
     rank["RANK"] = "0"
     assert main(args) == 0
     got, want = Cluster.from_yaml(out), Cluster.from_yaml(base)
-    assert got.executor.collective_compute_share == 0.5
-    assert dataclasses.replace(got, executor=want.executor) == want
+    assert got.inter_node.cpu_ns_per_byte == pytest.approx(0.3125, abs=1e-3)   # written to 3 digits
+    assert got.intra_node == want.intra_node and got.executor.collective_compute_share == 0.0
+    assert dataclasses.replace(got, executor=want.executor, inter_node=want.inter_node) == want
     (header, comments), (base_header, base_comments) = yaml_comments(out), yaml_comments(base)
-    note = comments.pop("executor.collective_compute_share")
-    base_comments.pop("executor.collective_compute_share")
+    note = comments.pop("links.inter_node.cpu_ns_per_byte")
+    for key in ("executor.collective_compute_share", "links.inter_node.cpu_ns_per_byte"):
+        base_comments.pop(key, None)
     assert header == base_header and comments == base_comments
     assert (f"`python benchmarks/two_hosts.py --rate-mbit 10000 -- -m autoddl calibrate --across-hosts --only "
             f"collective_cpu --base {base} --out {out}`") in note
-    assert f"4 gloo ranks, 1 thread each; {path}: 8 async all-reduces of 1 MB" in note
-    assert "median of 3 repeats (medians: compute 40.0 ms, collectives 10.0 ms, both 45.0 ms)" in note
+    assert f"4 gloo ranks, 1 thread each; {path}: 8 async all-reduces of 1 MB on their own group of 2" in note
+    assert "median of 3 repeats 0.625 ms (medians: compute 40.0 ms, collectives 10.0 ms, both 45.0 ms)" in note
+    assert note.endswith("(an all-reduce on 2 ranks, time-sharing 2): 0.312 ns")
     assert main(["calibrate", "--across-hosts", "--only", "all_reduce", "--out", str(out)]) == 2
     assert "across hosts, --only takes collective_cpu alone" in capsys.readouterr().err
     monkeypatch.delenv("RANK", raising=False)
@@ -152,8 +161,8 @@ def test_collective_cpu_across_hosts_writes_the_share_over_base_with_the_link_it
 
 @pytest.mark.distributed
 def test_collective_cpu_measured_across_the_testbed_link(tmp_path):
-    """The real measurement on the testbed (--quick: 5 repeats): rank 0 writes the median of the
-    fractions its repeats printed, with the inter-host groups and the link in the comment, every
+    """The real measurement on the testbed (--quick: 5 repeats): rank 0 writes the per-byte cost of
+    the median compute lost its repeats printed, with the inter-host groups and the link in the comment, every
     other field of --base as it was; no namespace left behind."""
     import re
     import statistics
@@ -173,11 +182,12 @@ def test_collective_cpu_measured_across_the_testbed_link(tmp_path):
     repeats = [tuple(float(x) for x in m) for m in
                re.findall(r"repeat \d/5: compute ([\d.]+) ms, collectives ([\d.]+) ms, both ([\d.]+) ms", log)]
     assert len(repeats) == 5, log
-    printed = statistics.median(min(1.0, max(0.0, (both - c) / coll)) for c, coll, both in repeats)
+    lost_ms = statistics.median(max(0.0, both - c) / 8 for c, coll, both in repeats)
     got, want = Cluster.from_yaml(out), Cluster.from_yaml(base)
-    assert got.executor.collective_compute_share == pytest.approx(printed, abs=0.02)   # times printed to 0.1 ms
-    assert dataclasses.replace(got, executor=want.executor) == want
-    note = yaml_comments(out)[1]["executor.collective_compute_share"]
+    # 1 MB sent per all-reduce by each rank of a pair, 4 ranks on 2 cores: time-sharing 2
+    assert got.inter_node.cpu_ns_per_byte == pytest.approx(lost_ms * 1e-3 / 1e6 / 2 * 1e9, abs=0.02)
+    assert dataclasses.replace(got, executor=want.executor, inter_node=want.inter_node) == want
+    note = yaml_comments(out)[1]["links.inter_node.cpu_ns_per_byte"]
     assert "inter-host groups [[0, 2], [1, 3]] at once across the tbf 10000 Mbit/s link" in note
     assert "4 gloo ranks, 1 thread each" in note and "median of 5 repeats" in note
     assert _our_namespaces() <= before, f"namespaces left behind: {_our_namespaces() - before}"

@@ -5,9 +5,9 @@
     autoddl calibrate --nproc 2 --only shard_runner --base configs/local-cpu.yaml --out configs/local-cpu.yaml
         # the shard runner's executor.shard_* fields over --base, its comments kept
     autoddl calibrate --nproc 2 --only collective_cpu --base configs/local-cpu.yaml --out configs/local-cpu.yaml
-        # executor.collective_compute_share (executor/calibrate_overlap.py) over --base, its comments kept
+        # links.intra_node.cpu_ns_per_byte (executor/calibrate_overlap.py) over --base, its comments kept
     python benchmarks/two_hosts.py --rate-mbit 1000 -- -m autoddl calibrate --across-hosts --only collective_cpu \
-        --base configs/two-hosts.yaml --out configs/two-hosts.yaml   # the same, the all-reduces across the link
+        --base configs/two-hosts.yaml --out configs/two-hosts.yaml   # links.inter_node's, the all-reduces across the link
 
 The measuring and fitting are ``autoddl.calibration``'s (its docstring says what each
 field is made of); this module parses the options, writes the files and prints.
@@ -25,10 +25,11 @@ from pathlib import Path
 from autoddl.calibration import DEFAULT_BASE, MIN_R2, Calibration, calibrate, calibrate_shard_runner, write_raw
 from autoddl.cli import common_options, register
 from autoddl.cluster import FITTED_KINDS, Backend, Cluster
+from autoddl.collective_kinds import CollectiveKind
 from executor.calibrate import Settings
 
 SHARD_RUNNER = "shard_runner"      # --only: the shard runner's fixed costs instead of communication kinds
-COLLECTIVE_CPU = "collective_cpu"      # --only: executor.collective_compute_share (executor/calibrate_overlap.py)
+COLLECTIVE_CPU = "collective_cpu"      # --only: links.*.cpu_ns_per_byte (executor/calibrate_overlap.py)
 
 
 @register
@@ -57,9 +58,9 @@ def add_calibrate(subparsers: "argparse._SubParsersAction") -> None:
                         "write --base with their fits in its collectives section, every other field as it was; "
                         "or shard_runner alone: time the shard runner of `autoddl schedule --run` and write --base "
                         "with its executor.shard_* fields, every other field and comment as it was; "
-                        f"or {COLLECTIVE_CPU} alone: the share of a collective's time its ranks' compute also pays, "
-                        "written into --base as executor.collective_compute_share, every other field and comment "
-                        "as it was")
+                        f"or {COLLECTIVE_CPU} alone: the host CPU a collective takes from its ranks' compute per "
+                        "byte sent, written into --base as links.intra_node.cpu_ns_per_byte (with --across-hosts: "
+                        "links.inter_node's), every other field and comment as it was")
     p.add_argument("--across-hosts", action="store_true", help="run as torchrun ranks on several hosts "
                    "(benchmarks/two_hosts.py -- -m autoddl calibrate --across-hosts): fit intra- and inter-host links; "
                    f"with --only {COLLECTIVE_CPU}: measure it with the all-reduces on the inter-host groups")
@@ -125,10 +126,13 @@ def _calibrate_shard_runner(args: argparse.Namespace) -> int:
 
 
 def _calibrate_collective_cpu(args: argparse.Namespace) -> int:
-    """``--only collective_cpu`` (executor/calibrate_overlap.py): --base with
-    ``executor.collective_compute_share`` measured, its header and every other comment kept."""
+    """``--only collective_cpu`` (executor/calibrate_overlap.py): --base with the link's
+    ``cpu_ns_per_byte`` measured (``links.intra_node``, and ``inter_node`` on one node; across hosts
+    ``links.inter_node``) and ``executor.collective_compute_share`` dropped (the per-byte cost replaces
+    it on CPUs), its header and every other comment kept."""
+    from costmodel.collectives import cpu_ns_per_byte
     from executor.calibrate_hosts import testbed_command
-    from executor.calibrate_overlap import describe, measure_overlap, measure_overlap_across_hosts
+    from executor.calibrate_overlap import MESSAGE_BYTES, describe, measure_overlap, measure_overlap_across_hosts
 
     if args.backend != Backend.GLOO.value:
         raise ValueError(f"calibrate --only {COLLECTIVE_CPU} times gloo ranks on this CPU; NCCL's SM use is not "
@@ -145,12 +149,20 @@ def _calibrate_collective_cpu(args: argparse.Namespace) -> int:
                                   + (" --quick" if args.quick else ""))
     else:
         result, command = measure_overlap(args.nproc, threads, repeats=repeats), _command(args)
-    fraction = round(result.fraction, 3)
-    ex = dataclasses.replace(base.cluster.executor, collective_compute_share=fraction)
-    cal = dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, executor=ex),
-                              comments={**base.comments, "executor.collective_compute_share": describe(result, command)})
-    if _write(cal, args.out):
-        print(f"wrote {args.out}: executor.collective_compute_share {fraction:g}")
+    cluster = base.cluster
+    ns = cpu_ns_per_byte(result.lost_s, CollectiveKind.ALL_REDUCE, MESSAGE_BYTES, result.group_size, cluster.backend,
+                         cluster.time_sharing((result.nproc,)))
+    ns = float(f"{ns:.3g}")
+    links = ("inter_node",) if args.across_hosts else ("intra_node",) + (("inter_node",) if cluster.nodes == 1 else ())
+    cluster = dataclasses.replace(cluster, executor=dataclasses.replace(cluster.executor, collective_compute_share=0.0),
+                                  **{k: dataclasses.replace(getattr(cluster, k), cpu_ns_per_byte=ns) for k in links})
+    text = (describe(result, command) + f"; per byte a rank sends (an all-reduce on {result.group_size} ranks, "
+            f"time-sharing {cluster.time_sharing((result.nproc,)):g}): {ns:g} ns")
+    comments = {k: v for k, v in base.comments.items() if k != "executor.collective_compute_share"}
+    comments.update({f"links.{k}.cpu_ns_per_byte": text if i == 0 else f"as links.{links[0]} (one node)"
+                     for i, k in enumerate(links)})
+    if _write(dataclasses.replace(base, cluster=cluster, comments=comments), args.out):
+        print(f"wrote {args.out}: " + ", ".join(f"links.{k}.cpu_ns_per_byte {ns:g}" for k in links))
     return 0
 
 
