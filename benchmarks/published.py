@@ -6,7 +6,9 @@ same job beside it. The cluster files' efficiencies come from component measurem
 (matmul, bandwidth, collectives: their comments cite them), never from these rows.
 
 - Llama-3-8B, sequence 8192, as TorchTitan trains it: bf16 parameters with float32 gradient
-  reduction, FSDP over 8 H100, selective activation checkpointing, one sequence per GPU,
+  reduction and the loss in float32 (its train.py upcasts the logits: examples/llama.py
+  ``float_logits``, set for every TorchTitan row), FSDP over 8 H100, selective activation
+  checkpointing, one sequence per GPU,
   global batch 8; and at the repository's own batch (Table 1 of
   ``benchmarks/llama3_h100_202412_torchtitan.md``: local batch 2, global 16, 82.4 GiB, so
   ``--memory-gb 96``, their H100s' HBM2e). Published:
@@ -68,16 +70,18 @@ COLUMNS = ["job", "cluster", "devices", "precision", "recompute", "attention", "
 TITAN_2024 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit 820504e2), H100 96 GB "
               "HBM2e at 500 W, seq 8192:")
 TITAN_DOCS = "pytorch/torchtitan docs/performance.md (commit 9dec370), seq 8192:"
+# TorchTitan's loss upcasts the bf16 logits: cross_entropy(pred.flatten(0, 1).float(), ...) (train.py at 9dec370)
+TITAN_ARGS = {"float_logits": True}
 
 JOBS = [
-    {"job": "llama3-8b seq 8192", "model": "examples/llama.py", "args": {"preset": "llama3-8b"},
+    {"job": "llama3-8b seq 8192", "model": "examples/llama.py", "args": TITAN_ARGS | {"preset": "llama3-8b"},
      "cluster": "h100-4x8", "devices": 8, "batch": 8, "micro_batches": 1,
      "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="selective"), "degrees": "fsdp=8",
      "metric": "tokens_per_s_per_gpu",
      "published": [("TorchTitan paper", 6258, "TorchTitan paper (arXiv:2410.06511): FSDP 8 H100, selective AC, "
                                               "as quoted in issue 10"),
                    ("TorchTitan repository", 5762, "TorchTitan repository benchmark, as quoted in issue 10")]},
-    {"job": "llama3-8b seq 8192, local batch 2", "model": "examples/llama.py", "args": {"preset": "llama3-8b"},
+    {"job": "llama3-8b seq 8192, local batch 2", "model": "examples/llama.py", "args": TITAN_ARGS | {"preset": "llama3-8b"},
      "cluster": "h100-4x8", "devices": 8, "batch": 16, "micro_batches": 1, "memory_gb": 96,
      "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="selective"), "degrees": "fsdp=8",
      "metric": "tokens_per_s_per_gpu",
@@ -100,32 +104,32 @@ JOBS = [
      "published": [("Megatron-LM paper", 137, "Narayanan et al., SC'21, Table 1 (as above), priced with attention "
                                               "unfused as Megatron-LM ran it then (baddbmm, FusedScaleMaskSoftmax, "
                                               "bmm); the traced GPT has no attention dropout (Megatron's had 0.1)")]},
-    {"job": "llama3.1-70b fsdp x tp", "model": "examples/llama.py", "args": {"preset": "llama3-70b"},
+    {"job": "llama3.1-70b fsdp x tp", "model": "examples/llama.py", "args": TITAN_ARGS | {"preset": "llama3-70b"},
      "cluster": "h100-4x8", "devices": 256, "batch": 512, "micro_batches": 1, "memory_gb": 96,
      "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"), "degrees": "fsdp=32,sp=8",
      "metric": "tokens_per_s_per_gpu", "search": False,
      "published": [("TorchTitan repository, Table 4 (2D)", 829, TITAN_2024 + " Table 4: Llama 3.1 70B, 256 H100, "
                     "FSDP 32 x TP 8, local batch 16, full AC; torch.compile + Float8 (not modelled)")]},
-    {"job": "llama3.1-405b fsdp x tp x pp, 1f1b", "model": "examples/llama.py", "args": {"preset": "llama3.1-405b"},
+    {"job": "llama3.1-405b fsdp x tp x pp, 1f1b", "model": "examples/llama.py", "args": TITAN_ARGS | {"preset": "llama3.1-405b"},
      "cluster": "h100-4x8", "devices": 512, "batch": 32, "micro_batches": 8, "memory_gb": 96,
      "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"), "degrees": "pp=8,fsdp=8,sp=8",
      "schedule": "1f1b", "metric": "tokens_per_s_per_gpu", "search": False,
      "published": [("TorchTitan repository, Table 5 (1F1B)", 100, TITAN_2024 + " Table 5: Llama 3.1 405B, 512 H100, "
                     "FSDP 8 x TP 8 x PP 8, local batch 32, full AC; torch.compile + Float8 + AsyncTP (not modelled)")]},
     {"job": "llama3.1-405b fsdp x tp x pp, interleaved", "model": "examples/llama.py",
-     "args": {"preset": "llama3.1-405b"}, "cluster": "h100-4x8", "devices": 512, "batch": 32, "micro_batches": 8,
+     "args": TITAN_ARGS | {"preset": "llama3.1-405b"}, "cluster": "h100-4x8", "devices": 512, "batch": 32, "micro_batches": 8,
      "memory_gb": 96, "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"),
      "degrees": "pp=8,fsdp=8,sp=8", "schedule": "interleaved", "virtual_stages": 2,
      "metric": "tokens_per_s_per_gpu", "search": False,
      "published": [("TorchTitan repository, Table 5 (interleaved 1F1B)", 128, TITAN_2024 + " Table 5: as 1F1B, "
                     "interleaved 1F1B (2 stages per rank); torch.compile + Float8 + AsyncTP (not modelled)")]},
-    {"job": "llama3.1-405b fsdp x tp, bf16", "model": "examples/llama.py", "args": {"preset": "llama3.1-405b"},
+    {"job": "llama3.1-405b fsdp x tp, bf16", "model": "examples/llama.py", "args": TITAN_ARGS | {"preset": "llama3.1-405b"},
      "cluster": "h100-4x8", "devices": 128, "batch": 32, "micro_batches": 1, "memory_gb": 96,
      "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"), "degrees": "fsdp=16,sp=8",
      "metric": "tokens_per_s_per_gpu", "search": False,
      "published": [("TorchTitan docs/performance.md", 109, TITAN_DOCS + " Llama 3.1 405B, 128 H100, FSDP 16 x TP 8, "
                     "local batch 2, full AC, no Float8 (bf16)")]},
-    {"job": "llama3-70b fsdp, bf16, A100", "model": "examples/llama.py", "args": {"preset": "llama3-70b"},
+    {"job": "llama3-70b fsdp, bf16, A100", "model": "examples/llama.py", "args": TITAN_ARGS | {"preset": "llama3-70b"},
      "cluster": "dgx-a100-8", "devices": 64, "batch": 64, "micro_batches": 1,
      "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"), "degrees": "fsdp=64",
      "metric": "tokens_per_s_per_gpu", "search": False,
@@ -168,7 +172,7 @@ def price_job(job: dict) -> list[dict]:
     found_text = ""
     if job.get("search", True):
         t1 = time.perf_counter()
-        found = search(graph, cluster, model_name=graph.model_name, training=training)
+        found = search(graph, cluster, model_name=graph.model_name, training=training, memory_gb=job.get("memory_gb"))
         rows.append(row(job, "found", found.found, found.found_breakdown, graph, time.perf_counter() - t1))
         found_text = f", found {rows[-1][job['metric']]}"
     print(f"{job['job']}: {label} {given_row[job['metric']]} ({job['metric']}, {given_row['memory_gb']} GB, "

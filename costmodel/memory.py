@@ -16,6 +16,10 @@
   the rank's schedule holds at once: :func:`pipeline_rank_bytes`), by autoddl/activations.py's
   rule (user inputs and consumed outputs of non-view ops, at their local size, in the traced
   dtype; a recomputed op's only when read outside its block);
+- ``activation_grads``: the activation gradients one op's backward holds at once, the most over the
+  ops (a pipeline rank's: its stages'), by autoddl/activations.py's ``activation_grad_bytes`` (for a
+  language model, the cross entropy's: the logits' gradient and its log-probabilities', each the
+  logits' size, at the start of backward, while every saved activation is still held);
 - ``recomputed``: the activations one recomputed block holds again during its backward: the
   largest block's recomputed outputs (one block is recomputed at a time);
 - ``gathered_params``: parameters materialised larger than stored for a use (ZeRO-3 /
@@ -43,7 +47,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from autoddl.activations import activation_bytes, kept_scores_bytes, local_bytes  # noqa: F401  (read from here too)
+from autoddl.activations import (activation_bytes, activation_grad_bytes, kept_scores_bytes,  # noqa: F401
+                                 local_bytes)  # (read from here too)
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.offload import grad_bytes, kept_parameters, spill_groups
 from autoddl.pipeline import Boundary, in_flight_peak, input_stage, pipeline_degree
@@ -57,7 +62,7 @@ from costmodel.collectives import Collective, CollectiveKind
 from costmodel.compute import ZERO_COST, optimizer_state_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "working_params", "buffers", "activations",
-              "recomputed", "gathered_params", "boxing_buffer", "spilled_params", "spilled_grads", "spilled_acts")
+              "activation_grads", "recomputed", "gathered_params", "boxing_buffer", "spilled_params", "spilled_grads", "spilled_acts")
 
 
 def local_parameters(graph: OpGraph, plan: Plan, layout: Callable[[Plan, str], NdSbp] = storage_of,
@@ -209,10 +214,11 @@ def memory_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective] =
 
 
 def _rank_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective], program: StepProgram | None,
-                only: frozenset[str] | None, activations: int) -> dict[str, int]:
-    """The categories of one device holding the parameters ``only`` (None: all) and ``activations``."""
+                only: frozenset[str] | None, activations: int, ops: frozenset[str] | None = None) -> dict[str, int]:
+    """The categories of one device holding the parameters ``only`` (None: all) and ``activations``,
+    running the ops ``ops`` (None: all)."""
     mesh = plan.mesh.shape
-    state = _state_bytes(graph, plan, program, only, activations)
+    state = _state_bytes(graph, plan, program, only, activations, ops)
     rest = {
         "working_params": working_param_bytes(graph, plan, program, only),
         "gathered_params": gathered_param_bytes(graph, plan, program, only),
@@ -227,9 +233,9 @@ def _rank_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collective], p
 
 
 def _state_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None, only: frozenset[str] | None,
-                 activations: int) -> dict[str, int]:
+                 activations: int, ops: frozenset[str] | None = None) -> dict[str, int]:
     """The categories that need no step program without pipeline stages: parameters, gradients,
-    optimizer states, buffers, activations (given), recomputed."""
+    optimizer states, buffers, activations (given), activation gradients (of ``ops``), recomputed."""
     master_bytes, master_numel = master_parameters(graph, plan, only)
     # the parameters kept whole in their storage are the masters too, unless working copies stand in
     # for them (mixed precision: float32 masters only in the optimizer storage)
@@ -240,6 +246,7 @@ def _state_bytes(graph: OpGraph, plan: Plan, program: StepProgram | None, only: 
         "optimizer_states": int(optimizer_state_bytes(master_numel, plan.optimizer)),
         "buffers": buffer_bytes(graph, plan),
         "activations": activations,
+        "activation_grads": activation_grad_bytes(graph, plan, ops),
         "recomputed": recomputed_bytes(graph, plan),
     }
 
@@ -318,4 +325,5 @@ def pipeline_rank_bytes(graph: OpGraph, plan: Plan, collectives: Sequence[Collec
     per_stage = chunk_activation_bytes(graph, plan, program)
     chunks = [per_stage[c * layout.stages + rank] for c in range(layout.virtual_stages)]
     held = in_flight_peak(layout.actions[rank], chunks)
-    return _rank_bytes(graph, plan, collectives, program, layout.rank_params[rank], held)
+    ops = frozenset(name for name, stage in layout.stage_of_op.items() if layout.rank_of(stage) == rank)
+    return _rank_bytes(graph, plan, collectives, program, layout.rank_params[rank], held, ops)

@@ -16,6 +16,8 @@ Presets (PRESETS below; default "tiny", because the real ones are large):
   llama3.1-405b  126 layers, dim 16384, 128/8 heads, ffn 53248, vocab 128256,
               batch 8 x seq 8192                                  (405.9B params)
 
+float_logits=True casts the logits to float32 for the loss, as TorchTitan computes its cross entropy.
+
 Sizes are set by keyword, then preset (the file reads no environment):
   build_model("tiny", n_layers=1)          keyword wins
   on the command line: --preset NAME --set FIELD=VALUE (one --set per field)
@@ -48,6 +50,8 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     batch_size: int = 8          # example_inputs batch
     seq_len: int = 8192          # example_inputs sequence length, <= max_seq_len
+    float_logits: bool = False   # logits cast to float32 for the loss, as TorchTitan's cross entropy
+                                 # (train.py loss_fn at 9dec370: cross_entropy(pred.flatten(0, 1).float(), ...))
 
     def __post_init__(self) -> None:
         problems = []
@@ -194,7 +198,8 @@ class Llama(nn.Module):
             cos, sin = cos.to(h.dtype), sin.to(h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin)                       # (B, T, C)
-        return self.output(self.norm(h))                 # (B, T, vocab)
+        logits = self.output(self.norm(h))               # (B, T, vocab)
+        return logits.float() if self.config.float_logits else logits
 
 
 def build_model(preset: str | None = None, **overrides) -> Llama:

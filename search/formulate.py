@@ -43,14 +43,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from autoddl import ops
-from autoddl.activations import kept_scores_bytes
+from autoddl.activations import kept_scores_bytes, saved_outputs
 from autoddl.cluster import Cluster
 from autoddl.flops import VIEW_OPS
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorRef
 from autoddl.plan import Mesh, Plan
 from autoddl.precision import MASTER_ITEMSIZE, itemsize
-from autoddl.program import block_of, recomputed_ops, requires_grad
+from autoddl.program import recomputed_ops, requires_grad
 from autoddl.sbp import NdSbp, Signature
 from autoddl.training import Training
 from costmodel.boxing import (Group, edge_backward_transitions, grad_ndsbp, needed_grad_ndsbp, transitions_of,
@@ -202,12 +202,10 @@ def formulate(graph: OpGraph, cluster: Cluster, mesh_shape: Sequence[int], *, op
 
 
 def _saved_outputs(graph: OpGraph, node: OpNode, recomputed: bool) -> tuple[bool, ...]:
-    """Which outputs of op ``node`` autograd keeps (costmodel/memory.py's ``activation_bytes`` rule):
-    those some op reads; of a recomputed op, only those an op outside its block reads."""
+    """Which outputs of op ``node`` autograd keeps (autoddl/activations.py ``saved_outputs``)."""
     if not node.is_op:
         return ()
-    block = block_of(node) if recomputed else None
-    kept = {i for c, i, _ in graph.uses(node.name) if c.is_op and (not recomputed or block_of(c) != block)}
+    kept = saved_outputs(graph, node, recomputed)
     return tuple(i in kept for i in range(len(node.outputs)))
 
 

@@ -24,7 +24,8 @@ from search.planner import price_unless_unfit, search, with_training
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "configs" / "local-cpu.yaml"
 MESH = (4,)                 # one mesh keeps the searches short; every baseline on it is priced (or not)
-FLOOR_PARTS = ("parameters", "gradients", "optimizer_states", "buffers", "activations", "recomputed")
+FLOOR_PARTS = ("parameters", "gradients", "optimizer_states", "buffers", "activations", "activation_grads",
+               "recomputed")
 
 
 @pytest.fixture(scope="module", params=["mlp", "gpt", "llama"])

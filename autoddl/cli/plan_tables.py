@@ -14,7 +14,7 @@ MEMORY_PARTS = {            # --memory-breakdown column -> costmodel/memory.py c
     "params GB": ("parameters", "working_params", "gathered_params"),
     "grads GB": ("gradients",),
     "optim GB": ("optimizer_states",),
-    "activ GB": ("activations", "recomputed"),
+    "activ GB": ("activations", "activation_grads", "recomputed"),
     "spilled GB": ("spilled_params", "spilled_grads", "spilled_acts"),
     "other GB": ("buffers", "boxing_buffer"),
 }
