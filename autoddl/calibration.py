@@ -301,15 +301,21 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
     if comm.link is None:
         raise ValueError("calibrate: no collective could be fitted (only " + ", ".join(comm.fits)
                          + "): the link needs one; run again when the machine is idle")
+    link = dataclasses.replace(comm.link, cpu_ns_per_byte=base.intra_node.cpu_ns_per_byte)   # measured apart
     cluster = dataclasses.replace(
         base, devices_per_node=dpn, backend=backend,
         device=dataclasses.replace(base.device, peak_tflops={d: _sig(p) for d, p in comp.peaks.items()},
                                    memory_gb=memory_gb, memory_bandwidth_gbps=_sig(mem_gbps)),
-        intra_node=comm.link, inter_node=comm.link if base.nodes == 1 else base.inter_node,
+        intra_node=link, inter_node=link if base.nodes == 1 else base.inter_node,
         efficiency=Efficiency(compute=_sig(min(1.0, comp.large_efficiency), 3), memory=1.0, network=1.0),
         op_overhead_us=_sig(meas.op_overhead_us, 3), collectives=CollectiveFits(**comm.per_kind),
         compute_curve=comp.curve, source="", **cpu_host(base, meas, _total_memory_gb() or memory_gb * dpn, mem_gbps, s.nproc))
     comments = _measured_comments(meas, base, comp, comm, dpn, memory_gb, mem_kind)
+    if link.cpu_ns_per_byte:
+        comments["links.intra_node.cpu_ns_per_byte"] = ("kept from the base file: measured apart by `autoddl "
+                                                        "calibrate --only collective_cpu`")
+        if base.nodes == 1:
+            comments["links.inter_node.cpu_ns_per_byte"] = "as links.intra_node (one node)"
     notes = [f"devices_per_node {dpn} > {s.nproc} calibrated ranks: with more ranks than {s.nproc} they share "
              "cores, so compute and collectives run slower than these numbers."] if dpn > s.nproc else []
     cluster, comments = with_executor_overheads(cluster, comments, meas)

@@ -82,7 +82,7 @@ def cluster_for_rate(rate: float, work: Path, quick: bool) -> Path:
     testbed = [sys.executable, str(TESTBED), "--rate-mbit", f"{rate:g}", "--timeout-s", "590", "--",
                "-m", "autoddl", "calibrate", "--across-hosts"]
     quick_flag = ["--quick"] if quick else []
-    # the links, then the collectives' compute share across this link (a share does not carry across rates)
+    # the links, then the inter-host link's CPU per byte sent (measured across this link: its kernel CPU is its own)
     for cmd in (testbed + ["--out", str(out)] + quick_flag,
                 testbed + ["--only", "collective_cpu", "--base", str(out), "--out", str(out)] + quick_flag):
         res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

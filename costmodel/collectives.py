@@ -179,16 +179,15 @@ def collective_cpu_s(kind: CollectiveKind, nbytes: float, mesh_shape: Sequence[i
     return sent * per_byte_ns * 1e-9 * cluster.time_sharing(mesh)
 
 
-def cpu_ns_per_byte(lost_compute_s: float, kind: CollectiveKind, nbytes: float, n_devices: int,
-                    backend: Backend | str, time_sharing: float = 1.0) -> float:
-    """A link's ``cpu_ns_per_byte`` from the compute one rank lost beside one ``kind`` of ``nbytes`` on
-    ``n_devices`` ranks, measured with the ranks sharing cores ``time_sharing`` times over: the inverse
-    of :func:`collective_cpu_s` (``autoddl calibrate --only collective_cpu``)."""
+def cpu_ns_per_byte(cpu_s: float, kind: CollectiveKind, nbytes: float, n_devices: int, backend: Backend | str) -> float:
+    """A link's ``cpu_ns_per_byte`` from the CPU seconds one rank spent on one ``kind`` of ``nbytes`` on
+    ``n_devices`` ranks: :func:`collective_cpu_s` inverted, without its time-sharing (that CPU is the
+    rank's, however many ranks share a core) (``autoddl calibrate --only collective_cpu``)."""
     sent = formula_coefficients(carried_out_as(CollectiveKind(kind), backend), n_devices)[1] * nbytes
-    if sent <= 0 or time_sharing <= 0:
+    if sent <= 0:
         raise ValueError(f"cpu_ns_per_byte: {kind} of {nbytes} bytes on {n_devices} ranks sends nothing to "
                          "divide by; time a collective of at least 2 ranks")
-    return lost_compute_s / sent / time_sharing * 1e9
+    return cpu_s / sent * 1e9
 
 
 def send_recv_time_s(nbytes: float, src: int, dst: int, cluster: Cluster, busy_mesh: Sequence[int]) -> float:

@@ -62,7 +62,8 @@ from costmodel.collectives import Collective, CollectiveKind
 from costmodel.compute import ZERO_COST, optimizer_state_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "working_params", "buffers", "activations",
-              "activation_grads", "recomputed", "gathered_params", "boxing_buffer", "spilled_params", "spilled_grads", "spilled_acts")
+              "activation_grads", "recomputed", "gathered_params", "boxing_buffer", "spilled_params", "spilled_grads",
+              "spilled_acts")
 
 
 def local_parameters(graph: OpGraph, plan: Plan, layout: Callable[[Plan, str], NdSbp] = storage_of,

@@ -203,7 +203,8 @@ def two_hosts_cluster(ht: HostTimings, fits: dict[str, dict[str, Any]], base: An
     from autoddl.cluster import CollectiveFits, LinkSpec
 
     intra, inter = _median_link(fits["intra_host"]), _median_link(fits["inter_host"])
-    alone = _median_link(fits["inter_host_alone"]).bandwidth_gbps if fits.get("inter_host_alone") else None
+    alone_fit = fits.get("inter_host_alone", {}).get("all_reduce")     # one flow: the flattened groups' all-reduce
+    alone = float(f"{alone_fit.bandwidth_gbps:.4g}") if alone_fit else None
     inter = dataclasses.replace(inter, shared_by_node=True, measured_flows=ht.per_node,   # host_groups: per_node sets
                                 flow_bandwidth_gbps=alone)
     intra = dataclasses.replace(intra, cpu_ns_per_byte=base.intra_node.cpu_ns_per_byte)   # loopback inside a host too
@@ -255,8 +256,8 @@ def _two_hosts_text(ht: HostTimings, fits: dict[str, dict[str, Any]], intra: Any
     }
     if inter.flow_bandwidth_gbps is not None:
         comments["links.inter_node.flow_bandwidth_gbps"] = (
-            f"fitted: median over the {len(fits['inter_host_alone'])} kinds of inter_host_alone, one group alone on "
-            "the link: no flow is priced faster")
+            "fitted: inter_host_alone's all_reduce, one group alone on the link (one flow: what an all-reduce over "
+            "every rank, data parallel's gradient buckets, puts on it): no flow is priced faster")
     if intra.cpu_ns_per_byte:
         comments["links.intra_node.cpu_ns_per_byte"] = (f"from {src}: loopback inside a host too (links.inter_node's "
                                                         "is measured by `--across-hosts --only collective_cpu`)")
@@ -280,6 +281,17 @@ def _two_hosts_text(ht: HostTimings, fits: dict[str, dict[str, Any]], intra: Any
     return comments, "\n".join(lines)
 
 
+MEASURED_HERE = ("name", "nodes", "devices_per_node", "links", "collectives", "cores_per_node",
+                 "comm_measured_ranks_per_node")     # the fields (and their sub-fields) the testbed calibration writes
+
+
+def _base_comments(base_path: str) -> dict[str, str]:
+    """The base file's comments on the fields taken from it (their sources stay beside the numbers)."""
+    from autoddl.cluster import yaml_comments
+
+    return {k: v for k, v in yaml_comments(base_path)[1].items() if k.split(".")[0] not in MEASURED_HERE}
+
+
 def calibrate_across_hosts(out: str | None, base_path: str, fit_kinds: Callable[..., dict[str, Any]],
                            quick: bool = False) -> int:
     """``autoddl calibrate --across-hosts`` in one torchrun rank: measure; rank 0 fits and writes ``out``."""
@@ -294,6 +306,7 @@ def calibrate_across_hosts(out: str | None, base_path: str, fit_kinds: Callable[
     if ht is None:
         return 0
     cluster, comments, header = two_hosts_cluster(ht, fit_host_paths(ht, fit_kinds), base, command)
+    comments = {**_base_comments(base_path), **comments}
     header += (f"\n1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after "
                f"({os.cpu_count()} cores; other processes share them).")
     if out:

@@ -38,12 +38,14 @@ GLOO_FORMULA = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_
 
 
 def base_cluster() -> Cluster:
-    """The bundled local-cpu cluster without its measured per-kind fits, compute curve, executor overheads
-    and core sharing (so times follow the link formulas alone)."""
+    """The bundled local-cpu cluster without its measured per-kind fits, compute curve, executor overheads,
+    core sharing and links' CPU cost (so times follow the link formulas alone)."""
     from autoddl.cluster import ExecutorOverheads
 
-    return dataclasses.replace(Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml"), collectives=CollectiveFits(),
-                               compute_curve=(), executor=ExecutorOverheads(), cores_per_node=None)
+    c = Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml")
+    return dataclasses.replace(c, collectives=CollectiveFits(), compute_curve=(), executor=ExecutorOverheads(),
+                               cores_per_node=None, intra_node=dataclasses.replace(c.intra_node, cpu_ns_per_byte=0.0),
+                               inter_node=dataclasses.replace(c.inter_node, cpu_ns_per_byte=0.0))
 
 
 # -- fitting ---------------------------------------------------------------------------------------
@@ -252,6 +254,11 @@ def test_calibrate_cluster_from_synthetic_measurements(tmp_path):
     assert cal.cluster.collectives.get("all_reduce") == LinkSpec(1.2, 50.0)
     cal.write(out)
     assert Cluster.from_yaml(out) == cal.cluster and "  broadcast:  # a 20.0 us, b 4.000 GB/s" in out.read_text()
+    # the links' CPU per byte is measured apart (--only collective_cpu): a full calibration keeps the base's
+    base = base_cluster()
+    base = dataclasses.replace(base, intra_node=dataclasses.replace(base.intra_node, cpu_ns_per_byte=0.7))
+    c = calibrate_cluster(synthetic_measurements(agree), base, command="x").cluster
+    assert c.intra_node == LinkSpec(1.2, 50.0, cpu_ns_per_byte=0.7) == c.inter_node
 
 
 def test_calibrate_cluster_writes_a_peak_per_timed_dtype(tmp_path):

@@ -567,8 +567,8 @@ def test_executor_op_families_and_recompute_errors(tmp_path):
 # -- the host side of a node (spilling to host memory) ------------------------------------------------
 
 def test_host_fields_load_round_trip_and_are_optional(tmp_path):
-    """Every bundled file but two-hosts describes its host; an old file without the fields loads, and
-    asking it for the host names each missing field and what to add."""
+    """Every bundled file describes its host; an old file without the fields loads, and asking it for
+    the host names each missing field and what to add."""
     a100 = Cluster.from_yaml(bundled_config("dgx-a100-8"))
     assert a100.host_link == LinkSpec(31.5, 10.0) and a100.host_memory_gb == 2000
     assert a100.host_memory_bandwidth_gbps == 409.6
@@ -576,7 +576,12 @@ def test_host_fields_load_round_trip_and_are_optional(tmp_path):
     assert a100.host_bytes_per_device() == 2000e9 / 8
     assert Cluster.from_yaml(bundled_config("h100-4x8")).host_link.bandwidth_gbps == 63.0      # PCIe 5.0 x16
     assert Cluster.from_yaml(bundled_config("v100-16x1")).host_link.bandwidth_gbps == 15.75    # PCIe 3.0 x16
-    old = Cluster.from_yaml(bundled_config("two-hosts"))
+    for name in [*BUNDLED, "two-hosts"]:
+        assert Cluster.from_yaml(bundled_config(name)).host_link is not None, name
+    d = Cluster.from_yaml(bundled_config("two-hosts")).to_dict()
+    for key in ("host_link", "host_memory_gb", "host_memory_bandwidth_gbps"):
+        del d[key]
+    old = Cluster.from_yaml(write(tmp_path, d, "old.yaml"))
     assert old.host_link is None and old.host_memory_gb is None
     with pytest.raises(ClusterConfigError) as exc:
         old.require_host("--offload params")

@@ -24,7 +24,8 @@ from costmodel.compute import op_forward_time_s
 from costmodel.collectives import collective_cpu_s, cpu_ns_per_byte
 from costmodel.simulate import collective_compute_s, overlapped_time_s, simulate
 from executor import calibrate_overlap
-from executor.calibrate_overlap import OverlapResult, OverlapTiming, lost_compute_s, measure_overlap, median_lost_s
+from executor.calibrate_overlap import (OverlapResult, OverlapTiming, lost_compute_s, measure_overlap, median_cpu_s,
+                                        median_lost_s)
 from test_breakdown import batch_split_plan
 
 NBYTES = 4_000_000
@@ -143,15 +144,20 @@ def test_the_cpu_of_a_collective_is_the_bytes_a_rank_sends_on_its_link():
     for kind, axis, ns in cases:
         assert collective_cpu_s(kind, m, mesh, axis, cluster) == pytest.approx(ns * 1e-9 * share, rel=1e-12), kind
     assert collective_cpu_s(CollectiveKind.ALL_REDUCE, m, (1, 4), 0, cluster) == 0.0
-    assert collective_cpu_s(CollectiveKind.ALL_REDUCE, m, mesh, 0, base) == 0.0
+    bare = dataclasses.replace(cluster, inter_node=dataclasses.replace(base.inter_node, cpu_ns_per_byte=0.0))
+    assert collective_cpu_s(CollectiveKind.ALL_REDUCE, m, mesh, 0, bare) == 0.0
     lost = collective_cpu_s(CollectiveKind.ALL_REDUCE, m, mesh, (0, 1), cluster)
-    assert cpu_ns_per_byte(lost, CollectiveKind.ALL_REDUCE, m, 4, "gloo", share) == pytest.approx(2.0, rel=1e-12)
+    assert cpu_ns_per_byte(lost / share, CollectiveKind.ALL_REDUCE, m, 4, "gloo") == pytest.approx(2.0, rel=1e-12)
     with pytest.raises(ValueError, match="sends nothing"):
         cpu_ns_per_byte(lost, CollectiveKind.ALL_REDUCE, m, 1, "gloo")
 
 
-def test_the_lost_compute_is_the_slowdown_per_collective():
-    """(both - compute alone) / collectives, at least 0; the median over repeats."""
+def test_the_cpu_and_the_lost_compute_per_collective():
+    """The process CPU during the collectives alone / collectives, median over repeats (the field);
+    (both - compute alone) / collectives, at least 0, median over repeats (its cross-check)."""
+    cpu = (OverlapTiming(0.01, 0.004, 0.013, 0.004), OverlapTiming(0.01, 0.004, 0.013, 0.002),
+           OverlapTiming(0.01, 0.004, 0.013, 0.009))
+    assert median_cpu_s(cpu, 8) == pytest.approx(0.004 / 8)
     assert lost_compute_s(OverlapTiming(0.010, 0.004, 0.013), 8) == pytest.approx(0.003 / 8)
     assert lost_compute_s(OverlapTiming(0.010, 0.004, 0.009), 8) == 0.0       # faster beside: noise
     timings = (OverlapTiming(0.010, 0.004, 0.011), OverlapTiming(0.010, 0.005, 0.014), OverlapTiming(0.02, 0.01, 0.03))
@@ -163,21 +169,34 @@ def test_the_lost_compute_is_the_slowdown_per_collective():
 def test_the_measurement_runs_on_two_gloo_ranks():
     """One repeat on 2 ranks: three positive loop times, compute sized to cover the collectives, and
     the result is the compute lost per collective of those times (not timed for the record)."""
-    result = measure_overlap(2, 1, repeats=1, timeout_s=120)
+    result = measure_overlap(2, 1, repeats=1, launches=1, timeout_s=120)
     (t,) = result.timings
     assert min(t.compute_s, t.collective_s, t.both_s) > 0 and result.matmuls >= 4
     assert result.lost_s == lost_compute_s(t) and result.group_size == 2
+    assert result.cpu_s == t.collective_cpu_s / 8 > 0          # gloo's threads spent CPU on the all-reduces
+
+
+def test_several_launches_give_the_median_of_their_medians(monkeypatch):
+    """measure_overlap over 3 launches (run_ranks replaced by synthetic rank-0 times, 8 all-reduces):
+    launch medians 1, 3 and 2 ms lost per collective -> 2 ms; every repeat's timing kept, in order."""
+    launches = iter([[(0.010, 0.004, 0.018, 0.008)] * 3, [(0.010, 0.004, 0.034, 0.024)] * 3,
+                     [(0.010, 0.004, 0.026, 0.016), (0.010, 0.004, 0.026, 0.016), (0.010, 0.004, 0.010, 0.0)]])
+    monkeypatch.setattr(calibrate_overlap, "run_ranks", lambda *a, **k: [{"times": next(launches), "matmuls": 9}])
+    result = measure_overlap(2, 1, repeats=3, launches=3)
+    assert result.lost_s == pytest.approx(0.002) and len(result.timings) == 9 and result.launches == 3
+    assert result.cpu_s == pytest.approx(0.002)        # CPU medians 1, 3, 2 ms per collective
+    assert result.timings[3] == OverlapTiming(0.010, 0.004, 0.034, 0.024)
 
 
 def test_calibrate_only_collective_cpu_sets_the_links_cost_over_base_keeping_every_comment(tmp_path, monkeypatch,
                                                                                          capsys):
-    """The CLI with the measurement replaced by synthetic timings (lost 3, 3, 2 ms per 8 all-reduces
-    of 1 MB on 2 ranks: median 3 / 8 ms, 1 MB sent each: 0.375 ns per byte): --out is --base with
+    """The CLI with the measurement replaced by synthetic timings (process CPU 3, 3, 2 ms per 8
+    all-reduces of 1 MB on 2 ranks: median 3 / 8 ms, 1 MB sent each: 0.375 ns per byte): --out is --base with
     links.intra_node.cpu_ns_per_byte (and inter_node's, one node) set and commented, the compute
     share dropped, every other field and comment as it was; a negative cost in a file is refused by name."""
-    timings = (OverlapTiming(0.010, 0.004, 0.013),) * 2 + (OverlapTiming(0.01, 0.004, 0.012),)
-    monkeypatch.setattr(calibrate_overlap, "measure_overlap", lambda nproc, threads, repeats: OverlapResult(
-        median_lost_s(timings), timings, 20, 8, nproc, threads, nproc))
+    timings = (OverlapTiming(0.010, 0.004, 0.013, 0.003),) * 2 + (OverlapTiming(0.01, 0.004, 0.012, 0.002),)
+    monkeypatch.setattr(calibrate_overlap, "measure_overlap", lambda nproc, threads, repeats, launches: OverlapResult(
+        median_lost_s(timings), timings, 20, 8, nproc, threads, nproc, cpu_s=median_cpu_s(timings)))
     base = CONFIG_DIR / "local-cpu.yaml"
     out = tmp_path / "c.yaml"
     assert main(["calibrate", "--only", "collective_cpu", "--nproc", "2", "--out", str(out)]) == 0
@@ -197,7 +216,8 @@ def test_calibrate_only_collective_cpu_sets_the_links_cost_over_base_keeping_eve
         base_comments.pop(key, None)
     assert comments == base_comments
     assert "--only collective_cpu" in note and "median of 3 repeats 0.375 ms" in note
-    assert note.endswith("per byte a rank sends (an all-reduce on 2 ranks, time-sharing 1): 0.375 ns")
+    assert note.endswith("user + system, mean over ranks) per all-reduce during the all-reduces alone, the same "
+                         "medians: 0.375 ms; per byte a rank sends (an all-reduce on 2 ranks): 0.375 ns")
     assert main(["calibrate", "--only", "collective_cpu,all_reduce", "--out", str(out)]) == 2
     assert "collective_cpu is timed alone" in capsys.readouterr().err
     out.write_text(out.read_text().replace("cpu_ns_per_byte: 0.375", "cpu_ns_per_byte: -1", 1))

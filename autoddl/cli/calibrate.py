@@ -139,7 +139,7 @@ def _calibrate_collective_cpu(args: argparse.Namespace) -> int:
                          "timed here (GPU cluster files take executor.collective_compute_share from a published "
                          "measurement, as configs/h100-4x8.yaml does)")
     base = Calibration.of_file(args.base)        # a bad base fails before the timing
-    threads, repeats = args.threads or 1, 5 if args.quick else 15
+    threads, repeats = args.threads or 1, 5 if args.quick else 15      # across hosts: one launch (torchrun)
     if args.across_hosts:                        # torchrun ranks under benchmarks/two_hosts.py: rank 0 writes
         result = measure_overlap_across_hosts(threads, repeats)
         if result is None:
@@ -148,16 +148,15 @@ def _calibrate_collective_cpu(args: argparse.Namespace) -> int:
                                   + (f" --out {shlex.quote(args.out)}" if args.out else "")
                                   + (" --quick" if args.quick else ""))
     else:
-        result, command = measure_overlap(args.nproc, threads, repeats=repeats), _command(args)
+        launches, repeats = (1, 5) if args.quick else (5, 7)
+        result, command = measure_overlap(args.nproc, threads, repeats=repeats, launches=launches), _command(args)
     cluster = base.cluster
-    ns = cpu_ns_per_byte(result.lost_s, CollectiveKind.ALL_REDUCE, MESSAGE_BYTES, result.group_size, cluster.backend,
-                         cluster.time_sharing((result.nproc,)))
+    ns = cpu_ns_per_byte(result.cpu_s, CollectiveKind.ALL_REDUCE, MESSAGE_BYTES, result.group_size, cluster.backend)
     ns = float(f"{ns:.3g}")
     links = ("inter_node",) if args.across_hosts else ("intra_node",) + (("inter_node",) if cluster.nodes == 1 else ())
     cluster = dataclasses.replace(cluster, executor=dataclasses.replace(cluster.executor, collective_compute_share=0.0),
                                   **{k: dataclasses.replace(getattr(cluster, k), cpu_ns_per_byte=ns) for k in links})
-    text = (describe(result, command) + f"; per byte a rank sends (an all-reduce on {result.group_size} ranks, "
-            f"time-sharing {cluster.time_sharing((result.nproc,)):g}): {ns:g} ns")
+    text = describe(result, command) + f"; per byte a rank sends (an all-reduce on {result.group_size} ranks): {ns:g} ns"
     comments = {k: v for k, v in base.comments.items() if k != "executor.collective_compute_share"}
     comments.update({f"links.{k}.cpu_ns_per_byte": text if i == 0 else f"as links.{links[0]} (one node)"
                      for i, k in enumerate(links)})
