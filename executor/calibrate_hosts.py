@@ -248,7 +248,6 @@ def _two_hosts_text(ht: HostTimings, fits: dict[str, dict[str, Any]], intra: Any
                                             "ranks all cross it"),
         "links.inter_node.measured_flows": (f"the inter_host fits ran {ht.per_node} groups (one rank per host each) "
                                             "at once on the link"),
-
         "cores_per_node": (f"this machine's {cores} cores / {s.threads} thread{'s' * (s.threads > 1)} per rank / "
                            f"{ht.nodes} hosts: the hosts share the cores"),
         "comm_measured_ranks_per_node": (f"the links and collectives above were measured with all {ht.per_node} ranks "

@@ -110,6 +110,11 @@ def test_host_groups_and_two_hosts_cluster_recover_both_links(tmp_path, monkeypa
     assert f"{CHECK_BYTES / 1e6:g} MB" in header and "tbf 1000 Mbit/s" in header and "R^2 1.0000" in header
     cluster.to_yaml(tmp_path / "two.yaml", comments=comments, header=header)
     assert Cluster.from_yaml(tmp_path / "two.yaml") == cluster
+    # the fields taken from the base keep the base's comments (their sources); the measured ones are the fit's
+    from executor.calibrate_hosts import _base_comments
+    kept = _base_comments(str(CONFIG_DIR / "local-cpu.yaml"))
+    assert kept["device.peak_tflops.float32"].startswith("measured: best float32 matmul rate")
+    assert "executor.op_us" in kept and not [k for k in kept if k.startswith(("links", "collectives", "nodes"))]
 
 
 # -- the link's CPU per byte across the hosts (calibrate --across-hosts --only collective_cpu) -----------

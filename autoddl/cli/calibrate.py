@@ -139,9 +139,9 @@ def _calibrate_collective_cpu(args: argparse.Namespace) -> int:
                          "timed here (GPU cluster files take executor.collective_compute_share from a published "
                          "measurement, as configs/h100-4x8.yaml does)")
     base = Calibration.of_file(args.base)        # a bad base fails before the timing
-    threads, repeats = args.threads or 1, 5 if args.quick else 15      # across hosts: one launch (torchrun)
+    threads = args.threads or 1
     if args.across_hosts:                        # torchrun ranks under benchmarks/two_hosts.py: rank 0 writes
-        result = measure_overlap_across_hosts(threads, repeats)
+        result = measure_overlap_across_hosts(threads, 5 if args.quick else 15)     # one launch: torchrun's
         if result is None:
             return 0
         command = testbed_command(f" --only {COLLECTIVE_CPU} --base {shlex.quote(str(args.base))}"
