@@ -343,6 +343,7 @@ def _two_hosts_at_10_gbit() -> Cluster:
     10 Gbit/s rows)."""
     d = Cluster.from_yaml(ROOT / "configs" / "two-hosts.yaml").to_dict()
     d["links"]["inter_node"] = {"bandwidth_gbps": 0.3296, "latency_us": 868.7}
+    d["links"]["intra_node"].pop("cpu_ns_per_byte", None)      # that calibration priced no CPU per byte
     return Cluster.from_dict(d, "two-hosts at 10 Gbit/s")
 
 
