@@ -93,3 +93,43 @@ def test_study_csv_round_trip(fid, tmp_path):
     study, rows = fid.load_study(csv_path)
     assert study == "B" and len(rows) == 1 and rows[0]["median"] == 0.04 and rows[0]["predicted"] == 0.03
     assert fid.load_study(csv_path, "A")[1][0]["median"] == 0.02
+
+
+@pytest.fixture(scope="module")
+def reprice():
+    import sys
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("fidelity_reprice_bench", ROOT / "benchmarks" / "fidelity_reprice.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_reprice_report_by_hand(reprice):
+    """MAPE both ways and the mean predicted / measured per (ranks, scheme), from synthetic rows."""
+    rows = [{"scheme": "dp", "nproc": 2, "predicted": 12.0, "new": 9.0, "median": 10.0},
+            {"scheme": "dp", "nproc": 4, "predicted": 20.0, "new": 22.0, "median": 20.0},
+            {"scheme": "tp", "nproc": 4, "predicted": 15.0, "new": 30.0, "median": 30.0}]
+    lines = reprice.report(rows)
+    # study: (0.2 + 0 + 0.5) / 3; new: (0.1 + 0.1 + 0) / 3
+    assert lines[0] == "3 runs: MAPE 23.3% as the study predicted, 6.7% with the new cluster"
+    assert lines[1:3] == ["  2 ranks (1 runs): 20.0% -> 10.0%", "  4 ranks (2 runs): 25.0% -> 5.0%"]
+    assert lines[4:] == ["  2 dp        1.20 ->  0.90", "  4 dp        1.00 ->  1.10", "  4 tp        0.50 ->  1.00"]
+
+
+def test_reprice_with_the_study_cluster_gives_the_study_prediction(reprice, fid):
+    """mlp on 2 ranks, planned with local-cpu as a study would, its rows' predictions read back: priced
+    again with the same file, every plan is the study's and prices exactly as recorded; a row whose
+    recorded prediction differs is left out and named."""
+    import tempfile
+
+    cluster = ROOT / "configs" / "local-cpu.yaml"
+    with tempfile.TemporaryDirectory() as tmp:
+        items = fid.plan_all("mlp", fid.MODELS["mlp"], ["2"], cluster, Path(tmp))
+    rows = [{"model": "mlp", "config": "2", "scheme": it["scheme"], "median": 0.01,
+             "predicted": float(f"{it['plan'].cost.step_time_s:.6g}")} for it in items]
+    rows[0]["predicted"] *= 1.01
+    priced, skipped = reprice.reprice(rows, cluster, cluster)
+    assert len(priced) == len(rows) - 1 and len(skipped) == 1 and skipped[0].startswith(f"mlp 2 {rows[0]['scheme']}:")
+    for r in priced:
+        assert r["new"] == pytest.approx(r["predicted"], rel=1e-5) and r["nproc"] == 2
