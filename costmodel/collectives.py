@@ -163,31 +163,33 @@ def _group(mesh: tuple[int, ...], axis: Group, cluster: Cluster) -> tuple[tuple[
 def collective_cpu_s(kind: CollectiveKind, nbytes: float, mesh_shape: Sequence[int], axis: Group,
                      cluster: Cluster) -> float:
     """Host CPU seconds one rank spends on ``kind`` of ``nbytes`` (M) over mesh ``axis``, taken from its
-    compute (costmodel/simulate.py): the bytes it sends, the bandwidth term's coefficient times M
-    (:func:`formula_coefficients` of the kind as the backend carries it out; a ``send_recv``: M), times
-    the link's ``cpu_ns_per_byte`` (``links.intra_node`` for a group inside a node, else
-    ``links.inter_node``), slowed by ``cluster.time_sharing`` as the ranks' compute is. 0 for a group
-    of one rank and on links without a CPU cost (GPU clusters)."""
+    compute (costmodel/simulate.py): the bytes it sends (:func:`bytes_sent`), times the link's
+    ``cpu_ns_per_byte`` (``links.intra_node`` for a group inside a node, else ``links.inter_node``),
+    slowed by ``cluster.time_sharing`` as the ranks' compute is. 0 for a group of one rank and on links
+    without a CPU cost (GPU clusters)."""
     mesh = tuple(mesh_shape)
-    axes, n, intra = _group(mesh, axis, cluster)
+    _, n, intra = _group(mesh, axis, cluster)
     per_byte_ns = (cluster.intra_node if intra else cluster.inter_node).cpu_ns_per_byte
     if n == 1 or not per_byte_ns:
         return 0.0
-    kind = CollectiveKind(kind)
-    sent = nbytes if kind is CollectiveKind.SEND_RECV else \
-        formula_coefficients(carried_out_as(kind, cluster.backend), n)[1] * nbytes
-    return sent * per_byte_ns * 1e-9 * cluster.time_sharing(mesh)
+    return bytes_sent(kind, nbytes, n, cluster.backend) * per_byte_ns * 1e-9 * cluster.time_sharing(mesh)
 
 
 def cpu_ns_per_byte(cpu_s: float, kind: CollectiveKind, nbytes: float, n_devices: int, backend: Backend | str) -> float:
     """A link's ``cpu_ns_per_byte`` from the CPU seconds one rank spent on one ``kind`` of ``nbytes`` on
     ``n_devices`` ranks: :func:`collective_cpu_s` inverted, without its time-sharing (that CPU is the
     rank's, however many ranks share a core) (``autoddl calibrate --only collective_cpu``)."""
-    sent = formula_coefficients(carried_out_as(CollectiveKind(kind), backend), n_devices)[1] * nbytes
+    sent = bytes_sent(kind, nbytes, n_devices, backend)
     if sent <= 0:
         raise ValueError(f"cpu_ns_per_byte: {kind} of {nbytes} bytes on {n_devices} ranks sends nothing to "
                          "divide by; time a collective of at least 2 ranks")
     return cpu_s / sent * 1e9
+
+
+def bytes_sent(kind: CollectiveKind, nbytes: float, n_devices: int, backend: Backend | str) -> float:
+    """The bytes one rank sends in ``kind`` of ``nbytes`` (M) on ``n_devices`` ranks, as ``backend`` carries
+    it out: the bandwidth term's coefficient times M (:func:`formula_coefficients`; a ``send_recv``: M)."""
+    return formula_coefficients(carried_out_as(CollectiveKind(kind), backend), n_devices)[1] * nbytes
 
 
 def send_recv_time_s(nbytes: float, src: int, dst: int, cluster: Cluster, busy_mesh: Sequence[int]) -> float:
