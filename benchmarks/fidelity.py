@@ -150,7 +150,8 @@ def model_file(model: str) -> Path:
 
 def plan_all(model: str, kwargs: dict[str, Any], configs: Sequence[str], cluster_path: Path,
              plan_dir: Path) -> list[dict[str, Any]]:
-    """Every applicable baseline and the found plan per config, saved to ``plan_dir``; one dict each.
+    """Every applicable baseline and the found plan per config, saved to ``plan_dir``; one dict each
+    (with the traced graph its plan was priced on).
 
     Under a training setting with micro-steps (TRAINING) the model is traced at the micro-step batch
     TRAINED_MICRO_BATCH under its precision, and each plan records that batch (``plan.batch_size``):
@@ -188,7 +189,7 @@ def plan_all(model: str, kwargs: dict[str, Any], configs: Sequence[str], cluster
             same = [b for b, o in plans.items() if b != name and name == "found"
                     and o.plan.signatures == plan.signatures and o.plan.param_storage == plan.param_storage]
             out.append({"model": model, "config": config, "scheme": name, "path": path, "plan": plan,
-                        "same_as": same[0] if same else "", "nproc": math.prod(shape)})
+                        "same_as": same[0] if same else "", "nproc": math.prod(shape), "graph": graph})
     return out
 
 

@@ -13,7 +13,6 @@ against measurements already taken (e.g. a fresh `autoddl calibrate --out /tmp/f
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,6 @@ def reprice(study_rows: list[dict[str, Any]], study_cluster: Path, cluster: Path
     with tempfile.TemporaryDirectory(prefix="autoddl-reprice-") as tmp:
         for model in dict.fromkeys(r["model"] for r in study_rows):
             configs = sorted({r["config"] for r in study_rows if r["model"] == model})
-            graph = _graph(model)
             for it in fidelity.plan_all(model, fidelity.MODELS[model], configs, study_cluster, Path(tmp)):
                 row = wanted.get((model, it["config"], it["scheme"]))
                 if row is None:
@@ -48,19 +46,9 @@ def reprice(study_rows: list[dict[str, Any]], study_cluster: Path, cluster: Path
                     skipped.append(f"{model} {it['config']} {it['scheme']}: re-planned at "
                                    f"{it['plan'].cost.step_time_s * 1e3:.2f} ms, the study's {row['predicted'] * 1e3:.2f}")
                     continue
-                out.append({**row, "new": plan_cost(graph, it["plan"], new_cluster).step_time_s,
+                out.append({**row, "new": plan_cost(it["graph"], it["plan"], new_cluster).step_time_s,
                             "nproc": it["nproc"]})
     return out, skipped
-
-
-def _graph(model: str) -> Any:
-    """The graph the study priced ``model``'s plans on (fidelity.plan_all's trace)."""
-    from autoddl.loader import load_model_file
-
-    training = fidelity.training_of(model)
-    mf = load_model_file(fidelity.model_file(model), **fidelity.MODELS[model])
-    batch = fidelity.TRAINED_MICRO_BATCH if training.micro_batches > 1 else None
-    return (mf.with_batch_size(batch) if batch else mf).trace(training.param_dtype)
 
 
 def report(rows: list[dict[str, Any]]) -> list[str]:
@@ -105,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "(--study-cluster)", file=sys.stderr)
         return 1
     print("\n".join(report(priced)))
-    return 0 if not math.isnan(fidelity.mape([r["new"] for r in priced], [r["median"] for r in priced])) else 1
+    return 0
 
 
 if __name__ == "__main__":
