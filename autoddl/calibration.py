@@ -380,13 +380,17 @@ def fit_op_families(meas: Measurements, cluster: Cluster) -> list[FamilyFit]:
     """Per (dtype, family), from its forward and backward times over the sizes against the cost model's
     roofline of the traced op on ``cluster`` (the calibrated device): a fixed cost and the work scale
     at each size but the smallest (:func:`_fixed_and_scales`); a view (no roofline): the median time,
-    no scales. Microseconds of the op alone (:func:`with_op_families` adds the executor's own)."""
+    no scales. Microseconds of the op alone (:func:`with_op_families` adds the executor's own). A dtype
+    the device has no peak for (its matmuls were too slow to train in: ``Bench.matmuls``) has no
+    roofline, so its families are left out."""
     from autoddl.op_families import ZERO_COST
     from costmodel.compute import backward_factor, roofline_time_s
 
     groups: dict[tuple[str, str], list] = {}
+    peaks = cluster.device.peaks if cluster.device.peaks_by_dtype else None
     for ft in meas.families:
-        groups.setdefault((ft.dtype, ft.family), []).append(ft)
+        if peaks is None or ft.dtype in peaks:
+            groups.setdefault((ft.dtype, ft.family), []).append(ft)
     out = []
     for (dtype, family), fts in groups.items():
         k = backward_factor(family)
@@ -431,7 +435,7 @@ def with_op_families(cluster: Cluster, comments: dict[str, str], meas: Measureme
                 f"sizes {', '.join(f.sizes)}: " + ", ".join(f"{a:.0f}/{b:.0f}" for a, b in f.times_us)
                 + " us forward/backward")
         sizes = sorted({ft.size for ft in meas.families}, key=list(PROBE_SIZES).index)
-        dtypes = list(dict.fromkeys(ft.dtype for ft in meas.families))
+        dtypes = list(dict.fromkeys(f.dtype for f in fits))
         out["executor.op_us"] = (
             f"measured: per op family and compute dtype ({', '.join(dtypes)}), [forward_us, backward_us] fixed "
             f"per op: each family's op (executor.calibrate Probe) on synthetic inputs at sizes "
