@@ -49,6 +49,7 @@ from typing import Sequence
 from autoddl.cluster import (COLLECTIVE_KINDS, CONFIG_DIR, Backend, Cluster, CollectiveFits, Efficiency, LinkSpec,
                             RecomputeCost, yaml_comments)
 from autoddl.loader import load_model_file
+from autoddl.machine import this_machine
 from autoddl.pipeline import stages_from_cuts
 from autoddl.shard_program import BACKWARD, TaskKey, param_homes
 from costmodel.collectives import CollectiveFit, CollectiveKind, fit_collective
@@ -309,8 +310,12 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
         intra_node=link, inter_node=link if base.nodes == 1 else base.inter_node,
         efficiency=Efficiency(compute=_sig(min(1.0, comp.large_efficiency), 3), memory=1.0, network=1.0),
         op_overhead_us=_sig(meas.op_overhead_us, 3), collectives=CollectiveFits(**comm.per_kind),
-        compute_curve=comp.curve, source="", **cpu_host(base, meas, _total_memory_gb() or memory_gb * dpn, mem_gbps, s.nproc))
+        compute_curve=comp.curve, source="", **cpu_host(base, meas, _total_memory_gb() or memory_gb * dpn, mem_gbps, s.nproc),
+        calibrated_on=this_machine() if base.device.kind == "cpu" else base.calibrated_on)
     comments = _measured_comments(meas, base, comp, comm, dpn, memory_gb, mem_kind)
+    if base.device.kind == "cpu":
+        comments["calibrated_on"] = ("the machine measured (autoddl/machine.py); `autoddl run` and the benchmarks "
+                                     "say so when they run on another")
     if link.cpu_ns_per_byte:
         comments["links.intra_node.cpu_ns_per_byte"] = ("kept from the base file: measured apart by `autoddl "
                                                         "calibrate --only collective_cpu`")

@@ -516,7 +516,8 @@ _EXECUTOR_FIELDS["collective_compute_share"] = ("a number from 0 to 1: the share
 _UNPRICED_WHEN_ZERO = ("shard_forward_us", "shard_backward_us", "shard_param_us", "collective_compute_share")  # 0: left out
 _TOP_KEYS = ("name", "nodes", "devices_per_node", "device", "links", "backend", "efficiency",
              "op_overhead_us", "collectives", "compute_curve", "executor", "cores_per_node",
-             "comm_measured_ranks_per_node", "host_link", "host_memory_gb", "host_memory_bandwidth_gbps")
+             "comm_measured_ranks_per_node", "host_link", "host_memory_gb", "host_memory_bandwidth_gbps",
+             "calibrated_on")
 HOST_FIELDS = {   # the host side of a node (module docstring): field -> what it is
     "host_link": "{bandwidth_gbps: GB/s per device one direction, latency_us: microseconds per copy} "
                  "(a GPU's PCIe link to host memory)",
@@ -789,6 +790,12 @@ def _parse_optional(d: dict, src: str, kw: dict[str, Any], errors: list[str]) ->
         kw["op_overhead_us"] = _number(src, "op_overhead_us", d["op_overhead_us"],
                                        "a non-negative number in microseconds per op launch", "nonneg",
                                        errors)
+    if d.get("calibrated_on") is not None:
+        if isinstance(d["calibrated_on"], str) and d["calibrated_on"].strip():
+            kw["calibrated_on"] = d["calibrated_on"].strip()
+        else:
+            errors.append(f"{src}: calibrated_on: {d['calibrated_on']!r} is not a machine description; it is the "
+                          "text `autoddl calibrate` writes (autoddl/machine.py): leave it out or calibrate again")
     if d.get("cores_per_node") is not None:
         kw["cores_per_node"] = _number(src, "cores_per_node", d["cores_per_node"],
                                        "a positive integer: ranks a node runs at full speed at once (CPU cores / "
@@ -1026,6 +1033,7 @@ class Cluster:
     host_link: LinkSpec | None = None   # one device's copy path to host memory (None: not described)
     host_memory_gb: float | None = None             # host memory per node, 1e9 bytes
     host_memory_bandwidth_gbps: float | None = None  # host memory bandwidth per node, GB/s
+    calibrated_on: str | None = field(default=None, compare=False)   # CPU: the machine measured (autoddl/machine.py)
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -1115,6 +1123,7 @@ class Cluster:
             **({"host_link": self.host_link.to_dict()} if self.host_link else {}),
             **{k: getattr(self, k) for k in ("host_memory_gb", "host_memory_bandwidth_gbps")
                if getattr(self, k) is not None},
+            **({"calibrated_on": self.calibrated_on} if self.calibrated_on else {}),
         }
 
     def require_host(self, why: str) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 from autoddl.boxing import Group, group_axes
 from autoddl.cluster import DEFAULT_CLUSTER_PATH, Backend, Cluster
 from autoddl.loader import load_for_plan
+from autoddl.machine import calibrated_elsewhere
 from autoddl.plan import Plan
 from executor.launch import LaunchResult, LaunchSpec, launch
 from executor.measure import StepStats, git_commit, run_row
@@ -71,11 +72,14 @@ def check_plan_matches(plan: Plan, plan_path: str, model_py: str):
 
 
 def load_cluster(plan: Plan, path: str | None, backend: str) -> tuple[Cluster | None, str]:
-    """The prediction's cluster, resized to the plan's devices, with the run's backend; or (None, why)."""
+    """The prediction's cluster, resized to the plan's devices, with the run's backend, and a note when
+    it was calibrated on another machine than this one (:func:`autoddl.machine.calibrated_elsewhere`);
+    or (None, why)."""
     source = path or plan.cluster_file or str(DEFAULT_CLUSTER_PATH)
     try:
         cluster = Cluster.from_yaml(source).resized(plan.devices)
-        return dataclasses.replace(cluster, backend=Backend(backend)), ""
+        elsewhere = calibrated_elsewhere(cluster)
+        return dataclasses.replace(cluster, backend=Backend(backend)), f"note: {elsewhere}" if elsewhere else ""
     except (OSError, ValueError) as exc:
         return None, f"no prediction: cluster {source}: {exc}"
 

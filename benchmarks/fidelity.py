@@ -399,6 +399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="before each launch, wait until at most this fraction of the CPU is busy (other jobs); "
                         "1 disables the wait (default 0.2)")
     p.add_argument("--max-wait-s", type=float, default=1800.0, help="the longest wait before one launch")
+    p.add_argument("--other-machine", action="store_true",
+                   help="measure even when --cluster was calibrated on another machine (autoddl/machine.py)")
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)
     csv_path = out_dir / "fidelity.csv"
@@ -412,8 +414,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [m for m in models if m not in MODELS] + [c for c in configs if c not in CONFIGS]
     if bad:
         raise SystemExit(f"unknown model or config {bad}; models: {', '.join(MODELS)}; configs: {', '.join(CONFIGS)}")
+    from autoddl.machine import require_calibrated_here
     from executor.measure import append_row
     from executor.measure import RUN_COLUMNS
+
+    require_calibrated_here(args.cluster, args.other_machine)
 
     study = time.strftime("%Y%m%d-%H%M%S")
     t0 = time.monotonic()

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autoddl.cli import main as autoddl  # noqa: E402
+from autoddl.machine import require_calibrated_here  # noqa: E402
 from executor.measure import append_row, read_rows  # noqa: E402
 
 OUT = ROOT / "results" / "training_runs.csv"
@@ -64,8 +65,11 @@ def run_case(tmp: Path, model: str, blocks: int, ranks: int, degrees: str, sched
     return code
 
 
-def main(only: list[str]) -> int:
-    """Every case, or those whose degrees are in ``only`` (the command line's arguments)."""
+def main(argv: list[str]) -> int:
+    """Every case, or those whose degrees are in the command line's arguments; ``--other-machine``:
+    measure even when configs/local-cpu.yaml was calibrated on another machine (autoddl/machine.py)."""
+    require_calibrated_here(CLUSTER, "--other-machine" in argv)
+    only = [a for a in argv if a != "--other-machine"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     failed = []
     cases = [c for c in CASES if not only or c[3] in only]

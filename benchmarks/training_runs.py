@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autoddl.cli import main as autoddl  # noqa: E402
+from autoddl.machine import require_calibrated_here  # noqa: E402
 
 OUT = ROOT / "results" / "training_runs.csv"
 CLUSTER = ROOT / "configs" / "local-cpu.yaml"
@@ -30,7 +31,10 @@ SETTINGS = ["--precision", "bf16", "--recompute", "selective", "--micro-batch-si
 MESHES = {"2": ["--devices", "2"], "2x2": ["--devices", "4", "--mesh", "2x2"]}
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    """Every model on every mesh; ``--other-machine``: measure even when configs/local-cpu.yaml was
+    calibrated on another machine (autoddl/machine.py)."""
+    require_calibrated_here(CLUSTER, "--other-machine" in argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     failed = []
     with tempfile.TemporaryDirectory(prefix="autoddl-training-") as tmp:
@@ -50,4 +54,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -72,11 +72,15 @@ def calibrated_rate(path: Path) -> float | None:
 
 
 def cluster_for_rate(rate: float, work: Path, quick: bool) -> Path:
-    """configs/two-hosts.yaml if calibrated at ``rate``, else a fresh calibration on the testbed at ``rate``."""
-    if calibrated_rate(DEFAULT_CLUSTER) == rate:
+    """configs/two-hosts.yaml if calibrated at ``rate`` on this machine, else a fresh calibration on the
+    testbed at ``rate`` (over configs/local-cpu.yaml: its device and op costs)."""
+    from autoddl.cluster import Cluster
+    from autoddl.machine import calibrated_elsewhere
+
+    if calibrated_rate(DEFAULT_CLUSTER) == rate and not calibrated_elsewhere(Cluster.from_yaml(DEFAULT_CLUSTER)):
         return DEFAULT_CLUSTER
     out = work / f"two-hosts-{rate:g}mbit.yaml"
-    if calibrated_rate(out) == rate:
+    if calibrated_rate(out) == rate and not calibrated_elsewhere(Cluster.from_yaml(out)):
         return out
     print(f"calibrating the testbed at {rate:g} Mbit/s -> {out}", flush=True)
     testbed = [sys.executable, str(TESTBED), "--rate-mbit", f"{rate:g}", "--timeout-s", "590", "--",

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from autoddl.cluster import COLLECTIVE_KINDS
+from autoddl.machine import calibrated_elsewhere
 from executor.calibrate import Bench, CollectiveTiming, Settings
 
 HOST_PATHS = {
@@ -299,6 +300,9 @@ def calibrate_across_hosts(out: str | None, base_path: str, fit_kinds: Callable[
     command = testbed_command((f" --out {out}" if out else "") + (" --quick" if quick else ""))
     world, per_node = torchrun_hosts("calibrate --across-hosts")
     base = Cluster.from_yaml(base_path)
+    elsewhere = calibrated_elsewhere(base)
+    if elsewhere and int(os.environ.get("RANK", "0")) == 0:
+        print(f"calibrate --across-hosts: note: {elsewhere}; the device and op costs are taken from it", flush=True)
     settings = Settings.default(world, "gloo", quick=quick, threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
     load_before = os.getloadavg()[0]
     ht = measure_across_hosts(settings, per_node)

@@ -30,12 +30,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from autoddl.atomic import write_csv_atomic
+from autoddl.machine import this_machine
 
 RUN_COLUMNS = (
     "time", "git_commit", "model", "preset", "cluster", "plan", "mesh", "nproc", "backend",
     "predicted_step_s", "predicted_compute_s", "predicted_comm_s", "predicted_grad_sync_s",
     "predicted_optimizer_s", "measured_median_s", "measured_p10_s", "measured_p90_s", "peak_memory_mb",
-    "check_max_rel_err",
+    "check_max_rel_err", "machine",
 )
 
 
@@ -213,4 +214,5 @@ def run_row(*, model: str, preset: str, cluster: str, plan: str, mesh: str, npro
         "measured_p10_s": f"{stats.p10_s:.6g}", "measured_p90_s": f"{stats.p90_s:.6g}",
         "peak_memory_mb": f"{peak_memory_mb:.3f}",
         "check_max_rel_err": "" if check_max_rel_err is None else f"{check_max_rel_err:.3g}",
+        "machine": this_machine(),
     }

@@ -499,6 +499,12 @@ def test_op_family_fit_recovers_fixed_costs_and_work_scales_and_adds_the_executo
         assert all((a, b) == pytest.approx((0.5, 2.0), rel=1e-6) for _, a, b in f.work)
     assert f.sizes == ("tiny", "small", "medium") and f.times_us[0] == pytest.approx((6.0 + 0.5 * 0, 12.0), abs=1.0)
     assert (fits["view"].forward_us, fits["view"].backward_us, fits["view"].work) == (6.0, 12.0, ())
+    # a dtype the device has no peak for (its matmuls too slow to train in: no roofline) is left out, not a crash
+    assert cal.cluster.device.peaks == {"float32": 0.04}
+    fp16 = dataclasses.replace(meas, families=meas.families + tuple(dataclasses.replace(f, dtype="float16")
+                                                                    for f in meas.families))
+    assert sorted((f.dtype, f.family) for f in fit_op_families(fp16, cal.cluster)) == \
+        [("float32", "gelu"), ("float32", "linear"), ("float32", "view")]
     # the executor's own cost per op (its chains less the same chains as plain modules: 5 us forward, 3 backward)
     # is added
     chains = tuple(ChainTiming(kind, n, n, 0, (100 + 9 * n) * 1e-6, (300 + 9 * n + 7 * n) * 1e-6,

@@ -26,6 +26,7 @@ from autoddl.calibration import DEFAULT_BASE, MIN_R2, Calibration, calibrate, ca
 from autoddl.cli import common_options, register
 from autoddl.cluster import FITTED_KINDS, Backend, Cluster
 from autoddl.collective_kinds import CollectiveKind
+from autoddl.machine import calibrated_elsewhere
 from executor.calibrate import Settings
 
 SHARD_RUNNER = "shard_runner"      # --only: the shard runner's fixed costs instead of communication kinds
@@ -85,6 +86,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if alone:
         return (_calibrate_shard_runner if alone[0] == SHARD_RUNNER else _calibrate_collective_cpu)(args)
     base = Cluster.from_yaml(args.base)
+    if args.only:
+        _note_other_machine(base)
     only = {"kinds": kinds, "comm_only": True} if args.only else {}
     settings = Settings.default(args.nproc, args.backend, quick=args.quick, threads=args.threads, **only)
     print(f"calibrate: {settings.nproc} {settings.backend} ranks, {settings.threads} thread(s) each, "
@@ -112,8 +115,16 @@ def _write(cal, out: str | None) -> bool:
     return False
 
 
+def _note_other_machine(base: Cluster) -> None:
+    """``--only`` writes a few fields over ``base``: say so when the rest describe another machine."""
+    why = calibrated_elsewhere(base)
+    if why:
+        print(f"calibrate: note: {why}; --only replaces only the fields it times", file=sys.stderr, flush=True)
+
+
 def _calibrate_shard_runner(args: argparse.Namespace) -> int:
     """``--only shard_runner`` (``autoddl.calibration.calibrate_shard_runner``)."""
+    _note_other_machine(Cluster.from_yaml(args.base))
     settings = Settings.default(args.nproc, args.backend, quick=args.quick, threads=args.threads)
     print(f"calibrate: the shard runner on {settings.nproc} ranks, {settings.threads} thread(s) each",
           file=sys.stderr, flush=True)
@@ -139,6 +150,7 @@ def _calibrate_collective_cpu(args: argparse.Namespace) -> int:
                          "timed here (GPU cluster files take executor.collective_compute_share from a published "
                          "measurement, as configs/h100-4x8.yaml does)")
     base = Calibration.of_file(args.base)        # a bad base fails before the timing
+    _note_other_machine(base.cluster)
     threads = args.threads or 1
     if args.across_hosts:                        # torchrun ranks under benchmarks/two_hosts.py: rank 0 writes
         result = measure_overlap_across_hosts(threads, 5 if args.quick else 15)     # one launch: torchrun's
