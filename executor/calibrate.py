@@ -68,6 +68,11 @@ MATMUL_DTYPES = ("float32", "bfloat16", "float16")   # timed on the same shapes;
 SLOW_DTYPE_FACTOR = 8.0             # a dtype this many times slower than float32 on a shape gets no peak
 SLOW_CALL_S = 0.05                  # an op family's call this slow is timed in two passes only
 MESSAGES_PER_CALL = {"send_recv": 2}  # a timed send_recv call is a ping-pong: two one-way messages
+# The compute between two boxing moves when collective_us is timed: a move in a step follows the ops
+# since the previous one (0.2-1 ms per layer in the fidelity study's tiny models), and each rank gets
+# there at its own time; the wait (the peer is late, or its waiting thread was descheduled, as a
+# virtual machine's idle vCPU is) is part of what a step pays per move, which back-to-back calls hide.
+STEP_GAP_S = 0.5e-3
 
 
 
@@ -190,7 +195,7 @@ class ChainTiming:
 @dataclass(frozen=True)
 class ExecutorTimings:
     chains: tuple[ChainTiming, ...]
-    move_us: dict[str, float]          # "all_reduce" (P -> B) / "all_gather" (S -> B): the executor's move
+    move_us: dict[str, float]          # "all_reduce" (P -> B) / "all_gather" (S -> B): the executor's move in a step
     raw_us: dict[str, float]           # the bare gloo / nccl collective on the same tensor
 
 
@@ -206,7 +211,8 @@ def fit_executor_overheads(timings: ExecutorTimings) -> ExecutorFit:
 
     forward: ``t = op_f * ops + in_f * inputs + c_f``; step: ``t = op * ops + in * inputs +
     param * params + c``; backward terms are the step's minus the forward's (at least 0).
-    Per collective: the median over kinds of (the executor's move - bare collective), at least 0.
+    Per collective: the median over kinds of (the executor's move as a step pays it - the bare
+    collective back to back: ``Bench.executor``), at least 0.
     """
     from scipy.optimize import nnls
 
@@ -587,21 +593,34 @@ class Bench:
                                 lambda: dist.all_reduce(t)),
                  "all_gather": (lambda: boxer.run(moves["all_gather"][0], t, (1024 * self.s.nproc,)),
                                 lambda: dist.all_gather_into_tensor(gathered, t))}
+        gap = self._step_gap()
         move_us, raw_us = {}, {}
-        for kind, (dtensor_fn, raw_fn) in cases.items():
-            dtensor_fn(), raw_fn()
-            reps_dt, reps_raw = [], []
-            for _ in range(self.s.repeats):                 # interleaved: both see the same load
+        for kind, (move_fn, raw_fn) in cases.items():
+            move_fn(), raw_fn()
+            reps_move, reps_raw = [], []
+            for _ in range(self.s.repeats):                 # interleaved: all three see the same load
                 self.dist.barrier()
-                reps_dt.append(self.time_calls(dtensor_fn, calls))
+                in_step = self.time_calls(lambda move_fn=move_fn: (gap(), move_fn()), calls)
+                self.dist.barrier()
+                reps_move.append(in_step - self.time_calls(gap, calls))
                 self.dist.barrier()
                 reps_raw.append(self.time_calls(raw_fn, calls))
-            # the least of the repetitions: the difference of two ~0.5 ms latencies is all noise otherwise
-            move_us[kind] = min(reps_dt) * 1e6
-            raw_us[kind] = min(reps_raw) * 1e6
-            self.say(f"executor {kind} of 4 KB: the executor's move {move_us[kind]:.0f} us, bare "
-                     f"{self.s.backend} {raw_us[kind]:.0f} us (rank 0)")
+            move_us[kind] = statistics.median(reps_move) * 1e6
+            raw_us[kind] = statistics.median(reps_raw) * 1e6
+            self.say(f"executor {kind} of 4 KB: the executor's move after {STEP_GAP_S * 1e3:g} ms of compute "
+                     f"{move_us[kind]:.0f} us, bare {self.s.backend} back to back {raw_us[kind]:.0f} us (rank 0)")
         return {"chains": chains, "move_us": move_us, "raw_us": raw_us}
+
+    def _step_gap(self) -> Callable[[], Any]:
+        """Matmuls taking about STEP_GAP_S, the same number on every rank: the compute between two moves."""
+        a = self.torch.randn(CHAIN_WIDTH, CHAIN_WIDTH, device=self.device)
+        one = self.agree_max(statistics.median(self.time_calls(lambda: a @ a, 20) for _ in range(3)))
+        n = max(1, round(STEP_GAP_S / max(one, 1e-9)))
+
+        def gap() -> None:
+            for _ in range(n):
+                a @ a
+        return gap
 
     def _median_step(self, fn: Callable[[], Any]) -> float:
         """Median seconds of ``fn`` over ``executor_reps`` runs, each started after a barrier."""
@@ -876,8 +895,10 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
     out["executor"] = (f"measured: autoddl's executor on chains of tiny ops, all-B plan on {s.nproc} ranks, "
                        f"AdamW, median of {s.executor_reps} steps ({chains}); non-negative least squares, max "
                        f"rel residual {fit.max_rel_residual:.0%}; step_us is the fit's per-step intercept")
-    out["executor.collective_us"] = (f"the executor's boxing move (functional collective + wait) - bare collective, "
-                                     f"4 KB, the least of {s.repeats} interleaved repetitions each: {diffs}; median "
+    out["executor.collective_us"] = (f"a boxing move as a step pays it - the bare collective back to back, 4 KB: "
+                                     f"the executor's move (functional collective + wait) after {STEP_GAP_S * 1e3:g} "
+                                     "ms of matmuls on every rank, less the matmuls alone, mean over the calls of a "
+                                     f"repetition, median of {s.repeats} interleaved repetitions: {diffs}; median "
                                      "over kinds")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     at_once = max(1, cores // s.threads)
