@@ -14,7 +14,7 @@ from torch import nn
 import autoddl
 from autoddl.cli import main
 from autoddl.cluster import (CONFIG_DIR, DEFAULT_CLUSTER_PATH, Cluster, ClusterConfigError, CollectiveFits,
-                             ExecutorOverheads, yaml_comments)
+                             ExecutorOverheads, LinkSpec, yaml_comments)
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.plan import Mesh, Plan
 from autoddl.program import COMPUTE, StepProgram, Task, comm_stream
@@ -32,11 +32,16 @@ NBYTES = 4_000_000
 
 
 def cpu2(fraction: float, ns_per_byte: float = 0.0) -> Cluster:
-    """local-cpu on 2 devices, collectives on the link formula, no executor costs but the fraction,
-    the intra-node link's CPU cost ``ns_per_byte``."""
+    """local-cpu on 2 devices with hand-set numbers (a float32 peak of 0.1435 TFLOPS at efficiency 1, a
+    0.7854 GB/s, 244.6 us link: one day's calibration, fixed here so that the matmul and the all-reduce
+    below keep their order whatever local-cpu.yaml measures next), collectives on the link formula, no
+    executor costs but the fraction, the intra-node link's CPU cost ``ns_per_byte``."""
     cluster = Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml").resized(2)
-    return dataclasses.replace(cluster, collectives=CollectiveFits(), cores_per_node=None,
-                               intra_node=dataclasses.replace(cluster.intra_node, cpu_ns_per_byte=ns_per_byte),
+    link = LinkSpec(0.7854, 244.6, cpu_ns_per_byte=ns_per_byte)
+    return dataclasses.replace(cluster, collectives=CollectiveFits(), cores_per_node=None, compute_curve=(),
+                               device=dataclasses.replace(cluster.device, peak_tflops={"float32": 0.1435}),
+                               efficiency=dataclasses.replace(cluster.efficiency, compute=1.0),
+                               intra_node=link, inter_node=link,
                                executor=ExecutorOverheads(collective_compute_share=fraction))
 
 
