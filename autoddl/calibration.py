@@ -567,6 +567,10 @@ def with_shard_runner(cal: Calibration, settings: Settings) -> Calibration:
                     f"{fit.op_backward_us:.1f} us backward (not priced), max rel residual {fit.max_rel_residual:.0%}"),
                 "executor.shard_backward_us": "the same fit: per backward task (autograd.backward of its outputs)",
                 "executor.shard_param_us": "the same fit: per parameter a backward updates (p -= lr * grad)"}
+    # a field fitted to 0 is not written (Cluster.to_yaml leaves unpriced zeros out): neither is its comment
+    written = cluster.to_dict().get("executor", {})
+    comments = {k: v for k, v in comments.items()
+                if not k.startswith("executor.shard_") or k.removeprefix("executor.") in written}
     return dataclasses.replace(cal, cluster=cluster, comments=comments)
 
 

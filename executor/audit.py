@@ -15,7 +15,8 @@ what ran, so it does not read the program's own table.
 
 ``bytes`` is the size M of the full buffer of the alpha-beta formulas in
 DESIGN.md: the tensor for all-reduce and broadcast, the gathered output for
-all-gather, the (unscattered) input for reduce-scatter and all-to-all.
+all-gather, the (unscattered) input for reduce-scatter, the logical tensor for all-to-all (a rank's
+input is its piece, M / n: costmodel/collectives.py).
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ class CommRecorder(TorchDispatchMode):
         ran = self._carried_as.get(group, {}).get(kind, kind)
         for t in tensors:
             nbytes = t.numel() * t.element_size()
-            if kind == "all_gather":
-                nbytes *= n  # the gathered output
+            if kind in ("all_gather", "all_to_all"):
+                nbytes *= n  # the gathered output; an all-to-all's logical tensor (this rank's input is M / n)
             self.records.append(CommRecord(ran, axis, int(nbytes), self.phase, self.tensor,
                                            str(t.dtype).removeprefix("torch.")))
 

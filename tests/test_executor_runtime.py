@@ -310,6 +310,22 @@ def test_audit_records_planned_collectives(two_rank_results, name, expected):
         assert _comms(res[name][1]) == sorted(expected)
 
 
+@pytest.mark.distributed
+def test_audit_records_an_all_to_all_with_the_program_s_bytes(two_rank_results):
+    """The "mixed" plan's S(0) -> S(1) of fc1's (8, 16) output is one all-to-all forward and one for its
+    gradient backward, each of M = the logical tensor (8 x 16 x 4 bytes), as the program prices it:
+    a rank's input is only its piece, M / 2."""
+    from autoddl.program import lower
+
+    graph = traced_for("mixed")[2]
+    program = lower(graph, make_plan(graph, "mixed"))
+    program_a2a = sorted((c.phase, c.nbytes) for c in program.collectives() if c.collective is not None and c.collective.value == "all_to_all")
+    assert program_a2a == [("backward", 8 * 16 * F32), ("forward", 8 * 16 * F32)]
+    for res in two_rank_results:
+        ran = sorted((r.phase, r.bytes) for r in res["mixed"][1] if r.kind == "all_to_all")
+        assert ran == program_a2a
+
+
 # -- single-process tests -----------------------------------------------------------------------
 
 def test_gradient_rule():
