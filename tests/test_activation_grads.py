@@ -19,9 +19,10 @@ from autoddl.loader import load_model_file
 from autoddl.op_families import CAST_OPS
 from autoddl.training import Training
 from search.planner import parse_degrees, price_degrees
+from clusters import CPU_CLUSTER_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU = ROOT / "configs" / "local-cpu.yaml"
+CPU = CPU_CLUSTER_PATH
 N, D, H, C = 8, 16, 64, 100          # batch, input, hidden, classes: the loss's N x C is the largest gradient
 
 

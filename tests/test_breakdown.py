@@ -21,6 +21,7 @@ from autoddl.sbp import B, P, S, NdSbp, Signature
 from autoddl.training import Training
 from costmodel import CollectiveKind, op_compute_time_s, plan_cost, predicted_collectives
 from costmodel.compute import ZERO_COST
+from clusters import CPU_CLUSTER_PATH
 
 K = CollectiveKind
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +82,7 @@ def a100():
 def cpu2():
     """local-cpu on 2 devices without its calibrated per-kind fits and executor costs, so times
     follow the link formulas."""
-    cluster = Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml").resized(2)
+    cluster = Cluster.from_yaml(CPU_CLUSTER_PATH).resized(2)
     return dataclasses.replace(cluster, collectives=CollectiveFits(), executor=ExecutorOverheads(), cores_per_node=None)
 
 

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
+from clusters import cluster_path
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL = 1e-4
@@ -65,7 +66,7 @@ def traced(model: str):
 def _cluster(name: str, devices: int):
     from autoddl.cluster import Cluster
 
-    return Cluster.from_yaml(ROOT / "configs" / f"{name}.yaml").resized(devices)
+    return Cluster.from_yaml(cluster_path(name)).resized(devices)
 
 
 @functools.lru_cache(maxsize=None)

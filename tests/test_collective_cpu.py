@@ -27,6 +27,7 @@ from executor import calibrate_overlap
 from executor.calibrate_overlap import (OverlapResult, OverlapTiming, lost_compute_s, measure_overlap, median_cpu_s,
                                         median_lost_s)
 from test_breakdown import batch_split_plan
+from clusters import CPU_CLUSTER_PATH
 
 NBYTES = 4_000_000
 
@@ -36,7 +37,7 @@ def cpu2(fraction: float, ns_per_byte: float = 0.0) -> Cluster:
     0.7854 GB/s, 244.6 us link: one day's calibration, fixed here so that the matmul and the all-reduce
     below keep their order whatever local-cpu.yaml measures next), collectives on the link formula, no
     executor costs but the fraction, the intra-node link's CPU cost ``ns_per_byte``."""
-    cluster = Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml").resized(2)
+    cluster = Cluster.from_yaml(CPU_CLUSTER_PATH).resized(2)
     link = LinkSpec(0.7854, 244.6, cpu_ns_per_byte=ns_per_byte)
     return dataclasses.replace(cluster, collectives=CollectiveFits(), cores_per_node=None, compute_curve=(),
                                device=dataclasses.replace(cluster.device, peak_tflops={"float32": 0.1435}),
@@ -202,9 +203,9 @@ def test_calibrate_only_collective_cpu_sets_the_links_cost_over_base_keeping_eve
     timings = (OverlapTiming(0.010, 0.004, 0.013, 0.003),) * 2 + (OverlapTiming(0.01, 0.004, 0.012, 0.002),)
     monkeypatch.setattr(calibrate_overlap, "measure_overlap", lambda nproc, threads, repeats, launches: OverlapResult(
         median_lost_s(timings), timings, 20, 8, nproc, threads, nproc, cpu_s=median_cpu_s(timings)))
-    base = CONFIG_DIR / "local-cpu.yaml"
+    base = CPU_CLUSTER_PATH
     out = tmp_path / "c.yaml"
-    assert main(["calibrate", "--only", "collective_cpu", "--nproc", "2", "--out", str(out)]) == 0
+    assert main(["calibrate", "--only", "collective_cpu", "--nproc", "2", "--base", str(base), "--out", str(out)]) == 0
     got, want = Cluster.from_yaml(out), Cluster.from_yaml(base)
     assert got.intra_node.cpu_ns_per_byte == got.inter_node.cpu_ns_per_byte == pytest.approx(0.375)
     assert got.executor.collective_compute_share == 0.0

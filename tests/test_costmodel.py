@@ -15,6 +15,7 @@ from costmodel import (BACKENDS, CollectiveKind, backward_boxing_collectives, ba
                        backward_factor, boxing_collectives, boxing_time_s, carried_out_as, collective_time_s,
                        grad_sbp, needed_grad_sbp, op_compute_time_s, optimizer_time_s)
 from costmodel.compute import op_backward_time_s, op_forward_time_s, work_divisor
+from clusters import CPU_CLUSTER_PATH
 
 K = CollectiveKind
 LINK = LinkSpec(bandwidth_gbps=100.0, latency_us=3.0)
@@ -323,7 +324,7 @@ def test_cpu_cluster_has_no_attention_efficiency_so_attention_costs_are_unchange
     """configs/local-cpu.yaml gives no attention field: an SDPA op costs what it cost before the field
     (a matmul-like op at ``efficiency.compute``: FLOPs / (fp32 peak x compute) + overhead + its executor
     fixed cost)."""
-    cpu = Cluster.from_yaml(DEFAULT_CLUSTER_PATH.parent / "local-cpu.yaml")
+    cpu = Cluster.from_yaml(CPU_CLUSTER_PATH)
     assert cpu.efficiency.attention is None and "attention" not in cpu.to_dict()["efficiency"]
     node, flops = _sdpa(2, 4, 64, 16, causal=True)
     node = dataclasses.replace(node, input_metas=tuple(dataclasses.replace(m, dtype="float32")

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+from clusters import CPU_CLUSTER_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,7 +124,7 @@ def test_reprice_with_the_study_cluster_gives_the_study_prediction(reprice, fid)
     recorded prediction differs is left out and named."""
     import tempfile
 
-    cluster = ROOT / "configs" / "local-cpu.yaml"
+    cluster = CPU_CLUSTER_PATH
     with tempfile.TemporaryDirectory() as tmp:
         items = fid.plan_all("mlp", fid.MODELS["mlp"], ["2"], cluster, Path(tmp))
     rows = [{"model": "mlp", "config": "2", "scheme": it["scheme"], "median": 0.01,

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.hf_conformance import (  # noqa: E402
     CASES, KNOWN_RUN_FAILURES, check_step, load_case, passes, run_checks, two_rank_plans,
 )
+from clusters import CPU_CLUSTER_PATH, cluster_path
 
 NAMES = list(CASES)
 
@@ -101,7 +102,7 @@ def test_graph_module_is_flat_and_gaps_are_warned(name):
 def _cluster(name: str, devices: int | None = None):
     from autoddl.cluster import Cluster
 
-    cluster = Cluster.from_yaml(ROOT / "configs" / f"{name}.yaml")
+    cluster = Cluster.from_yaml(cluster_path(name))
     return cluster.resized(devices) if devices else cluster
 
 
@@ -163,7 +164,7 @@ def test_public_api_plans_an_unwrapped_hf_model_with_keyword_inputs_and_targets(
     import autoddl
 
     mf, graph, _ = traced("llama")
-    plan = autoddl.plan(mf.model, mf.example_inputs, str(ROOT / "configs" / "local-cpu.yaml"),
+    plan = autoddl.plan(mf.model, mf.example_inputs, str(CPU_CLUSTER_PATH),
                         loss_fn=mf.loss_fn, devices=2, mesh="2")
     assert plan.graph_hash == graph.fingerprint()        # the same graph as the model file's trace
     assert [n.target for n in graph.nodes_of(autoddl.NodeKind.INPUT)] == ["input_ids", "labels"]

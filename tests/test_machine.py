@@ -11,6 +11,7 @@ from autoddl.cluster import Cluster, ClusterConfigError
 from autoddl.machine import calibrated_elsewhere, fingerprint, require_calibrated_here, this_machine
 from autoddl.runs import load_cluster
 from tests.test_calibrate import GLOO_FORMULA, base_cluster, synthetic_measurements
+from clusters import CPU_CLUSTER_PATH
 
 ZEN5 = {"model name": "AMD EPYC", "cpu family": "26", "model": "2",
         "flags": "fpu sse avx2 fma avx512f avx512_bf16 avx512vl"}
@@ -26,7 +27,7 @@ def test_fingerprint_names_the_processor_its_vector_isa_cores_and_torch():
 
 
 def _cpu_file(tmp_path, calibrated_on: str | None) -> Cluster:
-    c = dataclasses.replace(Cluster.from_yaml("configs/local-cpu.yaml"), calibrated_on=calibrated_on)
+    c = dataclasses.replace(Cluster.from_yaml(CPU_CLUSTER_PATH), calibrated_on=calibrated_on)
     path = tmp_path / "cpu.yaml"
     c.to_yaml(path)
     return Cluster.from_yaml(path)
@@ -66,7 +67,7 @@ def test_a_run_notes_another_machines_file(tmp_path):
 
 def test_bad_calibrated_on_names_the_field(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text(open("configs/local-cpu.yaml").read() + "calibrated_on: 3\n")
+    path.write_text(open(CPU_CLUSTER_PATH).read() + "calibrated_on: 3\n")
     with pytest.raises(ClusterConfigError, match=r"calibrated_on: 3 is not a machine description"):
         Cluster.from_yaml(path)
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dist_utils import block_stack_source, run_ranks, step_batch
+from clusters import CPU_CLUSTER_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 D, ROWS, K = 16, 4, 2          # width, micro-batch rows (traced), micro-steps
@@ -35,7 +36,7 @@ def _plans(path: Path):
     torch.manual_seed(0)
     mf = load_model_file(path, device="cpu")
     graph = mf.trace(training.param_dtype)
-    cluster = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml").resized(2)
+    cluster = Cluster.from_yaml(CPU_CLUSTER_PATH).resized(2)
     schemes = {s.name: s.plan for s in search(graph, cluster, mesh=(2,), training=training).schemes}
     # zero3 without recompute: a group's reshard hook would sit inside the last block's region
     settings = {"dp": training, "zero3": dataclasses.replace(training, recompute="none")}
@@ -125,7 +126,7 @@ def _pipelined_plan(path: Path):
     mf = load_model_file(path, device="cpu")
     training = Training(param_dtype="bf16", micro_batches=K)
     graph = mf.trace(training.param_dtype)
-    cluster = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml").resized(4)
+    cluster = Cluster.from_yaml(CPU_CLUSTER_PATH).resized(4)
     return mf, graph, price_degrees(graph, cluster, parse_degrees("pp=2,fsdp=2"), training=training).plan
 
 
@@ -185,7 +186,7 @@ def test_a_pass_is_priced_as_a_graph_op_of_its_family():
     from autoddl.cluster import Cluster
     from costmodel.master_passes import Pass, passes_time_s
 
-    cluster = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml")
+    cluster = Cluster.from_yaml(CPU_CLUSTER_PATH)
     bw = cluster.device.memory_bandwidth_gbps * 1e9 * cluster.efficiency.memory
     share = cluster.time_sharing((2,))
     for p, dtype, nbytes in ((Pass("to", "float32", "bfloat16", 10**6, 2), "float32", 6e6),

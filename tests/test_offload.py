@@ -21,6 +21,7 @@ from costmodel.breakdown import plan_cost
 from costmodel.simulate import simulate
 from search.planner import search
 from search.problem import NoFeasiblePlanError
+from clusters import CPU_CLUSTER_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 DGX = ROOT / "configs" / "dgx-a100-8.yaml"
@@ -381,7 +382,7 @@ def test_gradients_leave_after_their_buckets_all_reduce_over_both_axes(write_mod
     one of them."""
     mf = model(write_model, 6)
     graph = mf.trace("float32")
-    cluster = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml")
+    cluster = Cluster.from_yaml(CPU_CLUSTER_PATH)
     dp = next(s for s in search(graph, cluster, mesh=(2, 2), cd_time_limit_s=0.05).schemes if s.name == "dp").plan
     program = lower(graph, dataclasses.replace(dp, training=dataclasses.replace(dp.training, offload="params")))
     assert program.buckets and all(b.axis == (0, 1) for b in program.buckets)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from dist_utils import check_and_audit_problems, run_ranks, step_batch
+from clusters import CPU_CLUSTER_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,7 @@ def case(model: str, degrees: str, schedule: str = "1f1b", micro_batches: int = 
     from search.planner import parse_degrees, price_degrees
 
     degree_list = parse_degrees(degrees)
-    local = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml").resized(math.prod(n for _, n in degree_list))
+    local = Cluster.from_yaml(CPU_CLUSTER_PATH).resized(math.prod(n for _, n in degree_list))
     torch.manual_seed(0)
     sizes = {"n_layer" if model == "gpt" else "n_layers": layers}
     mf = load_model_file(ROOT / "examples" / f"{model}.py", device="cpu", preset="tiny", **sizes)
@@ -53,7 +54,7 @@ def program_collectives(graph, plan) -> list[tuple[str, int, int, str]]:
     from autoddl.cluster import Cluster
     from costmodel.breakdown import predicted_collectives
 
-    local = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml").resized(plan.mesh.size)
+    local = Cluster.from_yaml(CPU_CLUSTER_PATH).resized(plan.mesh.size)
     return [(c.kind.value, c.axis, int(c.bytes), c.phase) for c in predicted_collectives(graph, plan, local)]
 
 
@@ -240,7 +241,7 @@ def test_the_pipelined_plan_the_3d_search_finds_on_local_cpu_runs(tmp_path):
     from autoddl.program import lower
     from executor.worker import optimizer_step_batch, traced_for
 
-    out, model, cluster = tmp_path / "plan.json", ROOT / "examples" / "llama.py", ROOT / "configs" / "local-cpu.yaml"
+    out, model, cluster = tmp_path / "plan.json", ROOT / "examples" / "llama.py", CPU_CLUSTER_PATH
     assert main(["plan", str(model), "--preset", "tiny", "--cluster", str(cluster), "--devices", "4", "--pipeline",
                  "--global-batch-size", "8", "--no-search", "--out", str(out)]) == 0
     plan = Plan.load(out)

@@ -20,9 +20,10 @@ from search.baselines import baseline_specs, build_baseline, exchanged_specs
 from search.formulate import formulate
 from search.planner import PlanningError, assignment_plan, search
 from search.problem import NoFeasiblePlanError
+from clusters import CPU_CLUSTER_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
-LOCAL = ROOT / "configs" / "local-cpu.yaml"
+LOCAL = CPU_CLUSTER_PATH
 DGX = ROOT / "configs" / "dgx-a100-8.yaml"
 
 

@@ -24,6 +24,7 @@ from autoddl.sbp import NdSbp, Signature
 from search.baselines import baseline_specs, build_baseline
 from search.formulate import formulate
 from search.planner import search
+from clusters import CPU_CLUSTER_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,7 +122,7 @@ def test_the_found_plan_does_not_depend_on_the_clock(monkeypatch):
     2x2 (the case a loaded CI machine planned differently when the descent's restarts had a 1 s
     bound) gets the same plan when every clock reading is 100 s later than the last. With a clock
     bound the restarts stop at once, so the bound really is what this test removes."""
-    local = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml").resized(4)
+    local = Cluster.from_yaml(CPU_CLUSTER_PATH).resized(4)
     graph = load_model_file(ROOT / "examples" / "llama.py", preset="tiny").trace("float32")
     calm = search(graph, local, mesh=(2, 2)).found
     restarts = []
@@ -148,7 +149,7 @@ def test_the_cli_collects_garbage_less_often_while_planning_and_restores_the_col
     monkeypatch.setattr(gc, "freeze", lambda: (seen.append(gc.get_threshold()), real_freeze()))
     before = gc.get_threshold()
     argv = ["plan", str(ROOT / "examples" / "mlp.py"), "--preset", "tiny", "--cluster",
-            str(ROOT / "configs" / "local-cpu.yaml"), "--devices", "2", "--out", str(tmp_path / "p.json")]
+            str(CPU_CLUSTER_PATH), "--devices", "2", "--out", str(tmp_path / "p.json")]
     assert cli.main(argv) == 0
     assert seen and all(t == cli.PLANNING_GC_THRESHOLD for t in seen)      # frozen while the threshold held
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0

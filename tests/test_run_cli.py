@@ -25,6 +25,7 @@ from autoddl.plan import Mesh, Plan
 from autoddl.sbp import NdSbp, Signature
 from dist_utils import free_port
 from executor.measure import read_rows
+from clusters import CPU_CLUSTER_PATH
 
 MODEL_FILE = '''
 import torch
@@ -68,7 +69,7 @@ PLANS = {
     "bad_mean": ({**DP_SIGS, "mean": "[S(0)] -> [B]"},
                  dict.fromkeys(("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"), "[B]")),
 }
-CLUSTER = str(Path(__file__).resolve().parents[1] / "configs" / "local-cpu.yaml")
+CLUSTER = str(CPU_CLUSTER_PATH)
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,11 @@ import csv
 from pathlib import Path
 
 from autoddl.cli import main
+from clusters import CPU_CLUSTER_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = str(ROOT / "examples" / "sweep_spill.yaml")      # examples/sweep.yaml's jobs, three of them spilled
-LOCAL = str(ROOT / "configs" / "local-cpu.yaml")
+LOCAL = str(CPU_CLUSTER_PATH)
 
 
 def test_the_bundled_spilled_sweep_schedules_and_runs_on_two_ranks_as_each_job_alone(tmp_path, capsys):

@@ -15,6 +15,7 @@ from search.coordinate_descent import coordinate_descent
 from search.exact import exact, exact_refusal, ilp_size
 from search.meshes import mesh_shapes, parse_mesh
 from search.problem import NoFeasiblePlanError, SearchProblem, matrix_from_keys
+from clusters import cluster_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -370,7 +371,7 @@ def llama_tiny_case(graph, cluster_name: str, shape: tuple[int, ...]):
     from search.baselines import baseline_specs, build_baseline
     from search.formulate import formulate
 
-    cluster = Cluster.from_yaml(ROOT / "configs" / f"{cluster_name}.yaml")
+    cluster = Cluster.from_yaml(cluster_path(cluster_name))
     form = formulate(graph, cluster, shape, memory_limit_bytes=cluster.device.memory_gb * 1e9)
     starts = {spec.name: b.assignment for spec in baseline_specs(len(shape))
               if (b := build_baseline(form, spec)).applicable}

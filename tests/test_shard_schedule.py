@@ -7,6 +7,7 @@ import pytest
 
 from autoddl.shard_program import BACKWARD, FORWARD, Flow, JobPlacement, ShardedJob, TaskKey
 from search.shard_schedule import lrtf_schedule, one_per_device, sequential
+from clusters import CPU_CLUSTER_PATH
 
 
 def _jobs() -> list[ShardedJob]:
@@ -126,7 +127,7 @@ def test_a_tiny_gpt_cut_in_two_prices_its_shards_from_the_one_device_timeline():
     from autoddl.training import Training
     from search.stages import block_costs
 
-    cluster = _no_runner_costs(Cluster.from_yaml("configs/local-cpu.yaml")).resized(2)
+    cluster = _no_runner_costs(Cluster.from_yaml(CPU_CLUSTER_PATH)).resized(2)
     graph = load_model_file("examples/gpt.py", preset="tiny").trace()
     job, solo = shard_job("gpt", graph, cluster, steps=3, shards=2)
     costs = block_costs(graph, inner_tp_plan(graph, cluster.resized(1), 1, Training(), "sgd"),
@@ -158,7 +159,7 @@ def test_a_tiny_gpt_cut_in_two_prices_its_shards_from_the_one_device_timeline():
     assert transfer_fn(cluster)(1, 1, 10**6) == 0.0
     assert transfer_fn(cluster)(0, 1, 10**6) == send_recv_time_s(10**6, 0, 1, cluster, (2,))
     # four ranks on this 2-core machine's node (cores_per_node 2) share the cores: every time doubles
-    four = _no_runner_costs(Cluster.from_yaml("configs/local-cpu.yaml")).resized(4)
+    four = _no_runner_costs(Cluster.from_yaml(CPU_CLUSTER_PATH)).resized(4)
     assert four.time_sharing((4,)) == 2.0
     job4, solo4 = shard_job("gpt", graph, four, steps=3, shards=2)
     assert job4.forward_s == pytest.approx(tuple(2 * x for x in job.forward_s))
@@ -190,7 +191,7 @@ def test_a_shard_task_pays_its_ops_and_the_shard_runners_costs_not_the_compiled_
     from autoddl.loader import load_model_file
     from search.shards import shard_job
 
-    base = Cluster.from_yaml("configs/local-cpu.yaml")
+    base = Cluster.from_yaml(CPU_CLUSTER_PATH)
     graph = load_model_file("examples/gpt.py", preset="tiny").trace()
     ops, _ = shard_job("gpt", graph, _no_runner_costs(base).resized(2), steps=1, shards=2)
     priced, _ = shard_job("gpt", graph, _no_runner_costs(base, 100.0, 200.0, 10.0).resized(2), steps=1, shards=2)

@@ -21,10 +21,11 @@ from autoddl.trainers.megatron import FLAGS, from_megatron, megatron_flags
 from autoddl.trainers.torchtitan import KEYS, from_torchtitan
 from search.expressible import price_config, structured_configs
 from search.planner import PlanningError
+from clusters import CPU_CLUSTER_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
-LOCAL = ROOT / "configs" / "local-cpu.yaml"
+LOCAL = CPU_CLUSTER_PATH
 
 # the names as torchtitan's job_config.py (e347b1e5e) and Megatron-LM's sources (d98e8a64d) spell them,
 # copied here by hand so that a typo in the code's tables fails

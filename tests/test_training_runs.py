@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from dist_utils import check_and_audit_problems, run_ranks, step_batch
+from clusters import CPU_CLUSTER_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("gpt", "llama")
@@ -43,7 +44,7 @@ def cases(mesh: tuple[int, ...]):
     from costmodel.breakdown import predicted_collectives
     from search.planner import search
 
-    local = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml").resized(math.prod(mesh))
+    local = Cluster.from_yaml(CPU_CLUSTER_PATH).resized(math.prod(mesh))
     runs = []
     for model in MODELS:
         torch.manual_seed(0)

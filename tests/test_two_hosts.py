@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from clusters import CPU_CLUSTER_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "two_hosts.py"
@@ -38,7 +39,7 @@ def test_dp_plan_checks_across_two_namespaced_hosts(tmp_path):
     before = _our_namespaces()
     plan, result = tmp_path / "dp4.json", tmp_path / "result.json"
     made = subprocess.run([sys.executable, "-m", "autoddl", "plan", "examples/gpt.py", "--preset", "tiny",
-                           "--cluster", "configs/local-cpu.yaml", "--devices", "4", "--scheme", "dp",
+                           "--cluster", str(CPU_CLUSTER_PATH), "--devices", "4", "--scheme", "dp",
                            "--out", str(plan)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stdout + made.stderr
     env = dict(os.environ, OMP_NUM_THREADS="1")      # 4 ranks on this machine's cores
@@ -88,7 +89,7 @@ def test_host_groups_and_two_hosts_cluster_recover_both_links(tmp_path, monkeypa
     ht = HostTimings(settings, 2, 2, paths, measured, {"rate_mbit": 1000.0, "delay_ms": 0.0}, "test", 1.0)
     fits = fit_host_paths(ht, fit_collectives)
     assert set(fits) == set(HOST_PATHS) and set(fits["inter_host_alone"]) == {"all_reduce", "all_gather"}
-    cluster, comments, header = two_hosts_cluster(ht, fits, Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml"))
+    cluster, comments, header = two_hosts_cluster(ht, fits, Cluster.from_yaml(CPU_CLUSTER_PATH))
     assert (cluster.name, cluster.nodes, cluster.devices_per_node, cluster.num_devices) == ("two-hosts", 2, 2, 4)
     assert (cluster.intra_node.latency_us, cluster.intra_node.bandwidth_gbps) == pytest.approx((400, 0.5))
     assert (cluster.inter_node.latency_us, cluster.inter_node.bandwidth_gbps) == pytest.approx((300, 0.0625))
@@ -101,7 +102,7 @@ def test_host_groups_and_two_hosts_cluster_recover_both_links(tmp_path, monkeypa
     # one pair alone reached 0.125 GB/s: no flow is priced faster (here the wire's two-flow share is the same)
     assert cluster.inter_node.flow_bandwidth_gbps == pytest.approx(0.125)
     assert "inter_host_alone's all_reduce" in comments["links.inter_node.flow_bandwidth_gbps"]
-    assert cluster.intra_node.cpu_ns_per_byte == Cluster.from_yaml(CONFIG_DIR / "local-cpu.yaml").intra_node.cpu_ns_per_byte
+    assert cluster.intra_node.cpu_ns_per_byte == Cluster.from_yaml(CPU_CLUSTER_PATH).intra_node.cpu_ns_per_byte
     # 2 pairs at once, 2 flows as fitted: 2 * 300 us + 8e6 B / 0.0625 GB/s = 128.6 ms, measured 130 ms
     assert "2 pairs at once (links.inter_node, 2 flows of 2): measured 130.0 ms, alpha-beta 128.6 ms (-1%)" in header
     # all 4 ranks, one ring: 1 flow, twice the fitted bandwidth: 6 * 300 us + 1.5 * 8e6 B / 0.125 GB/s = 97.8 ms
@@ -112,7 +113,7 @@ def test_host_groups_and_two_hosts_cluster_recover_both_links(tmp_path, monkeypa
     assert Cluster.from_yaml(tmp_path / "two.yaml") == cluster
     # the fields taken from the base keep the base's comments (their sources); the measured ones are the fit's
     from executor.calibrate_hosts import _base_comments
-    kept = _base_comments(str(CONFIG_DIR / "local-cpu.yaml"))
+    kept = _base_comments(str(CPU_CLUSTER_PATH))
     assert kept["device.peak_tflops.float32"].startswith("measured: best float32 matmul rate")
     assert "executor.op_us" in kept and not [k for k in kept if k.startswith(("links", "collectives", "nodes"))]
 

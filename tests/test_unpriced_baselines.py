@@ -20,9 +20,10 @@ from costmodel.memory import memory_floor_bytes, working_param_bytes
 from search.baselines import baseline_specs, build_baseline
 from search.formulate import formulate
 from search.planner import price_unless_unfit, search, with_training
+from clusters import CPU_CLUSTER_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
-LOCAL = ROOT / "configs" / "local-cpu.yaml"
+LOCAL = CPU_CLUSTER_PATH
 MESH = (4,)                 # one mesh keeps the searches short; every baseline on it is priced (or not)
 FLOOR_PARTS = ("parameters", "gradients", "optimizer_states", "buffers", "activations", "activation_grads",
                "recomputed")

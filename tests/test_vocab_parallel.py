@@ -30,6 +30,7 @@ from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind
 from autoddl.sbp import B, NdSbp, S, Signature
 from shard_sim import assemble, coords, make_node, shard
+from clusters import CPU_CLUSTER_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = [(2,), (4,), (2, 2)]
@@ -229,7 +230,7 @@ def _schemes(graph, devices):
     from autoddl.cluster import Cluster
     from search.planner import search
 
-    cluster = Cluster.from_yaml(ROOT / "configs" / "local-cpu.yaml").resized(devices)
+    cluster = Cluster.from_yaml(CPU_CLUSTER_PATH).resized(devices)
     return {s.name: s for s in search(graph, cluster, mesh=(devices,), cd_time_limit_s=0.1).schemes}
 
 
