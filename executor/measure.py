@@ -1,9 +1,11 @@
 """Measured step time and memory, and the runs table they are appended to.
 
-A run's timing is ``time_steps``: W warm-up steps, then S measured steps, each
-between two barriers (and ``torch.cuda.synchronize`` on CUDA) so that a step's
-time is the slowest rank's and no rank starts the next step early; the summary
-is ``StepStats`` (median, p10, p90). Peak memory per rank is ``PeakMemory``:
+A run's timing is ``time_steps``: W warm-up steps, then S measured steps run back
+to back as a training loop runs them, the ranks started together by a barrier and
+each step timed on each rank from its start to the next step's (after
+``torch.cuda.synchronize`` on CUDA); no barrier between steps, which no training
+loop runs and the cost model does not price. The summary is ``StepStats``
+(median, p10, p90). Peak memory per rank is ``PeakMemory``:
 on CUDA ``torch.cuda.max_memory_allocated`` after a reset; on CPU the growth of
 the process's peak resident set (``VmHWM``, reset through
 ``/proc/self/clear_refs`` when the kernel allows it, else ``ru_maxrss``) above
@@ -70,30 +72,40 @@ def percentile(values: Sequence[float], q: float) -> float:
 def time_steps(step: Callable[[], Any], steps: int, warmup: int, *, barrier: Callable[[], None] | None = None,
                sync: Callable[[], None] | None = None,
                progress: Callable[[str, int, int, float], None] | None = None) -> list[float]:
-    """Run ``warmup`` then ``steps`` calls of ``step``; return the measured steps' times in seconds.
+    """Run ``warmup`` then ``steps`` calls of ``step`` back to back; return this rank's time of each
+    measured step in seconds.
 
-    Each step is timed from after a ``barrier()`` to after the next ``barrier()`` (``sync()`` first,
-    e.g. ``torch.cuda.synchronize``), i.e. until every rank finished it. ``progress(kind, i, n,
-    seconds)`` is called after each step with kind "warmup" or "step" (i counted from 1).
+    The ranks start together (``sync()``, e.g. ``torch.cuda.synchronize``, then ``barrier()``) before the
+    warm-up and again before the first measured step, and leave together after the last (untimed). In
+    between no barrier: a barrier is a collective of its own (0.5-4 ms on the 2-core VMs of
+    results/collective_waits.csv, 15-20% of a tiny model's step) that a training loop does not run and
+    the step program does not contain. A measured step is timed from its start to the next one's
+    (``sync()`` at each boundary): a rank that waits in a collective for a slower rank pays the wait in
+    that step, as it does in training. ``progress(kind, i, n, seconds)`` is called after each step with
+    kind "warmup" or "step" (i counted from 1), outside the timed window.
     """
     if steps < 1 or warmup < 0:
         raise ValueError(f"time_steps: need steps >= 1 and warmup >= 0, got steps={steps} warmup={warmup}")
     barrier = barrier or (lambda: None)
     sync = sync or (lambda: None)
-    times: list[float] = []
-    for i in range(warmup + steps):
-        sync()
-        barrier()
+    progress = progress or (lambda kind, i, n, seconds: None)
+    sync()
+    barrier()
+    for i in range(warmup):
         t0 = time.perf_counter()
         step()
         sync()
-        barrier()
-        seconds = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(seconds)
-        if progress is not None:
-            kind, k, n = ("warmup", i + 1, warmup) if i < warmup else ("step", i - warmup + 1, steps)
-            progress(kind, k, n, seconds)
+        progress("warmup", i + 1, warmup, time.perf_counter() - t0)
+    sync()
+    barrier()
+    times: list[float] = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+        progress("step", i + 1, steps, times[-1])
+    barrier()
     return times
 
 

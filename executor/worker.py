@@ -11,7 +11,7 @@ everywhere), traces it, builds the mesh and places parameters by the plan. In or
    default: Adam divides by the gradient's running RMS, so a gradient that is zero in exact
    arithmetic, e.g. GPT's key bias, turns round-off into full-size updates that differ).
 2. Timing: ``--warmup`` then ``--steps`` steps of the plan (``executor.measure.time_steps``,
-   barriers around each step; rank 0 prints ``step i/S`` with the step time), peak memory per rank.
+   back to back after a barrier; rank 0 prints ``step i/S`` with the step time), peak memory per rank.
 3. One more step under the collective audit.
 4. ``--ddp`` (or ``--ddp-only``, which skips 1-3): the same steps with PyTorch's
    DistributedDataParallel, every rank on its shard (dim 0) of the batch.
@@ -141,12 +141,14 @@ def _progress(rank: int, label: str, quiet: bool):
 
 
 def _gather_timing(times: list[float], peak_mb: float, losses: list[float] | None = None) -> dict[str, Any]:
-    """Per step the slowest rank's time; peak memory and host of every rank (rank order); with
-    ``losses``, those of the first rank that knows them (a pipeline's last stage; NaN elsewhere)."""
+    """Per step the mean over ranks of its time (steps run back to back: a rank's wait for a slower one
+    is in its own step's time, so the mean of a step is the ranks' shared pace); peak memory and host
+    of every rank (rank order); with ``losses``, those of the first rank that knows them (a pipeline's
+    last stage; NaN elsewhere)."""
     mine = {"times": times, "peak_mb": peak_mb, "host": socket.gethostname(), "losses": losses or []}
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    out = {"step_time_s": [max(r["times"][i] for r in every) for i in range(len(times))],
+    out = {"step_time_s": [sum(r["times"][i] for r in every) / len(every) for i in range(len(times))],
            "peak_memory_mb": [r["peak_mb"] for r in every], "hosts": [r["host"] for r in every]}
     if losses is not None:
         out["losses"] = next((r["losses"] for r in every if not any(math.isnan(v) for v in r["losses"])), losses)

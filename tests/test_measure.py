@@ -35,20 +35,27 @@ def test_step_stats_needs_steps():
         StepStats.of([])
 
 
-def test_time_steps_warmup_barriers_and_progress():
+def test_time_steps_back_to_back_after_one_barrier_and_progress():
     calls, events, seen = [], [], []
     sleeps = [0.0, 0.0, 0.02, 0.01, 0.03]  # 2 warm-up steps, then 3 measured
 
     def step():
         time.sleep(sleeps[len(calls)])
         calls.append(1)
+        events.append("step")
+
+    def progress(kind, i, n, s):
+        time.sleep(0.02)                    # a slow progress print is not any step's time
+        seen.append((kind, i, n))
 
     times = time_steps(step, 3, 2, barrier=lambda: events.append("b"), sync=lambda: events.append("s"),
-                       progress=lambda kind, i, n, s: seen.append((kind, i, n)))
+                       progress=progress)
     assert len(calls) == 5 and len(times) == 3
     for t, slept in zip(times, sleeps[2:]):
-        assert slept <= t < slept + 0.05  # each measured step's own time, warm-up excluded
-    assert events == ["s", "b", "s", "b"] * 5  # sync + barrier before and after every step
+        assert slept <= t < slept + 0.015  # each measured step's own time, warm-up and progress excluded
+    # the ranks start together before the warm-up and before the measured steps, leave together after;
+    # no barrier between steps (a training loop runs none), a sync after each
+    assert events == (["s", "b"] + ["step", "s"] * 2 + ["s", "b"] + ["step", "s"] * 3 + ["b"])
     assert seen == [("warmup", 1, 2), ("warmup", 2, 2), ("step", 1, 3), ("step", 2, 3), ("step", 3, 3)]
     with pytest.raises(ValueError):
         time_steps(step, 0, 1)
