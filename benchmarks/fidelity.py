@@ -7,7 +7,8 @@ setting (``*-bf16-sel-4mb``: bf16 compute, selective recompute, 4 micro-steps of
 step) on 2 ranks and 2x2, every applicable baseline and the found plan are
 planned in-process (``autoddl.api.search_model``), then run by the executor: one torchrun
 launch per (model, rank count) runs all its plans in turn (``executor.worker --plans``),
-W warm-up + S measured steps each, 1 intra-op thread per rank. Each plan's row (the
+W warm-up steps each, then S measured steps in R rounds (each plan's share in turn, so that the
+machine's drift over a launch falls on every plan alike), 1 intra-op thread per rank. Each plan's row (the
 runs-table columns of ``executor.measure`` plus the study's) is appended atomically to
 ``results/fidelity.csv``; then, over the latest study in the CSV:
 
@@ -69,8 +70,12 @@ MODELS.update({
 })
 TRAINING: dict[str, dict[str, Any]] = {m: TRAINED for m in MODELS if m.endswith("-bf16-sel-4mb")}
 CONFIGS: dict[str, tuple[int, ...]] = {"2": (2,), "4": (4,), "2x2": (2, 2)}
+# how executor.measure.time_steps timed a step: studies before 20261127-063614 ran a barrier after every step
+# ("barrier per step", empty in their rows), which neither a training loop nor the step program has
+STEP_TIMING = "back to back"
 MODEL_CONFIGS: dict[str, tuple[str, ...]] = {m: ("2", "2x2") for m in TRAINING}   # default: every config
-STUDY_COLUMNS = ("study", "scheme", "config", "same_as", "steps", "warmup", "omp_threads", "load_avg_1m", "error")
+STUDY_COLUMNS = ("study", "scheme", "config", "same_as", "steps", "warmup", "omp_threads", "load_avg_1m", "error",
+                 "rounds", "step_timing")
 
 
 # -- the figures (pure; tests/test_fidelity.py) -------------------------------------------------
@@ -223,13 +228,14 @@ def wait_until_quiet(max_busy: float, timeout_s: float) -> float:
 
 
 def run_plans(model: str, kwargs: dict[str, Any], nproc: int, items: list[dict[str, Any]], steps: int,
-              warmup: int, out_dir: Path, timeout_s: float) -> dict[Path, dict[str, Any]]:
-    """One torchrun launch of ``nproc`` ranks timing every plan of ``items``; plan path -> result."""
+              warmup: int, out_dir: Path, timeout_s: float, rounds: int = 1) -> dict[Path, dict[str, Any]]:
+    """One torchrun launch of ``nproc`` ranks timing every plan of ``items`` (in ``rounds`` interleaved
+    rounds: executor/worker.py ``run_many``); plan path -> result."""
     from executor.launch import LaunchSpec, launch
 
     worker_args = ["--plans", *[str(it["path"]) for it in items], "--out-dir", str(out_dir),
                    "--model", str(model_file(model)), "--steps", str(steps),
-                   "--warmup", str(warmup), "--quiet"]
+                   "--warmup", str(warmup), "--rounds", str(rounds), "--quiet"]
     worker_args += [a for k, v in kwargs.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     res = launch(LaunchSpec(nproc, omp_num_threads=1, timeout_s=timeout_s), worker_args)
     results = {}
@@ -250,7 +256,8 @@ def study_row(it: dict[str, Any], result: dict[str, Any], study: str, steps: int
 
     plan = it["plan"]
     extra = {"study": study, "scheme": it["scheme"], "config": it["config"], "same_as": it["same_as"],
-             "steps": steps, "warmup": warmup, "omp_threads": result.get("omp_num_threads", 1),
+             "steps": steps, "warmup": warmup, "rounds": result.get("rounds", 1), "step_timing": STEP_TIMING,
+             "omp_threads": result.get("omp_num_threads", 1),
              "load_avg_1m": f"{load:.2f}", "error": result.get("error", "")}
     if "step_time_s" not in result:
         return {"model": it["model"], "plan": plan.name, "mesh": str(plan.mesh), "nproc": it["nproc"],
@@ -389,8 +396,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     p.add_argument("--cluster", default=str(ROOT / "configs" / "local-cpu.yaml"))
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="the measured steps of a launch's plans in this many interleaved rounds (each plan's "
+                        "share in turn), so that the machine's drift falls on every plan alike (default 3)")
     p.add_argument("--out-dir", default=str(ROOT / "results"))
     p.add_argument("--analyze-only", action="store_true", help="only the tables and the plot, from the CSV")
     p.add_argument("--study", help="with --analyze-only: which study id (default: the latest)")
@@ -442,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 load = os.getloadavg()[0]
                 tl = time.monotonic()
                 results = run_plans(model, kwargs, nproc, group, args.steps, args.warmup, tmp / "results",
-                                    args.timeout_s)
+                                    args.timeout_s, args.rounds)
                 for it in group:
                     res = results[it["path"]]
                     append_row(csv_path, study_row(it, res, study, args.steps, args.warmup, load),

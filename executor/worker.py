@@ -21,7 +21,8 @@ Rank 0 writes the result JSON to ``--out`` (stdout without it).
 Several plans in one launch (``--plans A.json B.json ... --out-dir DIR``, instead of ``--plan``):
 the model is built and traced once, then each plan is timed in turn (steps 2-3 above, on its
 own mesh; every plan must be for the launched world size) and rank 0 writes ``DIR/<stem>.json``
-per plan as soon as it is done. A plan that raises on every rank alike (it does not fit the
+per plan as soon as it is done (with ``--rounds R``: every plan is placed and warmed up first, then
+the measured steps run in R rounds, a share of each plan in turn). A plan that raises on every rank alike (it does not fit the
 graph, a shape error) gets ``{"plan": ..., "error": ...}`` and the next plan runs; a launch
 costs 10-15 s of process start, import and tracing on a small machine, which this shares. A rank that fails writes
 ``<--error-dir>/rank<R>.json`` (rank, error, traceback) before exiting non-zero, which is how
@@ -80,6 +81,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="model file defining build_model / example_inputs")
     p.add_argument("--steps", type=int, default=1, help="timed training steps (default 1)")
     p.add_argument("--warmup", type=int, default=0, help="untimed steps before them (default 0)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --plans: place and warm up every plan, then time the steps in this many rounds, "
+                        "each plan's share in turn (default 1: one plan after the other)")
     p.add_argument("--check", action="store_true", help="compare with a single-process run first")
     p.add_argument("--check-steps", type=int, default=1, help="steps of the check (default 1)")
     p.add_argument("--check-optimizer", default="sgd", help="optimizer of the check (default sgd)")
@@ -113,6 +117,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("give exactly one of --plan PLAN_JSON or --plans PLAN_JSON ... (with --out-dir)")
     if args.plans and (not args.out_dir or args.check or args.reference):
         p.error("--plans needs --out-dir and times plans only (no --check, --reference, --ddp)")
+    if args.rounds < 1 or (args.rounds > 1 and not args.plans) or args.rounds > args.steps:
+        p.error(f"--rounds {args.rounds}: needs --plans and 1 <= rounds <= --steps ({args.steps})")
+    if args.rounds > 1 and args.warmup < 1:
+        p.error("--rounds > 1 needs --warmup >= 1 (each plan's peak memory is taken over its warm-up)")
     return args
 
 
@@ -155,29 +163,63 @@ def _gather_timing(times: list[float], peak_mb: float, losses: list[float] | Non
     return out
 
 
+class PlanTiming:
+    """One plan's timed steps on this rank, in one go (``time_plan``) or in rounds interleaved with other
+    plans' (``run_many`` with ``--rounds``): the constructor places the model and runs the warm-up,
+    ``time`` runs measured steps (called again for each round), ``finish`` gathers the times over ranks,
+    profiles and audits one more step. Peak memory is this plan's from its placement to the end of its
+    first measured steps, or, with ``memory_until_warm`` (plans interleaved: the others are placed in
+    between), to the end of its warm-up."""
+
+    def __init__(self, mf: ModelFile, graph, plan: Plan, mesh, args: argparse.Namespace, optimizer: str,
+                 rank: int, memory_until_warm: bool = False) -> None:
+        self.mf, self.plan, self.args, self.rank = mf, plan, args, rank
+        self.memory = PeakMemory(args.device)
+        self.memory.start()
+        self.dmodel = distributed_model(mf.model, graph, plan, mesh)
+        if args.compile:
+            self.dmodel.compile_local()
+        self.opt = build_optimizer(optimizer, self.dmodel.parameters(), args.lr)
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        _test_fail_hook(rank)
+        self._run(args.warmup, 0)
+        self.peak_mb = self.memory.peak_mb() if memory_until_warm else None
+
+    def step(self) -> None:
+        self.losses.append(train_step(self.dmodel, self.mf.example_inputs, self.opt))
+
+    def _run(self, warmup: int, steps: int) -> list[float]:
+        if steps == 0:                                  # the warm-up alone, with the ranks started together
+            return time_steps(self.step, 1, warmup - 1, barrier=dist.barrier, sync=_sync_fn(self.args.device),
+                              progress=_progress(self.rank, self.plan.name, self.args.quiet)) if warmup else []
+        return time_steps(self.step, steps, warmup, barrier=dist.barrier, sync=_sync_fn(self.args.device),
+                          progress=_progress(self.rank, self.plan.name, self.args.quiet))
+
+    def time(self, steps: int, warmup: int = 0) -> None:
+        self.times += self._run(warmup, steps)
+        if self.peak_mb is None:
+            self.peak_mb = self.memory.peak_mb()
+
+    def finish(self) -> dict[str, Any]:
+        out = _gather_timing(self.times, self.peak_mb, self.losses)
+        dmodel, inputs = self.dmodel, self.mf.example_inputs
+        if self.args.profile:
+            out["profile"] = _profile_step(lambda: train_step(dmodel, inputs, self.opt), self.args.profile, self.rank)
+        dmodel.host_copies.records.clear()
+        records = audit_records(dmodel, audit_step(dmodel, inputs, self.opt))
+        out["collectives"] = [r.to_dict() for r in records]
+        out["collectives_summary"] = summarize(records)
+        out["host_copies"] = [[r.copy, r.nbytes, r.tensor] for r in dmodel.host_copies.records]   # offload params
+        return out
+
+
 def time_plan(mf: ModelFile, graph, plan: Plan, mesh, args: argparse.Namespace, optimizer: str,
               rank: int) -> dict[str, Any]:
     """Warm-up + timed steps of the plan, then one audited step."""
-    memory = PeakMemory(args.device)
-    memory.start()
-    dmodel = distributed_model(mf.model, graph, plan, mesh)
-    if args.compile:
-        dmodel.compile_local()
-    opt = build_optimizer(optimizer, dmodel.parameters(), args.lr)
-    losses: list[float] = []
-    _test_fail_hook(rank)
-    times = time_steps(lambda: losses.append(train_step(dmodel, mf.example_inputs, opt)), args.steps,
-                       args.warmup, barrier=dist.barrier, sync=_sync_fn(args.device),
-                       progress=_progress(rank, plan.name, args.quiet))
-    out = _gather_timing(times, memory.peak_mb(), losses)
-    if args.profile:
-        out["profile"] = _profile_step(lambda: train_step(dmodel, mf.example_inputs, opt), args.profile, rank)
-    dmodel.host_copies.records.clear()
-    records = audit_records(dmodel, audit_step(dmodel, mf.example_inputs, opt))
-    out["collectives"] = [r.to_dict() for r in records]
-    out["collectives_summary"] = summarize(records)
-    out["host_copies"] = [[r.copy, r.nbytes, r.tensor] for r in dmodel.host_copies.records]   # offload params
-    return out
+    timing = PlanTiming(mf, graph, plan, mesh, args, optimizer, rank)
+    timing.time(args.steps)
+    return timing.finish()
 
 
 def _profile_step(step: Callable[[], Any], out_dir: str, rank: int) -> str:
@@ -261,12 +303,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_many(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """``--plans``: build and trace the model once, then time each plan; rank 0 writes one JSON per plan."""
+    """``--plans``: build and trace the model once, then time each plan; rank 0 writes one JSON per plan.
+
+    With ``--rounds R`` (> 1) every plan is placed and warmed up first, then the measured steps run in R
+    rounds, each plan's share in turn after one more warm-up step, so that the machine's drift over the
+    launch falls on every plan alike (on the 2-core VMs the first plan of a launch ran 10-20% slower than
+    the same program run last: results/README.md)."""
     plans = [(Path(path), Plan.load(path)) for path in args.plans]
     torch.manual_seed(args.seed)
     mf = load_model_file(args.model, device="cpu", **_overrides(args.set))
     graphs: dict[tuple, tuple[ModelFile, Any]] = {}   # by the plans' precision and batch: traced once each
-    results = []
+    rank = -1
+    placed: list[tuple[Path, dict[str, Any], PlanTiming | None]] = []
     for path, plan in plans:
         key = (plan.training.param_dtype, plan.batch_size)
         if key not in graphs:
@@ -279,18 +327,50 @@ def run_many(args: argparse.Namespace) -> list[dict[str, Any]]:
         result: dict[str, Any] = {
             "plan": plan.name, "plan_file": str(path), "model": mf.name, "mesh": list(plan.mesh.shape),
             "world_size": dist.get_world_size(), "optimizer": optimizer, "steps": args.steps,
-            "warmup": args.warmup, "backend": dist.get_backend(), "omp_num_threads": torch.get_num_threads(),
+            "warmup": args.warmup, "rounds": args.rounds, "backend": dist.get_backend(),
+            "omp_num_threads": torch.get_num_threads(),
         }
-        try:
-            result.update(time_plan(mf, graph, plan, mesh, args, optimizer, rank))
-        except Exception as exc:  # the same error on every rank: record it, go on with the next plan
-            result["error"] = f"{type(exc).__name__}: {exc}"
-            print(f"[{plan.name}] failed on rank {rank}: {result['error']}", file=sys.stderr, flush=True)
-        gc.collect()
-        if rank == 0:
-            _write_json(Path(args.out_dir) / f"{path.stem}.json", result)
-        results.append(result)
-    return results
+        timing = _attempt(result, rank, lambda: PlanTiming(mf, graph, plan, mesh, args, optimizer, rank,
+                                                           memory_until_warm=args.rounds > 1))
+        if args.rounds == 1:                        # one plan after the other: time it, then free it
+            if timing is not None:
+                _attempt(result, rank, lambda: timing.time(args.steps))
+            _finish(path, result, timing, args, rank)
+            gc.collect()
+        placed.append((path, result, timing))
+    if args.rounds > 1:
+        for steps in _round_steps(args.steps, args.rounds):
+            for _, result, timing in placed:
+                if timing is not None and "error" not in result:
+                    _attempt(result, rank, lambda: timing.time(steps, warmup=1))
+        for path, result, timing in placed:
+            _finish(path, result, timing, args, rank)
+    return [result for _, result, _ in placed]
+
+
+def _round_steps(steps: int, rounds: int) -> list[int]:
+    """``steps`` measured steps split over ``rounds`` as evenly as they go (12 over 3: 4, 4, 4)."""
+    return [steps // rounds + (r < steps % rounds) for r in range(rounds)]      # rounds <= steps: none empty
+
+
+def _attempt(result: dict[str, Any], rank: int, fn: Callable[[], Any]) -> Any:
+    """``fn()``, or None with ``result["error"]`` set: a plan that raises on every rank alike (it does not
+    fit the graph, a shape error) is recorded and the launch goes on with the next plan."""
+    try:
+        return fn()
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"[{result['plan']}] failed on rank {rank}: {result['error']}", file=sys.stderr, flush=True)
+        return None
+
+
+def _finish(path: Path, result: dict[str, Any], timing: PlanTiming | None, args: argparse.Namespace,
+            rank: int) -> None:
+    """Gather, profile and audit a timed plan (``PlanTiming.finish``); rank 0 writes its JSON."""
+    if timing is not None and "error" not in result:
+        _attempt(result, rank, lambda: result.update(timing.finish()))
+    if rank == 0:
+        _write_json(Path(args.out_dir) / f"{path.stem}.json", result)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

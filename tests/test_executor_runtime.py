@@ -457,3 +457,36 @@ def test_worker_main_checks_and_audits(tmp_path):
     assert max(result["check"]["max_rel_error"].values()) <= 1e-4
     assert result["collectives_summary"]["grad_sync/all_reduce/axis0"] == {   # one bucket
         "count": 1, "bytes": sum(PARAM_NUMEL.values()) * F32}
+
+
+@pytest.mark.distributed
+def test_worker_times_several_plans_in_interleaved_rounds(tmp_path):
+    """``--plans A B --rounds 2``: both plans placed and warmed up first, then 5 measured steps each in
+    rounds of 3 and 2 (each after one more warm-up step): every plan's JSON has its 5 step times (the
+    ranks' mean per step), its audit, and every loss it trained; the warm-up is 2 steps."""
+    import json
+
+    from autoddl.loader import load_model_file
+    from autoddl.trace import trace
+    from executor.worker import _round_steps
+
+    assert _round_steps(5, 2) == [3, 2] and _round_steps(12, 3) == [4, 4, 4] and _round_steps(2, 2) == [1, 1]
+    model_py = tmp_path / "mlp.py"
+    model_py.write_text(MODEL_FILE)
+    mf = load_model_file(model_py, device="cpu")
+    graph = trace(mf.model, mf.example_inputs, mf.loss_fn)
+    for name in ("dp", "zero3"):
+        make_plan(graph, name).save(tmp_path / f"{name}.json")
+    codes = run_ranks(_worker_rank, 2, ["--plans", str(tmp_path / "dp.json"), str(tmp_path / "zero3.json"),
+                                        "--out-dir", str(tmp_path), "--model", str(model_py), "--steps", "5",
+                                        "--warmup", "2", "--rounds", "2", "--quiet"], timeout_s=60)
+    assert codes == [0, 0]
+    for name in ("dp", "zero3"):
+        result = json.loads((tmp_path / f"{name}.json").read_text())
+        assert "error" not in result and result["rounds"] == 2
+        assert len(result["step_time_s"]) == 5 and all(t > 0 for t in result["step_time_s"])
+        assert len(result["losses"]) == 2 + 5 + 2                 # warm-up, measured, one warm-up per round
+        assert result["collectives_summary"]["grad_sync/all_reduce/axis0"]["count"] == 1
+    with pytest.raises(SystemExit):
+        _worker_rank(["--plans", str(tmp_path / "dp.json"), "--out-dir", str(tmp_path), "--model", str(model_py),
+                      "--steps", "2", "--rounds", "3"])            # more rounds than steps
