@@ -183,21 +183,19 @@ class PlanTiming:
         self.losses: list[float] = []
         self.times: list[float] = []
         _test_fail_hook(rank)
-        self._run(args.warmup, 0)
+        if args.warmup:                                 # the warm-up's steps, their times thrown away
+            self._timed(args.warmup, 0, f"{plan.name} warm-up")
         self.peak_mb = self.memory.peak_mb() if memory_until_warm else None
 
     def step(self) -> None:
         self.losses.append(train_step(self.dmodel, self.mf.example_inputs, self.opt))
 
-    def _run(self, warmup: int, steps: int) -> list[float]:
-        if steps == 0:                                  # the warm-up alone, with the ranks started together
-            return time_steps(self.step, 1, warmup - 1, barrier=dist.barrier, sync=_sync_fn(self.args.device),
-                              progress=_progress(self.rank, self.plan.name, self.args.quiet)) if warmup else []
+    def _timed(self, steps: int, warmup: int, label: str) -> list[float]:
         return time_steps(self.step, steps, warmup, barrier=dist.barrier, sync=_sync_fn(self.args.device),
-                          progress=_progress(self.rank, self.plan.name, self.args.quiet))
+                          progress=_progress(self.rank, label, self.args.quiet))
 
     def time(self, steps: int, warmup: int = 0) -> None:
-        self.times += self._run(warmup, steps)
+        self.times += self._timed(steps, warmup, self.plan.name)
         if self.peak_mb is None:
             self.peak_mb = self.memory.peak_mb()
 
