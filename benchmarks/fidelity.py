@@ -191,11 +191,17 @@ def plan_all(model: str, kwargs: dict[str, Any], configs: Sequence[str], cluster
             plan.batch_size = batch
             path = plan_dir / f"{model}-{config}-{name}.json"
             plan.save(path)
-            same = [b for b, o in plans.items() if b != name and name == "found"
-                    and o.plan.signatures == plan.signatures and o.plan.param_storage == plan.param_storage]
+            same = [b for b, o in plans.items() if b != name and name == "found" and same_program(o.plan, plan)]
             out.append({"model": model, "config": config, "scheme": name, "path": path, "plan": plan,
                         "same_as": same[0] if same else "", "nproc": math.prod(shape), "graph": graph})
     return out
+
+
+def same_program(a: Any, b: Any) -> bool:
+    """Whether two plans make the same decisions: signatures and every storage (parameters, optimizer
+    states, gradients: a ZeRO-1 plan is data parallel's signatures with the optimizer states sharded)."""
+    return (a.signatures == b.signatures and a.param_storage == b.param_storage
+            and a.optimizer_storage == b.optimizer_storage and a.grad_storage == b.grad_storage)
 
 
 def cpu_busy(seconds: float = 3.0) -> float:

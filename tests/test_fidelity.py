@@ -134,3 +134,21 @@ def test_reprice_with_the_study_cluster_gives_the_study_prediction(reprice, fid)
     assert len(priced) == len(rows) - 1 and len(skipped) == 1 and skipped[0].startswith(f"mlp 2 {rows[0]['scheme']}:")
     for r in priced:
         assert r["new"] == pytest.approx(r["predicted"], rel=1e-5) and r["nproc"] == 2
+
+
+def test_same_program_compares_every_storage(fid):
+    """The found plan is labelled ``found=<baseline>`` only when it makes the baseline's decisions, the
+    optimizer and gradient storages too: ZeRO-1 has data parallel's signatures and parameter storage."""
+    import dataclasses
+
+    from autoddl.plan import Mesh, Plan
+    from autoddl.sbp import NdSbp, Signature
+
+    dp = Plan(name="dp", mesh=Mesh((2,)), graph_hash="g", optimizer="adamw",
+              signatures={"linear": Signature.parse("[S(0)], [B] -> [S(0)]")},
+              param_storage={"fc.weight": NdSbp.parse("[B]")})
+    zero1 = dataclasses.replace(dp, name="zero1", optimizer_storage={"fc.weight": NdSbp.parse("[S(0)]")})
+    zero2 = dataclasses.replace(zero1, name="zero2", grad_storage={"fc.weight": NdSbp.parse("[S(0)]")})
+    assert fid.same_program(dp, dataclasses.replace(dp, name="found"))
+    assert not fid.same_program(dp, zero1) and not fid.same_program(zero1, zero2)
+    assert fid.same_program(zero2, dataclasses.replace(zero2, name="found"))
