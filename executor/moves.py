@@ -153,15 +153,24 @@ def shard_view(boxer: Boxer, full: torch.Tensor, src: NdSbp, dst: NdSbp) -> torc
     return view
 
 
-def unflatten_gathered(flat: torch.Tensor, n: int, pieces: Sequence[tuple[Sequence[int], int]]
-                       ) -> list[torch.Tensor]:
+def unflatten_gathered(flat: torch.Tensor, n: int, pieces: Sequence[tuple[Sequence[int], int]],
+                       out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Whole tensors from the all-gather of ``n`` ranks' flattened pieces laid side by side: rank r's
-    pieces sit in row r; a piece of shape ``shape`` joins its ``n`` copies along ``dim``."""
+    pieces sit in row r; a piece of shape ``shape`` joins its ``n`` copies along ``dim``. Each whole is
+    written in one pass (a strided copy of the ``n`` pieces into the whole viewed as ``(n, *shape)``):
+    into ``out``'s tensors when given (ZeRO-1/2's updated parameters, in place), else into new ones."""
     rows = flat.view(n, -1)                                                        # (n, pieces)
-    out, start = [], 0
-    for shape, dim in pieces:
+    wholes, start = [], 0
+    for i, (shape, dim) in enumerate(pieces):
+        shape = tuple(shape)
         numel = math.prod(shape)
-        parts = rows[:, start:start + numel].reshape(-1, *shape)                  # (n, *shape)
+        parts = rows[:, start:start + numel].unflatten(1, shape)                  # (n, *shape), a view
         start += numel
-        out.append(torch.cat(parts.unbind(0), dim=dim))
-    return out
+        whole_shape = shape[:dim] + (n * shape[dim],) + shape[dim + 1:]
+        target = out[i] if out is not None else None
+        whole = target if target is not None and target.is_contiguous() else flat.new_empty(whole_shape)
+        whole.unflatten(dim, (n, shape[dim])).movedim(dim, 0).copy_(parts)       # (n, *shape) view of it
+        if target is not None and whole is not target:
+            target.copy_(whole)
+        wholes.append(target if target is not None else whole)
+    return wholes

@@ -248,11 +248,10 @@ class DistributedModel(nn.Module):
                 flat = torch.cat([working_copy(t, dtype).reshape(-1) for t in shards])
                 self._on_collective(CollectiveKind.ALL_GATHER, sync.axis, sync.nbytes, f"param sync axis{sync.axis}")
                 gathered = wait(funcol.all_gather_single(flat, 0, self.boxer.groups[sync.axis]))
-                wholes = unflatten_gathered(gathered, self.plan.mesh.shape[sync.axis],
-                                            [(tuple(t.shape), optimizer_storage_of(self.plan, f)[sync.axis].dim)
-                                             for f, t in zip(sync.fqns, shards)])
-                for f, whole in zip(sync.fqns, wholes):
-                    params[f]._autoddl_local.copy_(whole)
+                unflatten_gathered(gathered, self.plan.mesh.shape[sync.axis],     # into the parameters, in place
+                                   [(tuple(t.shape), optimizer_storage_of(self.plan, f)[sync.axis].dim)
+                                    for f, t in zip(sync.fqns, shards)],
+                                   out=[params[f]._autoddl_local for f in sync.fqns])
         self.host_copies.refresh()          # offload params: the host's updated working copies
 
     def own_param_syncs(self) -> list:

@@ -490,3 +490,27 @@ def test_worker_times_several_plans_in_interleaved_rounds(tmp_path):
     with pytest.raises(SystemExit):
         _worker_rank(["--plans", str(tmp_path / "dp.json"), "--out-dir", str(tmp_path), "--model", str(model_py),
                       "--steps", "2", "--rounds", "3"])            # more rounds than steps
+
+
+def test_unflatten_gathered_joins_each_rank_s_piece_along_its_dim_in_place():
+    """An all-gather's flat result (rank r's pieces in row r) becomes each whole tensor, the pieces joined
+    along their split dim, as torch.cat of the ranks' pieces would; with ``out`` written into the given
+    tensors themselves (ZeRO-1/2's parameters), a non-contiguous one too."""
+    import math
+
+    from executor.moves import unflatten_gathered
+
+    torch.manual_seed(0)
+    pieces = [((3, 5), 0), ((3, 5), 1), ((2, 3, 4), 2), ((7,), 0), ((2, 1, 3), 1)]
+    for n in (2, 4):
+        flat = torch.randn(n * sum(math.prod(s) for s, _ in pieces))          # (n * pieces,)
+        rows, start, want = flat.view(n, -1), 0, []
+        for shape, dim in pieces:
+            numel = math.prod(shape)
+            want.append(torch.cat([rows[r, start:start + numel].view(shape) for r in range(n)], dim=dim))
+            start += numel
+        assert all(torch.equal(a, b) for a, b in zip(unflatten_gathered(flat, n, pieces), want))
+        dest = [torch.empty_like(w) for w in want]
+        dest[1] = torch.empty(want[1].shape[1], want[1].shape[0]).t()          # not contiguous
+        got = unflatten_gathered(flat, n, pieces, out=dest)
+        assert all(g is d for g, d in zip(got, dest)) and all(torch.equal(d, w) for d, w in zip(dest, want))
