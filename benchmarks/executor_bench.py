@@ -120,6 +120,10 @@ def rows_of(case: str, scheme: str, runs: list[dict[str, str]], steps: int, warm
     return out
 
 
+def _in_case_order(rows: list[dict]) -> list[dict]:
+    return sorted(rows, key=lambda r: list(CASES).index(r["case"]) if r["case"] in CASES else len(CASES))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", nargs="*", default=list(CASES), choices=list(CASES))
@@ -127,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "results" / "executor.csv"))
     args = p.parse_args(argv)
+    kept = [r for r in read_rows(args.out)[1] if r["case"] not in args.only] if Path(args.out).exists() else []
     rows: list[dict] = []
     t0 = time.monotonic()
     for case in args.only:
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {r['plan']} {r['plan_median_ms']} ms vs {r['reference']} {r['reference_median_ms']} ms: "
                       f"{r['ratio']}x", flush=True)
             rows += new
-            write_csv_atomic(args.out, rows, COLUMNS)
+            write_csv_atomic(args.out, _in_case_order(kept + rows), COLUMNS)     # the other cases' rows kept
     print(f"wrote {args.out} ({len(rows)} rows, {time.monotonic() - t0:.0f} s)")
     return 0
 
