@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -490,6 +491,72 @@ def test_worker_times_several_plans_in_interleaved_rounds(tmp_path):
     with pytest.raises(SystemExit):
         _worker_rank(["--plans", str(tmp_path / "dp.json"), "--out-dir", str(tmp_path), "--model", str(model_py),
                       "--steps", "2", "--rounds", "3"])            # more rounds than steps
+
+
+@pytest.mark.distributed
+def test_worker_times_a_plan_and_its_reference_in_interleaved_rounds(tmp_path):
+    """``--plan dp --reference ddp --rounds 2``: the plan and DDP are both placed and warmed up, then
+    their 4 measured steps run in two rounds of 2 each: both have 4 step times, and DDP trained the
+    warm-up step, the 4 measured ones and one more warm-up step per round."""
+    import json
+
+    from autoddl.loader import load_model_file
+    from autoddl.trace import trace
+
+    model_py = tmp_path / "mlp.py"
+    model_py.write_text(MODEL_FILE)
+    mf = load_model_file(model_py, device="cpu")
+    make_plan(trace(mf.model, mf.example_inputs, mf.loss_fn), "dp").save(tmp_path / "dp.json")
+    out = tmp_path / "result.json"
+    codes = run_ranks(_worker_rank, 2, ["--plan", str(tmp_path / "dp.json"), "--model", str(model_py),
+                                        "--reference", "ddp", "--steps", "4", "--warmup", "1", "--rounds", "2",
+                                        "--quiet", "--out", str(out)], timeout_s=60)
+    assert codes == [0, 0]
+    result = json.loads(out.read_text())
+    ddp = result["references"]["ddp"]
+    assert len(result["step_time_s"]) == 4 and len(ddp["step_time_s"]) == 4
+    assert len(result["losses"]) == len(ddp["losses"]) == 1 + 4 + 2
+    with pytest.raises(SystemExit):
+        _worker_rank(["--plan", str(tmp_path / "dp.json"), "--model", str(model_py), "--steps", "4",
+                      "--rounds", "2"])                               # rounds without a reference
+
+
+def _grads_of_two_batches(_):
+    """dp on 2 ranks: each parameter's gradient of batch a, of batch b (``.grad`` set to None in
+    between), and of a then b without zero_grad in between (autograd's rule: they add up), as numpy
+    arrays; and whether a gradient was handed out as a view of its bucket's kept buffer (no copy)."""
+    from executor.runtime import DistributedModel, init_mesh, local_of
+
+    model, (x, y), graph = traced()
+    plan = make_plan(graph, "dp")
+    dmodel = DistributedModel(model, graph, plan, init_mesh(plan))
+    locals_ = {n: local_of(p) for n, p in dmodel.named_parameters()}
+    batches = {"a": (x, y), "b": (x.flip(0) * 2, y.roll(1, 0))}
+    grads, viewed = {}, True
+    for name, batch in batches.items():
+        for t in locals_.values():
+            t.grad = None
+        dmodel.forward_backward(batch)
+        grads[name] = {n: t.grad.clone().numpy() for n, t in locals_.items()}
+        kept = [b.untyped_storage().data_ptr() for b in dmodel.grad_sync.buffers.values()]
+        viewed = viewed and all(t.grad.untyped_storage().data_ptr() in kept for t in locals_.values())
+    dmodel.forward_backward(batches["a"])
+    grads["a+b"] = {n: t.grad.clone().numpy() for n, t in locals_.items()}
+    return grads, viewed
+
+
+@pytest.mark.distributed
+def test_gradients_kept_without_zero_grad_add_up_across_steps():
+    """The all-reduce buckets are kept across steps and the synced gradients are views of them; a
+    ``.grad`` still held at the next backward (no ``zero_grad``) is copied out before its bucket is
+    overwritten, so that the next backward adds to it: b's gradient then a's is their sum, on every rank."""
+    traced()
+    for grads, viewed in run_ranks(_grads_of_two_batches, 2, None, timeout_s=60):
+        assert viewed
+        for name in grads["a"]:
+            np.testing.assert_allclose(grads["a+b"][name], grads["a"][name] + grads["b"][name], rtol=1e-5,
+                                       atol=1e-7, err_msg=name)
+            assert not np.allclose(grads["a"][name], grads["b"][name])
 
 
 def test_unflatten_gathered_joins_each_rank_s_piece_along_its_dim_in_place():
