@@ -110,7 +110,7 @@ def predicted_collectives(plan: Plan, graph, cluster: Cluster | None):
 def worker_args(plan: Plan, plan_path: str, model_py: str, result_json: str | Path, *, steps: int, warmup: int,
                 optimizer: str, backend: str, pg_timeout_s: float, check: bool = False,
                 references: Sequence[str] = (), reference_only: bool = False, compile: bool = False,
-                profile: str = "") -> list[str]:
+                profile: str = "", rounds: int = 1) -> list[str]:
     """The ``executor.worker`` command line of one run (model sizes passed as ``--set KEY=<json>``)."""
     out = ["--plan", str(Path(plan_path).resolve()), "--model", str(Path(model_py).resolve()),
            "--steps", str(steps), "--warmup", str(warmup), "--optimizer", optimizer,
@@ -119,6 +119,7 @@ def worker_args(plan: Plan, plan_path: str, model_py: str, result_json: str | Pa
     out += [a for k, v in plan.model_args.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     out += [a for kind in references for a in ("--reference", kind)]
     out += ["--check"] * check + ["--reference-only"] * reference_only + ["--compile"] * compile
+    out += ["--rounds", str(rounds)] * (rounds != 1)
     return out + (["--profile", profile] if profile else [])
 
 

@@ -13,8 +13,11 @@ everywhere), traces it, builds the mesh and places parameters by the plan. In or
 2. Timing: ``--warmup`` then ``--steps`` steps of the plan (``executor.measure.time_steps``,
    back to back after a barrier; rank 0 prints ``step i/S`` with the step time), peak memory per rank.
 3. One more step under the collective audit.
-4. ``--ddp`` (or ``--ddp-only``, which skips 1-3): the same steps with PyTorch's
-   DistributedDataParallel, every rank on its shard (dim 0) of the batch.
+4. ``--reference KIND`` (``--ddp``; ``--reference-only`` skips 1-3): the same steps with PyTorch's
+   own implementation of the scheme (executor/references.py), e.g. DistributedDataParallel, every
+   rank on its shard (dim 0) of the batch. With ``--rounds R`` the plan and its references are all
+   placed and warmed up first and their measured steps run in R rounds, a share of each in turn, so
+   that the machine's drift falls on both sides of the ratio alike.
 
 Rank 0 writes the result JSON to ``--out`` (stdout without it).
 
@@ -82,8 +85,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1, help="timed training steps (default 1)")
     p.add_argument("--warmup", type=int, default=0, help="untimed steps before them (default 0)")
     p.add_argument("--rounds", type=int, default=1,
-                   help="with --plans: place and warm up every plan, then time the steps in this many rounds, "
-                        "each plan's share in turn (default 1: one plan after the other)")
+                   help="with --plans or --reference: place and warm up every plan (and reference), then time "
+                        "the steps in this many rounds, each one's share in turn (default 1: one after the other)")
     p.add_argument("--check", action="store_true", help="compare with a single-process run first")
     p.add_argument("--check-steps", type=int, default=1, help="steps of the check (default 1)")
     p.add_argument("--check-optimizer", default="sgd", help="optimizer of the check (default sgd)")
@@ -117,10 +120,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("give exactly one of --plan PLAN_JSON or --plans PLAN_JSON ... (with --out-dir)")
     if args.plans and (not args.out_dir or args.check or args.reference):
         p.error("--plans needs --out-dir and times plans only (no --check, --reference, --ddp)")
-    if args.rounds < 1 or (args.rounds > 1 and not args.plans) or args.rounds > args.steps:
-        p.error(f"--rounds {args.rounds}: needs --plans and 1 <= rounds <= --steps ({args.steps})")
+    if args.rounds < 1 or (args.rounds > 1 and not (args.plans or args.reference)) or args.rounds > args.steps:
+        p.error(f"--rounds {args.rounds}: needs --plans or --reference and 1 <= rounds <= --steps ({args.steps})")
     if args.rounds > 1 and args.warmup < 1:
-        p.error("--rounds > 1 needs --warmup >= 1 (each plan's peak memory is taken over its warm-up)")
+        p.error("--rounds > 1 needs --warmup >= 1 (each one's peak memory is taken over its warm-up)")
     return args
 
 
@@ -164,7 +167,7 @@ def _gather_timing(times: list[float], peak_mb: float, losses: list[float] | Non
 
 
 class PlanTiming:
-    """One plan's timed steps on this rank, in one go (``time_plan``) or in rounds interleaved with other
+    """One plan's timed steps on this rank, in one go (``run``) or in rounds interleaved with other
     plans' (``run_many`` with ``--rounds``): the constructor places the model and runs the warm-up,
     ``time`` runs measured steps (called again for each round), ``finish`` gathers the times over ranks,
     profiles and audits one more step. Peak memory is this plan's from its placement to the end of its
@@ -212,14 +215,6 @@ class PlanTiming:
         return out
 
 
-def time_plan(mf: ModelFile, graph, plan: Plan, mesh, args: argparse.Namespace, optimizer: str,
-              rank: int) -> dict[str, Any]:
-    """Warm-up + timed steps of the plan, then one audited step."""
-    timing = PlanTiming(mf, graph, plan, mesh, args, optimizer, rank)
-    timing.time(args.steps)
-    return timing.finish()
-
-
 def _profile_step(step: Callable[[], Any], out_dir: str, rank: int) -> str:
     """One more step under torch.profiler; its Chrome trace goes to ``out_dir/rank<R>.json``."""
     from torch.profiler import ProfilerActivity, profile
@@ -240,22 +235,40 @@ def _step_fn(kind: str, module, mf: ModelFile, values, opt, losses: list[float],
     return step
 
 
-def time_reference(kind: str, mf: ModelFile, args: argparse.Namespace, optimizer: str, rank: int,
-                   training=None) -> dict[str, Any]:
-    """The same steps with PyTorch's own implementation ``kind`` (executor/references.py), with the
-    torch optimizer a user would pass it."""
-    cuda = args.device == "cuda" and torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    memory = PeakMemory(args.device)
-    memory.start()
-    module, values = build_reference(kind, mf.model, tuple(mf.example_inputs), device, training)
-    opt = torch_optimizer(optimizer, module.parameters(), args.lr)
-    losses: list[float] = []
-    times = time_steps(_step_fn(kind, module, mf, values, opt, losses, training), args.steps, args.warmup, barrier=dist.barrier,
-                       sync=_sync_fn(args.device), progress=_progress(rank, kind, args.quiet))
-    out = _gather_timing(times, memory.peak_mb())
-    out["losses"] = losses  # rank 0's loss (its batch shard for ddp / fsdp2)
-    return out
+class ReferenceTiming:
+    """PyTorch's own implementation ``kind`` (executor/references.py) of the same steps, with the torch
+    optimizer a user would pass it; timed as ``PlanTiming`` is (placed and warmed up by the constructor,
+    ``time`` once or once per round, ``finish``)."""
+
+    def __init__(self, kind: str, mf: ModelFile, args: argparse.Namespace, optimizer: str, rank: int,
+                 training=None, memory_until_warm: bool = False) -> None:
+        cuda = args.device == "cuda" and torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.kind, self.args, self.rank = kind, args, rank
+        self.memory = PeakMemory(args.device)
+        self.memory.start()
+        module, values = build_reference(kind, mf.model, tuple(mf.example_inputs), device, training)
+        opt = torch_optimizer(optimizer, module.parameters(), args.lr)
+        self.losses: list[float] = []                  # rank 0's loss (its batch shard for ddp / fsdp2)
+        self.step = _step_fn(kind, module, mf, values, opt, self.losses, training)
+        self.times: list[float] = []
+        if args.warmup:
+            self._timed(args.warmup, 0, f"{kind} warm-up")
+        self.peak_mb = self.memory.peak_mb() if memory_until_warm else None
+
+    def _timed(self, steps: int, warmup: int, label: str) -> list[float]:
+        return time_steps(self.step, steps, warmup, barrier=dist.barrier, sync=_sync_fn(self.args.device),
+                          progress=_progress(self.rank, label, self.args.quiet))
+
+    def time(self, steps: int, warmup: int = 0) -> None:
+        self.times += self._timed(steps, warmup, self.kind)
+        if self.peak_mb is None:
+            self.peak_mb = self.memory.peak_mb()
+
+    def finish(self) -> dict[str, Any]:
+        out = _gather_timing(self.times, self.peak_mb)
+        out["losses"] = self.losses
+        return out
 
 
 def traced_for(mf: ModelFile, plan: Plan) -> tuple[ModelFile, Any]:
@@ -290,14 +303,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["check"] = {"rtol": rtol, "ok": all(v <= rtol for v in errors.values()),
                            "optimizer": args.check_optimizer, "steps": args.check_steps, "max_rel_error": errors}
         gc.collect()
-    if not args.reference_only:
-        result.update(time_plan(mf, graph, plan, mesh, args, optimizer, rank))
-        gc.collect()
+    rounds = args.rounds > 1
+    makers = [] if args.reference_only else [
+        ("plan", lambda: PlanTiming(mf, graph, plan, mesh, args, optimizer, rank, memory_until_warm=rounds))]
+    makers += [(kind, lambda kind=kind: ReferenceTiming(kind, mf, args, optimizer, rank, plan.training,
+                                                        memory_until_warm=rounds)) for kind in args.reference]
     result["references"] = {}
-    for kind in args.reference:
-        result["references"][kind] = time_reference(kind, mf, args, optimizer, rank, plan.training)
-        gc.collect()
+    for name, out in _timed_in_turn(makers, args) if not rounds else _timed_in_rounds(makers, args):
+        if name == "plan":
+            result.update(out)
+        else:
+            result["references"][name] = out
     return result
+
+
+def _timed_in_turn(makers: list, args: argparse.Namespace):
+    """(name, finished timing) of each, placed, timed and freed one after the other."""
+    for name, make in makers:
+        timing = make()
+        timing.time(args.steps)
+        yield name, timing.finish()
+        del timing
+        gc.collect()
+
+
+def _timed_in_rounds(makers: list, args: argparse.Namespace):
+    """(name, finished timing) of each, all placed and warmed up first, then the measured steps in
+    ``--rounds`` rounds, each one's share in turn after one more warm-up step (as ``run_many``)."""
+    placed = [(name, make()) for name, make in makers]
+    for steps in _round_steps(args.steps, args.rounds):
+        for _, timing in placed:
+            timing.time(steps, warmup=1)
+    return [(name, timing.finish()) for name, timing in placed]
 
 
 def run_many(args: argparse.Namespace) -> list[dict[str, Any]]:

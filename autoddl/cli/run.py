@@ -50,6 +50,10 @@ def add_run(subparsers) -> None:
                         "ddp (DistributedDataParallel), fsdp2 (fully_shard per block), dtensor_tp "
                         "(parallelize_module, Colwise/Rowwise pairs)")
     p.add_argument("--reference-only", action="store_true", help="time only the references")
+    p.add_argument("--rounds", type=int, default=1, metavar="R",
+                   help="with --reference: place and warm up the plan and its references, then run the measured "
+                        "steps in R rounds, a share of each in turn, so that the machine's drift falls on both "
+                        "sides of the ratio (default 1: the plan, then each reference)")
     p.add_argument("--ddp", action="store_true", help="shorthand for --reference ddp")
     p.add_argument("--ddp-only", action="store_true", help="shorthand for --reference ddp --reference-only")
     p.add_argument("--compile", action="store_true", help="also run the local program through torch.compile")
@@ -163,6 +167,9 @@ def run_run(args: argparse.Namespace) -> int:
         raise ValueError("--reference-only needs at least one --reference KIND (ddp, fsdp2, dtensor_tp)")
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"--steps {args.steps} / --warmup {args.warmup}: need steps >= 1 and warmup >= 0")
+    if args.rounds != 1 and not (references and 1 <= args.rounds <= args.steps and args.warmup >= 1):
+        raise ValueError(f"--rounds {args.rounds}: needs a --reference, 1 <= rounds <= --steps ({args.steps}) "
+                         f"and --warmup >= 1 (got {args.warmup})")
     model_py = args.model or plan.model
     if not model_py:
         raise ValueError(f"{args.plan_json} names no model file; pass --model MODEL_PY")
@@ -185,6 +192,7 @@ def run_run(args: argparse.Namespace) -> int:
     res, result = runs.launch_run(spec, plan, args.plan_json, model_py, steps=args.steps, warmup=args.warmup,
                                   optimizer=optimizer, backend=args.backend, pg_timeout_s=args.pg_timeout_s,
                                   check=args.check, references=references, reference_only=reference_only,
+                                  rounds=args.rounds,
                                   compile=args.compile, profile=str(Path(args.profile).resolve()) if args.profile else "")
     if not res.ok:
         print(f"autoddl run: the run failed after {res.duration_s:.1f} s:\n{res.describe()}", file=sys.stderr)
