@@ -3,10 +3,12 @@
 On 2 gloo ranks, for each case below, every plan runs in one launch together with the
 PyTorch implementation of the same scheme (same model, batch, optimizer and ranks):
 dp vs DistributedDataParallel, zero3 vs FSDP2, tp vs DTensor tensor parallel, and the
-found plan beside all three. Medians over ``--steps`` steps after ``--warmup``; p10-p90.
+found plan beside all three. Both are placed and warmed up first, then their ``--steps`` measured
+steps run in ``--rounds`` interleaved rounds (``autoddl run --rounds``), so that the machine's drift
+over the launch falls on both sides of the ratio. Medians; p10-p90.
 
     python benchmarks/executor_bench.py                     # every case (about 10 min on 2 cores)
-    python benchmarks/executor_bench.py --only gpt-tiny --steps 10
+    python benchmarks/executor_bench.py --only gpt-tiny --steps 24 --rounds 4
 
 Cases: (a) gpt tiny at batch 16; (b) a compute-bound GPT (4 layers, 256 wide, 8 x 128
 tokens); (c) VGG tiny at batch 64 (>= 100 ms a step here). Plans are made with
@@ -41,7 +43,7 @@ CASES = {
 COUNTERPART = {"dp": "ddp", "zero3": "fsdp2", "tp": "dtensor_tp"}
 COLUMNS = ["case", "model", "sets", "plan", "reference", "plan_median_ms", "plan_p10_ms", "plan_p90_ms",
            "reference_median_ms", "reference_p10_ms", "reference_p90_ms", "ratio", "target_ratio", "met",
-           "predicted_ms", "steps", "warmup", "note"]
+           "predicted_ms", "steps", "warmup", "rounds", "note"]
 TARGET = 1.10
 
 
@@ -78,12 +80,13 @@ def dtensor_tp_applies(case: str) -> str:
     return "" if tp_pairs(mf.model) else f"dtensor_tp: {type(mf.model).__name__} has no named column -> row linear pair"
 
 
-def run(plan: Path, references: list[str], steps: int, warmup: int) -> list[dict[str, str]]:
-    """One launch: the plan and its references; the runs-CSV rows (plan first)."""
+def run(plan: Path, references: list[str], steps: int, warmup: int, rounds: int) -> list[dict[str, str]]:
+    """One launch: the plan and its references, their measured steps in ``rounds`` interleaved rounds;
+    the runs-CSV rows (plan first)."""
     with tempfile.TemporaryDirectory() as tmp:
         csv_path = Path(tmp) / "runs.csv"
         args = ["run", str(plan), "--nproc", "2", "--steps", str(steps), "--warmup", str(warmup),
-                "--out", str(csv_path)]
+                "--rounds", str(rounds), "--out", str(csv_path)]
         for r in references:
             args += ["--reference", r]
         proc = sh(*args)
@@ -96,7 +99,7 @@ def _ms(row: dict[str, str], key: str) -> float:
     return float(row[key]) * 1e3
 
 
-def rows_of(case: str, scheme: str, runs: list[dict[str, str]], steps: int, warmup: int) -> list[dict]:
+def rows_of(case: str, scheme: str, runs: list[dict[str, str]], steps: int, warmup: int, rounds: int) -> list[dict]:
     plan, refs = runs[0], runs[1:]
     if not refs:
         return []
@@ -114,7 +117,7 @@ def rows_of(case: str, scheme: str, runs: list[dict[str, str]], steps: int, warm
             "reference_p90_ms": f"{_ms(ref, 'measured_p90_s'):.2f}", "ratio": f"{ratio:.3f}",
             "target_ratio": TARGET, "met": ratio <= TARGET,
             "predicted_ms": f"{_ms(plan, 'predicted_step_s'):.2f}" if plan.get("predicted_step_s") else "",
-            "steps": steps, "warmup": warmup,
+            "steps": steps, "warmup": warmup, "rounds": rounds,
             "note": "fastest of " + ", ".join(r["plan"] for r in refs) if scheme == "found" else "",
         })
     return out
@@ -127,8 +130,10 @@ def _in_case_order(rows: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", nargs="*", default=list(CASES), choices=list(CASES))
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=24)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4,
+                   help="the plan's and its references' measured steps in this many interleaved rounds (default 4)")
     p.add_argument("--out", default=str(ROOT / "results" / "executor.csv"))
     args = p.parse_args(argv)
     kept = [r for r in read_rows(args.out)[1] if r["case"] not in args.only] if Path(args.out).exists() else []
@@ -146,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             refs = applicable if scheme == "found" else [COUNTERPART[scheme]]
             print(f"[{time.monotonic() - t0:5.0f} s] {case}: {scheme} beside {', '.join(refs)}", flush=True)
-            new = rows_of(case, scheme, run(plan, refs, args.steps, args.warmup), args.steps, args.warmup)
+            runs = run(plan, refs, args.steps, args.warmup, args.rounds)
+            new = rows_of(case, scheme, runs, args.steps, args.warmup, args.rounds)
             for r in new:
                 print(f"    {r['plan']} {r['plan_median_ms']} ms vs {r['reference']} {r['reference_median_ms']} ms: "
                       f"{r['ratio']}x", flush=True)
