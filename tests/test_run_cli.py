@@ -152,6 +152,25 @@ def test_rank_count_must_match_the_plan(setup, capsys, no_launch):
     assert "--nnodes 3 does not divide" in capsys.readouterr().err
 
 
+def test_rounds_need_a_reference_and_reach_the_worker(setup, tmp_path, capsys, monkeypatch):
+    """``--rounds R`` interleaves the plan's steps with its references': refused without one (or with
+    more rounds than steps, or no warm-up), passed to every rank's worker otherwise."""
+    from executor.launch import LaunchResult
+
+    _, _, paths = setup
+    assert cli_main("run", paths["dp"], "--rounds", 2) == 2
+    assert "--rounds 2: needs a --reference" in capsys.readouterr().err
+    assert cli_main("run", paths["dp"], "--ddp", "--steps", 3, "--rounds", 4) == 2
+    assert "1 <= rounds <= --steps (3)" in capsys.readouterr().err
+    assert cli_main("run", paths["dp"], "--ddp", "--warmup", 0, "--rounds", 2) == 2
+    assert "--warmup >= 1 (got 0)" in capsys.readouterr().err
+    launched = []
+    monkeypatch.setattr(runs, "launch", lambda spec, worker_args: launched.append(worker_args) or LaunchResult(1, 1.0))
+    cli_main("run", paths["dp"], "--ddp", "--steps", 6, "--rounds", 3, "--out", tmp_path / "r.csv")
+    args = launched[0]
+    assert args[args.index("--rounds") + 1] == "3" and args[args.index("--reference") + 1] == "ddp"
+
+
 def test_collectives_table_groups_and_flags_mismatches():
     from costmodel.collectives import Collective, CollectiveKind
 
