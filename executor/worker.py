@@ -166,7 +166,31 @@ def _gather_timing(times: list[float], peak_mb: float, losses: list[float] | Non
     return out
 
 
-class PlanTiming:
+class _Timing:
+    """Timed steps of one model on this rank (``step``), labelled ``name``; ``peak_mb`` None until taken."""
+
+    name: str
+    args: argparse.Namespace
+    rank: int
+    memory: PeakMemory
+    times: list[float]
+    peak_mb: float | None
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def _timed(self, steps: int, warmup: int, label: str) -> list[float]:
+        return time_steps(self.step, steps, warmup, barrier=dist.barrier, sync=_sync_fn(self.args.device),
+                          progress=_progress(self.rank, label, self.args.quiet))
+
+    def time(self, steps: int, warmup: int = 0) -> None:
+        """``steps`` measured steps (after ``warmup`` more), added to ``times``."""
+        self.times += self._timed(steps, warmup, self.name)
+        if self.peak_mb is None:
+            self.peak_mb = self.memory.peak_mb()
+
+
+class PlanTiming(_Timing):
     """One plan's timed steps on this rank, in one go (``run``) or in rounds interleaved with other
     plans' (``run_many`` with ``--rounds``): the constructor places the model and runs the warm-up,
     ``time`` runs measured steps (called again for each round), ``finish`` gathers the times over ranks,
@@ -176,7 +200,7 @@ class PlanTiming:
 
     def __init__(self, mf: ModelFile, graph, plan: Plan, mesh, args: argparse.Namespace, optimizer: str,
                  rank: int, memory_until_warm: bool = False) -> None:
-        self.mf, self.plan, self.args, self.rank = mf, plan, args, rank
+        self.mf, self.plan, self.args, self.rank, self.name = mf, plan, args, rank, plan.name
         self.memory = PeakMemory(args.device)
         self.memory.start()
         self.dmodel = distributed_model(mf.model, graph, plan, mesh)
@@ -192,15 +216,6 @@ class PlanTiming:
 
     def step(self) -> None:
         self.losses.append(train_step(self.dmodel, self.mf.example_inputs, self.opt))
-
-    def _timed(self, steps: int, warmup: int, label: str) -> list[float]:
-        return time_steps(self.step, steps, warmup, barrier=dist.barrier, sync=_sync_fn(self.args.device),
-                          progress=_progress(self.rank, label, self.args.quiet))
-
-    def time(self, steps: int, warmup: int = 0) -> None:
-        self.times += self._timed(steps, warmup, self.plan.name)
-        if self.peak_mb is None:
-            self.peak_mb = self.memory.peak_mb()
 
     def finish(self) -> dict[str, Any]:
         out = _gather_timing(self.times, self.peak_mb, self.losses)
@@ -228,14 +243,7 @@ def _profile_step(step: Callable[[], Any], out_dir: str, rank: int) -> str:
     return str(path)
 
 
-def _step_fn(kind: str, module, mf: ModelFile, values, opt, losses: list[float], training) -> Callable[[], None]:
-    def step() -> None:
-        losses.append(reference_step(kind, module, mf.step_loss, values, opt, training))
-
-    return step
-
-
-class ReferenceTiming:
+class ReferenceTiming(_Timing):
     """PyTorch's own implementation ``kind`` (executor/references.py) of the same steps, with the torch
     optimizer a user would pass it; timed as ``PlanTiming`` is (placed and warmed up by the constructor,
     ``time`` once or once per round, ``finish``)."""
@@ -244,26 +252,20 @@ class ReferenceTiming:
                  training=None, memory_until_warm: bool = False) -> None:
         cuda = args.device == "cuda" and torch.cuda.is_available()
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.kind, self.args, self.rank = kind, args, rank
+        self.name, self.args, self.rank = kind, args, rank
         self.memory = PeakMemory(args.device)
         self.memory.start()
-        module, values = build_reference(kind, mf.model, tuple(mf.example_inputs), device, training)
-        opt = torch_optimizer(optimizer, module.parameters(), args.lr)
+        self.module, self.values = build_reference(kind, mf.model, tuple(mf.example_inputs), device, training)
+        self.opt = torch_optimizer(optimizer, self.module.parameters(), args.lr)
+        self.loss_fn, self.training = mf.step_loss, training
         self.losses: list[float] = []                  # rank 0's loss (its batch shard for ddp / fsdp2)
-        self.step = _step_fn(kind, module, mf, values, opt, self.losses, training)
         self.times: list[float] = []
         if args.warmup:
             self._timed(args.warmup, 0, f"{kind} warm-up")
         self.peak_mb = self.memory.peak_mb() if memory_until_warm else None
 
-    def _timed(self, steps: int, warmup: int, label: str) -> list[float]:
-        return time_steps(self.step, steps, warmup, barrier=dist.barrier, sync=_sync_fn(self.args.device),
-                          progress=_progress(self.rank, label, self.args.quiet))
-
-    def time(self, steps: int, warmup: int = 0) -> None:
-        self.times += self._timed(steps, warmup, self.kind)
-        if self.peak_mb is None:
-            self.peak_mb = self.memory.peak_mb()
+    def step(self) -> None:
+        self.losses.append(reference_step(self.name, self.module, self.loss_fn, self.values, self.opt, self.training))
 
     def finish(self) -> dict[str, Any]:
         out = _gather_timing(self.times, self.peak_mb)
