@@ -8,8 +8,9 @@ master's float32 ``.grad`` through the gradient sync (executor/gradsync.py), whi
 
 - gradient synced only at the last micro-step (DDP's ``no_sync``): keeps the micro-steps'
   gradients summed in float32: the first one cast (``.float()``), each later one added (k - 1
-  adds); at the last micro-step the sum is cast to ``reduce_dtype`` for the collective and the
-  reduced gradient back to float32 (each a cast where the dtypes differ);
+  adds); at the last micro-step the sum is cast to ``reduce_dtype`` for the collective (by the copy
+  into its bucket, for a bucketed use) and the reduced gradient back to float32 (each a cast where
+  the dtypes differ);
 - gradient synced every micro-step (reduce-scatters alone, FSDP): each micro-step's gradient is
   cast to ``reduce_dtype`` and back to float32 where they differ, and added to ``.grad`` after the
   first (k - 1 adds).

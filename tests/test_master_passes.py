@@ -75,14 +75,17 @@ def _recorded_step(dmodel, batch, opt):
 
 
 def _passes(rec) -> list[tuple[str, str, str, int]]:
-    """The pass-like ops recorded (an add's last input: the gradient added to the float32 sum)."""
-    return [(o.op, o.in_dtypes[-1], o.out_dtypes[0], o.out_numels[0]) for o in rec.ops if _pass_like(o)]
+    """The pass-like ops recorded (an add's last input: the gradient added to the float32 sum; a
+    casting copy's: its source), a cast by ``copy_`` (into a kept bucket: executor/gradsync.py) named
+    as one by ``to``."""
+    return [("_to_copy" if o.op == "copy_" else o.op, o.in_dtypes[-1], o.out_dtypes[0], o.out_numels[0])
+            for o in rec.ops if _pass_like(o)]
 
 
 def _pass_like(o) -> bool:
-    """A cast between float32 and bfloat16, or an add whose result is float32."""
-    if o.op == "_to_copy":
-        return {o.in_dtypes[0], o.out_dtypes[0]} == {"float32", "bfloat16"}
+    """A cast between float32 and bfloat16 (by ``to`` or a casting ``copy_``), or an add whose result is float32."""
+    if o.op in ("_to_copy", "copy_"):
+        return {o.in_dtypes[-1], o.out_dtypes[0]} == {"float32", "bfloat16"}
     return o.op == "add" and o.out_dtypes == ("float32",)
 
 
