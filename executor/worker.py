@@ -337,10 +337,7 @@ def _timed_in_rounds(makers: list, args: argparse.Namespace):
         for _, timing in placed:
             gc.collect()                      # the others' garbage is not collected in this one's steps
             timing.time(steps, warmup=1)
-    finished = [(name, timing.finish()) for name, timing in placed]
-    placed.clear()
-    gc.collect()              # the models freed while the process group is open (see main)
-    return finished
+    return [(name, timing.finish()) for name, timing in placed]
 
 
 def run_many(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -386,10 +383,7 @@ def run_many(args: argparse.Namespace) -> list[dict[str, Any]]:
                     _attempt(result, rank, lambda: timing.time(steps, warmup=1))
         for path, result, timing in placed:
             _finish(path, result, timing, args, rank)
-    results = [result for _, result, _ in placed]
-    placed.clear()
-    gc.collect()              # every plan's model freed while the process group is open (see main)
-    return results
+    return [result for _, result, _ in placed]
 
 
 def _round_steps(steps: int, rounds: int) -> list[int]:
@@ -437,6 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.plans:
             run_many(args)
+            gc.collect()                    # see below
             close_process_group()
             return 0
         result = run(args)
