@@ -11,7 +11,8 @@ everywhere), traces it, builds the mesh and places parameters by the plan. In or
    default: Adam divides by the gradient's running RMS, so a gradient that is zero in exact
    arithmetic, e.g. GPT's key bias, turns round-off into full-size updates that differ).
 2. Timing: ``--warmup`` then ``--steps`` steps of the plan (``executor.measure.time_steps``,
-   back to back after a barrier; rank 0 prints ``step i/S`` with the step time), peak memory per rank.
+   back to back after a barrier; rank 0 prints ``step i/S`` with the step time; a step's time is the
+   job's, done when its last rank is: ``steps_done_by_all``), peak memory per rank.
 3. One more step under the collective audit.
 4. ``--reference KIND`` (``--ddp``; ``--reference-only`` skips 1-3): the same steps with PyTorch's
    own implementation of the scheme (executor/references.py), e.g. DistributedDataParallel, every
@@ -57,7 +58,7 @@ from autoddl.plan import Plan
 from autoddl.precision import check_rtol
 from autoddl.trace import trace
 from executor.audit import summarize
-from executor.measure import PeakMemory, time_steps
+from executor.measure import PeakMemory, Share, steps_done_by_all, time_steps
 from executor.references import REFERENCES, build_reference, reference_step
 from executor.runtime import (audit_records, audit_step, build_optimizer, close_process_group, distributed_model,
                               init_mesh, run_check, torch_optimizer, train_step)
@@ -151,16 +152,16 @@ def _progress(rank: int, label: str, quiet: bool):
     return show
 
 
-def _gather_timing(times: list[float], peak_mb: float, losses: list[float] | None = None) -> dict[str, Any]:
-    """Per step the mean over ranks of its time (steps run back to back: a rank's wait for a slower one
-    is in its own step's time, so the mean of a step is the ranks' shared pace); peak memory and host
-    of every rank (rank order); with ``losses``, those of the first rank that knows them (a pipeline's
-    last stage; NaN elsewhere)."""
-    mine = {"times": times, "peak_mb": peak_mb, "host": socket.gethostname(), "losses": losses or []}
+def _gather_timing(shares: list[Share], peak_mb: float, losses: list[float] | None = None) -> dict[str, Any]:
+    """The job's time of each step (``steps_done_by_all`` of every rank's ``shares``: a step is done
+    when its last rank is); peak memory and host of every rank (rank order); with ``losses``, those of
+    the first rank that knows them (a pipeline's last stage; NaN elsewhere)."""
+    mine = {"shares": shares, "peak_mb": peak_mb, "host": socket.gethostname(), "losses": losses or []}
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    out = {"step_time_s": [sum(r["times"][i] for r in every) / len(every) for i in range(len(times))],
-           "peak_memory_mb": [r["peak_mb"] for r in every], "hosts": [r["host"] for r in every]}
+    hosts = [r["host"] for r in every]
+    out = {"step_time_s": steps_done_by_all([r["shares"] for r in every], one_clock=len(set(hosts)) == 1),
+           "peak_memory_mb": [r["peak_mb"] for r in every], "hosts": hosts}
     if losses is not None:
         out["losses"] = next((r["losses"] for r in every if not any(math.isnan(v) for v in r["losses"])), losses)
     return out
@@ -173,19 +174,19 @@ class _Timing:
     args: argparse.Namespace
     rank: int
     memory: PeakMemory
-    times: list[float]
+    shares: list[Share]                      # this rank's measured steps, one share per ``time`` call
     peak_mb: float | None
 
     def step(self) -> None:
         raise NotImplementedError
 
-    def _timed(self, steps: int, warmup: int, label: str) -> list[float]:
+    def _timed(self, steps: int, warmup: int, label: str) -> Share:
         return time_steps(self.step, steps, warmup, barrier=dist.barrier, sync=_sync_fn(self.args.device),
                           progress=_progress(self.rank, label, self.args.quiet))
 
     def time(self, steps: int, warmup: int = 0) -> None:
-        """``steps`` measured steps (after ``warmup`` more), added to ``times``."""
-        self.times += self._timed(steps, warmup, self.name)
+        """``steps`` measured steps (after ``warmup`` more), one more share of ``shares``."""
+        self.shares.append(self._timed(steps, warmup, self.name))
         if self.peak_mb is None:
             self.peak_mb = self.memory.peak_mb()
 
@@ -208,7 +209,7 @@ class PlanTiming(_Timing):
             self.dmodel.compile_local()
         self.opt = build_optimizer(optimizer, self.dmodel.parameters(), args.lr)
         self.losses: list[float] = []
-        self.times: list[float] = []
+        self.shares: list[Share] = []
         _test_fail_hook(rank)
         if args.warmup:                                 # the warm-up's steps, their times thrown away
             self._timed(args.warmup, 0, f"{plan.name} warm-up")
@@ -218,7 +219,7 @@ class PlanTiming(_Timing):
         self.losses.append(train_step(self.dmodel, self.mf.example_inputs, self.opt))
 
     def finish(self) -> dict[str, Any]:
-        out = _gather_timing(self.times, self.peak_mb, self.losses)
+        out = _gather_timing(self.shares, self.peak_mb, self.losses)
         dmodel, inputs = self.dmodel, self.mf.example_inputs
         if self.args.profile:
             out["profile"] = _profile_step(lambda: train_step(dmodel, inputs, self.opt), self.args.profile, self.rank)
@@ -259,7 +260,7 @@ class ReferenceTiming(_Timing):
         self.opt = torch_optimizer(optimizer, self.module.parameters(), args.lr)
         self.loss_fn, self.training = mf.step_loss, training
         self.losses: list[float] = []                  # rank 0's loss (its batch shard for ddp / fsdp2)
-        self.times: list[float] = []
+        self.shares: list[Share] = []
         if args.warmup:
             self._timed(args.warmup, 0, f"{kind} warm-up")
         self.peak_mb = self.memory.peak_mb() if memory_until_warm else None
@@ -268,7 +269,7 @@ class ReferenceTiming(_Timing):
         self.losses.append(reference_step(self.name, self.module, self.loss_fn, self.values, self.opt, self.training))
 
     def finish(self) -> dict[str, Any]:
-        out = _gather_timing(self.times, self.peak_mb)
+        out = _gather_timing(self.shares, self.peak_mb)
         out["losses"] = self.losses
         return out
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from executor import measure
-from executor.measure import RUN_COLUMNS, PeakMemory, StepStats, append_row, percentile, read_rows, time_steps
+from executor.measure import (RUN_COLUMNS, PeakMemory, StepStats, append_row, percentile, read_rows,
+                              Share, steps_done_by_all, time_steps)
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 10, 37])
@@ -48,9 +49,12 @@ def test_time_steps_back_to_back_after_one_barrier_and_progress():
         time.sleep(0.02)                    # a slow progress print is not any step's time
         seen.append((kind, i, n))
 
-    times = time_steps(step, 3, 2, barrier=lambda: events.append("b"), sync=lambda: events.append("s"),
+    t_before = time.perf_counter()
+    share = time_steps(step, 3, 2, barrier=lambda: events.append("b"), sync=lambda: events.append("s"),
                        progress=progress)
+    times = share.times_s
     assert len(calls) == 5 and len(times) == 3
+    assert t_before + sum(sleeps[:2]) <= share.start_s < t_before + sum(sleeps[:2]) + 0.08   # after the warm-up
     for t, slept in zip(times, sleeps[2:]):
         assert slept <= t < slept + 0.015  # each measured step's own time, warm-up and progress excluded
     # the ranks start together before the warm-up and before the measured steps, leave together after;
@@ -59,6 +63,35 @@ def test_time_steps_back_to_back_after_one_barrier_and_progress():
     assert seen == [("warmup", 1, 2), ("warmup", 2, 2), ("step", 1, 3), ("step", 2, 3), ("step", 3, 3)]
     with pytest.raises(ValueError):
         time_steps(step, 0, 1)
+
+
+def _shares(*ranks):
+    """Per rank: (start, times) of each of its shares."""
+    return [[Share(start, tuple(times)) for start, times in rank] for rank in ranks]
+
+
+def test_a_step_is_done_when_its_last_rank_is():
+    # ranks kept in step by a collective: the early rank waits in the next step (5 + 15), so every rank
+    # and the job go at 10 a step
+    kept = _shares([(0.0, [5.0, 15.0, 10.0])], [(0.0, [10.0, 10.0, 10.0])])
+    assert steps_done_by_all(kept, one_clock=True) == [10.0, 10.0, 10.0]
+    # nothing keeps them in step (no communication): the job goes at its slowest rank's pace, 20 a
+    # step, where a mean over ranks would read 15
+    apart = _shares([(0.0, [10.0, 10.0, 10.0])], [(0.0, [20.0, 20.0, 20.0])])
+    assert steps_done_by_all(apart, one_clock=True) == [20.0, 20.0, 20.0]
+    # two ranks run alone at 10 a step while two wait for a core and leave the barrier 30 later: the
+    # job took 60 for 3 steps, 20 a step, not the 10 every rank saw. On one clock the late start counts;
+    # each rank on its own clock cannot see it
+    late = _shares(*[[(100.0, [10.0, 10.0, 10.0])]] * 2, *[[(130.0, [10.0, 10.0, 10.0])]] * 2)
+    assert steps_done_by_all(late, one_clock=True) == [40.0, 10.0, 10.0]
+    assert steps_done_by_all(late, one_clock=False) == [10.0, 10.0, 10.0]
+    # each share starts at a barrier: its first step is counted from there, not from the last share
+    two = _shares([(0.0, [1.0, 2.0]), (50.0, [3.0])], [(0.0, [2.0, 1.0]), (50.0, [1.0])])
+    assert steps_done_by_all(two, one_clock=True) == [2.0, 1.0, 3.0]
+    with pytest.raises(ValueError, match="different numbers of steps"):
+        steps_done_by_all(_shares([(0.0, [1.0, 2.0])], [(0.0, [1.0])]), one_clock=True)
+    with pytest.raises(ValueError, match="different numbers of shares"):
+        steps_done_by_all(_shares([(0.0, [1.0])], [(0.0, [1.0]), (5.0, [1.0])]), one_clock=True)
 
 
 def test_peak_memory_sees_a_100mb_tensor():
