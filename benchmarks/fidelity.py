@@ -73,8 +73,8 @@ CONFIGS: dict[str, tuple[int, ...]] = {"2": (2,), "4": (4,), "2x2": (2, 2)}
 # how executor.measure.time_steps timed a step: studies before 20261127-063614 ran a barrier after every step
 # ("barrier per step", empty in their rows), which neither a training loop nor the step program has;
 # studies up to 20261127-101337 took a step's time as the ranks' mean ("back to back"), since then as
-# when its last rank is done with it (executor.measure.steps_done_by_all)
-STEP_TIMING = "back to back, done by all"
+# that mean at the pace the job went, first start to last end (executor.measure.job_step_times)
+STEP_TIMING = "back to back, job's pace"
 MODEL_CONFIGS: dict[str, tuple[str, ...]] = {m: ("2", "2x2") for m in TRAINING}   # default: every config
 STUDY_COLUMNS = ("study", "scheme", "config", "same_as", "steps", "warmup", "omp_threads", "load_avg_1m", "error",
                  "rounds", "step_timing")

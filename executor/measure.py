@@ -4,8 +4,8 @@ A run's timing is ``time_steps``: W warm-up steps, then S measured steps run bac
 to back as a training loop runs them, the ranks started together by a barrier and
 each step timed on each rank from its start to the next step's (after
 ``torch.cuda.synchronize`` on CUDA); no barrier between steps, which no training
-loop runs and the cost model does not price. ``steps_done_by_all`` turns the
-ranks' times into the job's: a step is done when its last rank is done with it.
+loop runs and the cost model does not price. ``job_step_times`` turns the
+ranks' times into the job's: the ranks' mean per step, at the pace the job went.
 The summary is ``StepStats`` (median, p10, p90). Peak memory per rank is ``PeakMemory``:
 on CUDA ``torch.cuda.max_memory_allocated`` after a reset; on CPU the growth of
 the process's peak resident set (``VmHWM``, reset through
@@ -120,35 +120,40 @@ def time_steps(step: Callable[[], Any], steps: int, warmup: int, *, barrier: Cal
     return Share(start_s, tuple(times))
 
 
-def steps_done_by_all(shares_by_rank: Sequence[Sequence[Share]], one_clock: bool) -> list[float]:
+def job_step_times(shares_by_rank: Sequence[Sequence[Share]], one_clock: bool) -> list[float]:
     """The job's step times from each rank's: ``shares_by_rank[r][k]`` is rank r's share k (one
     ``time_steps`` call, which the ranks start together at a barrier).
 
-    Step i of a share is done when every rank is done with it. Its end on a rank is the rank's start
-    plus its times up to step i, and the job's time of step i is the latest end of step i less the
-    latest end of step i - 1 (of step 1: less the earliest start). Where collectives keep the ranks in
-    step this is each rank's pace. Where nothing does (a plan with no communication), a rank that runs
-    ahead has not made the job faster; nor has one that left the barrier late because it waited for a
-    core. Measured once (4 single-threaded gloo ranks on the 2-core VM, 6 steps of 60 matmuls 256 x 256
-    after a barrier, each rank's start and ends on one clock): the ranks left the barrier up to 35 ms
-    apart, and their mean step read 59 ms where the job's steps were done 67 ms apart.
+    A share's steps took the job from its first rank's start to its last rank's end (its makespan).
+    Step i's time is the ranks' mean time of step i, scaled so that the share's steps add up to that
+    makespan. Where collectives keep the ranks in step the two agree (a rank that waits for a slower
+    one pays the wait in its own step) and the scale is ~1. Where nothing does (a plan with no
+    communication), a rank that ran ahead has not made the job faster, nor has one that left the
+    barrier late because it waited for a core; a mean over ranks counted both. Measured once (4
+    single-threaded gloo ranks on the 2-core VM, 6 steps of 60 matmuls 256 x 256 after a barrier, each
+    rank's start and ends on one clock): the ranks left the barrier up to 35 ms apart, and their mean
+    step read 59 ms where the job took 67 ms a step; mlp's no-communication plan on 4 ranks read 22.5
+    ms (study 20261127-101337) where the job took ~36. Per-step ends are no better: a late pair of
+    ranks makes a first step of 40 and then steps of 10 where the job's pace is 20.
     With ``one_clock`` (every rank on one host: ``time.perf_counter`` is the same monotonic clock in
-    every process) starts are compared as they are; otherwise each rank counts from its own start.
+    every process) the ranks' starts and ends are compared as they are; otherwise each rank's are
+    counted from its own start.
     """
     if not shares_by_rank:
-        raise ValueError("steps_done_by_all: no ranks")
+        raise ValueError("job_step_times: no ranks")
     shares = [len(rank) for rank in shares_by_rank]
     if len(set(shares)) != 1:
-        raise ValueError(f"steps_done_by_all: the ranks timed different numbers of shares {shares}")
+        raise ValueError(f"job_step_times: the ranks timed different numbers of shares {shares}")
     out: list[float] = []
     for share in zip(*shares_by_rank):
         counts = [len(s.times_s) for s in share]
         if len(set(counts)) != 1:
-            raise ValueError(f"steps_done_by_all: the ranks timed different numbers of steps {counts} in one share")
+            raise ValueError(f"job_step_times: the ranks timed different numbers of steps {counts} in one share")
         starts = [s.start_s if one_clock else 0.0 for s in share]
-        ends = [list(itertools.accumulate(s.times_s, initial=start))[1:] for s, start in zip(share, starts)]
-        done = [min(starts)] + [max(rank_ends[i] for rank_ends in ends) for i in range(counts[0])]
-        out += [end - before for before, end in zip(done, done[1:])]
+        makespan = max(start + sum(s.times_s) for s, start in zip(share, starts)) - min(starts)
+        mean = [sum(times) / len(share) for times in zip(*(s.times_s for s in share))]
+        scale = makespan / sum(mean) if sum(mean) > 0 else 1.0
+        out += [t * scale for t in mean]
     return out
 
 

@@ -12,7 +12,7 @@ everywhere), traces it, builds the mesh and places parameters by the plan. In or
    arithmetic, e.g. GPT's key bias, turns round-off into full-size updates that differ).
 2. Timing: ``--warmup`` then ``--steps`` steps of the plan (``executor.measure.time_steps``,
    back to back after a barrier; rank 0 prints ``step i/S`` with the step time; a step's time is the
-   job's, done when its last rank is: ``steps_done_by_all``), peak memory per rank.
+   job's: ``job_step_times``), peak memory per rank.
 3. One more step under the collective audit.
 4. ``--reference KIND`` (``--ddp``; ``--reference-only`` skips 1-3): the same steps with PyTorch's
    own implementation of the scheme (executor/references.py), e.g. DistributedDataParallel, every
@@ -58,7 +58,7 @@ from autoddl.plan import Plan
 from autoddl.precision import check_rtol
 from autoddl.trace import trace
 from executor.audit import summarize
-from executor.measure import PeakMemory, Share, steps_done_by_all, time_steps
+from executor.measure import PeakMemory, Share, job_step_times, time_steps
 from executor.references import REFERENCES, build_reference, reference_step
 from executor.runtime import (audit_records, audit_step, build_optimizer, close_process_group, distributed_model,
                               init_mesh, run_check, torch_optimizer, train_step)
@@ -153,14 +153,14 @@ def _progress(rank: int, label: str, quiet: bool):
 
 
 def _gather_timing(shares: list[Share], peak_mb: float, losses: list[float] | None = None) -> dict[str, Any]:
-    """The job's time of each step (``steps_done_by_all`` of every rank's ``shares``: a step is done
-    when its last rank is); peak memory and host of every rank (rank order); with ``losses``, those of
+    """The job's time of each step (``job_step_times`` of every rank's ``shares``: the ranks' mean per
+    step, at the pace the job went from its first start to its last end); peak memory and host of every rank (rank order); with ``losses``, those of
     the first rank that knows them (a pipeline's last stage; NaN elsewhere)."""
     mine = {"shares": shares, "peak_mb": peak_mb, "host": socket.gethostname(), "losses": losses or []}
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     hosts = [r["host"] for r in every]
-    out = {"step_time_s": steps_done_by_all([r["shares"] for r in every], one_clock=len(set(hosts)) == 1),
+    out = {"step_time_s": job_step_times([r["shares"] for r in every], one_clock=len(set(hosts)) == 1),
            "peak_memory_mb": [r["peak_mb"] for r in every], "hosts": hosts}
     if losses is not None:
         out["losses"] = next((r["losses"] for r in every if not any(math.isnan(v) for v in r["losses"])), losses)

@@ -17,7 +17,7 @@ import torch
 
 from executor import measure
 from executor.measure import (RUN_COLUMNS, PeakMemory, StepStats, append_row, percentile, read_rows,
-                              Share, steps_done_by_all, time_steps)
+                              Share, job_step_times, time_steps)
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 10, 37])
@@ -70,28 +70,28 @@ def _shares(*ranks):
     return [[Share(start, tuple(times)) for start, times in rank] for rank in ranks]
 
 
-def test_a_step_is_done_when_its_last_rank_is():
-    # ranks kept in step by a collective: the early rank waits in the next step (5 + 15), so every rank
-    # and the job go at 10 a step
+def test_a_steps_time_is_the_ranks_mean_at_the_pace_the_job_went():
+    # ranks kept in step by a collective: the early rank waits in the next step (5 + 15); the job took
+    # 30 for 3 steps, as the ranks' means add up to
     kept = _shares([(0.0, [5.0, 15.0, 10.0])], [(0.0, [10.0, 10.0, 10.0])])
-    assert steps_done_by_all(kept, one_clock=True) == [10.0, 10.0, 10.0]
-    # nothing keeps them in step (no communication): the job goes at its slowest rank's pace, 20 a
+    assert job_step_times(kept, one_clock=True) == [7.5, 12.5, 10.0]
+    # nothing keeps them in step (no communication): the job took 60, its slowest rank's pace, 20 a
     # step, where a mean over ranks would read 15
     apart = _shares([(0.0, [10.0, 10.0, 10.0])], [(0.0, [20.0, 20.0, 20.0])])
-    assert steps_done_by_all(apart, one_clock=True) == [20.0, 20.0, 20.0]
+    assert job_step_times(apart, one_clock=True) == [20.0, 20.0, 20.0]
     # two ranks run alone at 10 a step while two wait for a core and leave the barrier 30 later: the
     # job took 60 for 3 steps, 20 a step, not the 10 every rank saw. On one clock the late start counts;
     # each rank on its own clock cannot see it
     late = _shares(*[[(100.0, [10.0, 10.0, 10.0])]] * 2, *[[(130.0, [10.0, 10.0, 10.0])]] * 2)
-    assert steps_done_by_all(late, one_clock=True) == [40.0, 10.0, 10.0]
-    assert steps_done_by_all(late, one_clock=False) == [10.0, 10.0, 10.0]
-    # each share starts at a barrier: its first step is counted from there, not from the last share
-    two = _shares([(0.0, [1.0, 2.0]), (50.0, [3.0])], [(0.0, [2.0, 1.0]), (50.0, [1.0])])
-    assert steps_done_by_all(two, one_clock=True) == [2.0, 1.0, 3.0]
+    assert job_step_times(late, one_clock=True) == [20.0, 20.0, 20.0]
+    assert job_step_times(late, one_clock=False) == [10.0, 10.0, 10.0]
+    # each share is scaled on its own, from its own barrier
+    two = _shares([(0.0, [1.0, 3.0]), (50.0, [3.0])], [(0.0, [3.0, 1.0]), (52.0, [3.0])])
+    assert job_step_times(two, one_clock=True) == [2.0, 2.0, 5.0]
     with pytest.raises(ValueError, match="different numbers of steps"):
-        steps_done_by_all(_shares([(0.0, [1.0, 2.0])], [(0.0, [1.0])]), one_clock=True)
+        job_step_times(_shares([(0.0, [1.0, 2.0])], [(0.0, [1.0])]), one_clock=True)
     with pytest.raises(ValueError, match="different numbers of shares"):
-        steps_done_by_all(_shares([(0.0, [1.0])], [(0.0, [1.0]), (5.0, [1.0])]), one_clock=True)
+        job_step_times(_shares([(0.0, [1.0])], [(0.0, [1.0]), (5.0, [1.0])]), one_clock=True)
 
 
 def test_peak_memory_sees_a_100mb_tensor():
