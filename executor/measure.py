@@ -6,7 +6,8 @@ each step timed on each rank from its start to the next step's (after
 ``torch.cuda.synchronize`` on CUDA); no barrier between steps, which no training
 loop runs and the cost model does not price. ``job_step_times`` turns the
 ranks' times into the job's: the ranks' mean per step, at the pace the job went.
-The summary is ``StepStats`` (median, p10, p90). Peak memory per rank is ``PeakMemory``:
+The summary is ``StepStats`` (median, p10, p90). Peak memory per rank is
+``PeakMemory``:
 on CUDA ``torch.cuda.max_memory_allocated`` after a reset; on CPU the growth of
 the process's peak resident set (``VmHWM``, reset through
 ``/proc/self/clear_refs`` when the kernel allows it, else ``ru_maxrss``) above
@@ -23,7 +24,6 @@ from __future__ import annotations
 import csv
 import datetime
 import io
-import itertools
 import os
 import resource
 import statistics

@@ -154,8 +154,9 @@ def _progress(rank: int, label: str, quiet: bool):
 
 def _gather_timing(shares: list[Share], peak_mb: float, losses: list[float] | None = None) -> dict[str, Any]:
     """The job's time of each step (``job_step_times`` of every rank's ``shares``: the ranks' mean per
-    step, at the pace the job went from its first start to its last end); peak memory and host of every rank (rank order); with ``losses``, those of
-    the first rank that knows them (a pipeline's last stage; NaN elsewhere)."""
+    step, at the pace the job went from its first start to its last end); peak memory and host of
+    every rank (rank order); with ``losses``, those of the first rank that knows them (a pipeline's
+    last stage; NaN elsewhere)."""
     mine = {"shares": shares, "peak_mb": peak_mb, "host": socket.gethostname(), "losses": losses or []}
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
