@@ -41,9 +41,10 @@ from costmodel.compute import forward_time_s, roofline_time_s
 @dataclass(frozen=True)
 class Pass:
     """``count`` element-wise passes over ``numel`` elements each: a cast (``to``) from ``src`` to
-    ``dst`` dtype, or an ``add`` of a ``src`` gradient into a ``dst`` (float32) sum."""
+    ``dst`` dtype, an ``add`` of a ``src`` gradient into a ``dst`` (float32) sum, or a ``copy`` /
+    ``cat`` that keeps the dtype (costmodel/copy_passes.py)."""
 
-    op: str          # "to" or "add"
+    op: str          # "to", "add", "copy" or "cat"
     src: str
     dst: str
     numel: int
@@ -51,7 +52,7 @@ class Pass:
 
     @property
     def bytes_per_pass(self) -> int:
-        """Bytes one pass reads and writes: a cast reads src, writes dst; an add reads both, writes dst."""
+        """Bytes one pass reads and writes: a cast or copy reads src, writes dst; an add reads both, writes dst."""
         read = itemsize(self.src) + (itemsize(self.dst) if self.op == "add" else 0)
         return self.numel * (read + itemsize(self.dst))
 
@@ -98,11 +99,12 @@ def step_passes(program: StepProgram, training: Training, only: frozenset[str] |
 
 def passes_time_s(passes: Iterable[Pass], cluster: Cluster, mesh_shape: Sequence[int]) -> float:
     """Seconds the passes take on one rank: each one op of its family (``to`` in its source dtype,
-    ``add`` in float32) with its bytes at the memory roofline, priced as a graph op of that family is
+    ``add`` in float32, a ``copy`` or ``cat`` (costmodel/copy_passes.py) in its dtype) with its bytes
+    at the memory roofline, priced as a graph op of that family is
     (:func:`costmodel.compute.forward_time_s`), slowed by ``cluster.time_sharing``."""
     total = 0.0
     for p in passes:
         dtype = p.src if p.op == "to" else p.dst
         work_s = roofline_time_s(0.0, p.bytes_per_pass, cluster, dtype=dtype)
-        total += p.count * forward_time_s(p.op, dtype, work_s, cluster, inputs=1 if p.op == "to" else 2)
+        total += p.count * forward_time_s(p.op, dtype, work_s, cluster, inputs=2 if p.op == "add" else 1)
     return total * cluster.time_sharing(tuple(mesh_shape))

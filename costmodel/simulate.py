@@ -19,7 +19,9 @@ activations: the bubble, priced as the schedule runs. Durations:
 - optimizer: the memory-bound step over the local parameters (a pp rank's own), plus the
   executor's fixed per-step cost (``cluster.executor.step_us``); on the ``host`` stream (offload) at
   the host's memory bandwidth (costmodel/host.py); plus the step's passes over the masters and
-  their gradients (working-copy casts, micro-step gradient accumulation: costmodel/master_passes.py);
+  their gradients (working-copy casts, micro-step gradient accumulation: costmodel/master_passes.py)
+  and the executor's copies around its flat collectives (bucket copy-in, gathers' flatten and
+  unflatten: costmodel/copy_passes.py);
 - host copy (``copy`` stream, offload): latency + bytes / bandwidth of the host link (costmodel/host.py).
 
 A collective also costs its ranks' compute stream ``f * d + c``: ``f * d``, ``f`` =
@@ -57,6 +59,7 @@ from costmodel.collectives import cluster_collective_time_s, collective_cpu_s, s
 from costmodel.compute import (is_causal, op_backward_time_s, op_forward_time_s, optimizer_time_s,
                                recompute_overhead_s)
 from costmodel.host import host_copy_time_s, host_optimizer_time_s
+from costmodel.copy_passes import copy_passes
 from costmodel.master_passes import passes_time_s, step_passes
 from costmodel.memory import master_parameters
 
@@ -149,7 +152,9 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
             step_s = host_optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster)
         else:
             step_s = optimizer_time_s(param_bytes, param_numel, plan.optimizer, cluster, mesh)
-        passes_s = passes_time_s(step_passes(program, plan.training, params), cluster, mesh) if program else 0.0
+        passes = step_passes(program, plan.training, params) + copy_passes(program, plan.training, params) \
+            if program else []
+        passes_s = passes_time_s(passes, cluster, mesh)
         return step_s + cluster.executor.step_us * 1e-6 + passes_s
     node = graph[task.op]
     sig = signature_of(plan, node)

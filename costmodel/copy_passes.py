@@ -1,0 +1,95 @@
+"""The copies the executor makes around its flat collectives, counted and priced.
+
+A collective moves one flat buffer, so the tensors it carries are copied in before it and out after
+it. DistributedDataParallel (bucket copy-in) and FSDP2 (copy-in / copy-out of its all-gathers) make
+the same copies; at a few bytes per FLOP they are a real share of a step where the model is small or
+memory is slow (on the 2-core VM, 10 GB/s: ~2.6 ms per 13 MB of gradients copied once). Per step:
+
+- a **gradient bucket** (executor/gradsync.py ``_all_reduce``, ``_reduce_scatter``): each use's
+  gradient (dst layout) copied into the bucket's flat buffer, once per sync (the last micro-step's,
+  or every micro-step's for reduce-scatters alone). Where that copy casts (into another
+  ``reduce_dtype``) it is already a master pass (costmodel/master_passes.py); only the copies that
+  keep the dtype are counted here. The synced gradients are views of the buffer (no copy out);
+- a **ZeRO-3 group gather** (executor/compiled.py ``_launch_gather``, ``_unpack``, ``_regather``):
+  the group's working shards flattened by one ``cat``, the gathered buffer copied into one whole
+  tensor per use (``executor.moves.unflatten_gathered``); per micro-step, once more when the group is
+  gathered again for backward, which also copies each whole into the tensor autograd saved; once per
+  step when a pipeline stage keeps it gathered;
+- a **ZeRO-1/2 parameter sync** (executor/runtime.py ``sync_parameters``): the updated working
+  shards flattened by one ``cat``, the gathered buffer copied into each parameter in place.
+
+Left out: the ``contiguous`` of a reduce-scattered piece split on a dim other than its first, and
+the casts of ZeRO-1/2's float32 shards to the working dtype before their sync (mixed precision).
+
+Each pass is priced as the master passes are (:func:`costmodel.master_passes.passes_time_s`: one op
+of its family, ``copy`` as ``contiguous``, bytes at the memory roofline) and added to the step's
+optimizer task, where the master passes are: the copies run on the compute stream, and for a rank
+that computes serially where they run does not change the step time (a copy in backward that a
+bucket waits for delays the bucket by as much). The counts are checked against the ``copy_`` and
+``cat`` ops that ran (tests/test_copy_passes.py, executor.audit.OpRecorder).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from autoddl.precision import MASTER_DTYPE
+from autoddl.program import ParamUse, StepProgram, syncs_every_micro_step
+from autoddl.training import Training
+from costmodel.master_passes import Pass
+
+
+def copy_passes(program: StepProgram, training: Training, only: frozenset[str] | None = None) -> list[Pass]:
+    """The executor's copies around ``program``'s collectives in one step (module docstring);
+    ``only``: those of these parameters (a pipeline rank's)."""
+    return (bucket_passes(program, training, only) + gather_passes(program, training, only)
+            + param_sync_passes(program, training, only))
+
+
+def bucket_passes(program: StepProgram, training: Training, only: frozenset[str] | None = None) -> list[Pass]:
+    """Each bucketed use's gradient copied into its bucket, where the copy does not cast."""
+    k, red, pipelined = training.micro_batches, training.grad_reduce_dtype, program.pipeline is not None
+    out = []
+    for bucket in program.buckets:
+        for use in (program.param_uses[i] for i in bucket.uses):
+            if only is not None and use.fqn not in only:
+                continue
+            every = syncs_every_micro_step([use], pipelined)
+            held = training.param_dtype if every or k == 1 else MASTER_DTYPE   # what is copied in
+            if held == red:
+                out.append(Pass("copy", red, red, _numel(use.dst, use, program.mesh_shape), k if every else 1))
+    return out
+
+
+def gather_passes(program: StepProgram, training: Training, only: frozenset[str] | None = None) -> list[Pass]:
+    """Per ZeRO-3 gather of a group: one ``cat`` of its shards, one copy per use out of the buffer;
+    a gather again for backward also copies each whole into the tensor autograd saved."""
+    work, out = training.param_dtype, []
+    for g in program.gathers:
+        uses = [program.param_uses[i] for i in g.uses]
+        if only is not None and not any(u.fqn in only for u in uses):
+            continue
+        gathers = 1 if program.pipeline is not None else training.micro_batches * (2 if g.reshard else 1)
+        n, shards = program.mesh_shape[g.axis], [_numel(u.storage, u, program.mesh_shape) for u in uses]
+        out.append(Pass("cat", work, work, sum(shards), gathers))
+        out += [Pass("copy", work, work, shard * n, gathers + (training.micro_batches if g.reshard else 0))
+                for shard in shards]
+    return out
+
+
+def param_sync_passes(program: StepProgram, training: Training, only: frozenset[str] | None = None) -> list[Pass]:
+    """Per ZeRO-1/2 parameter sync: one ``cat`` of the updated shards, one copy per parameter into it."""
+    work, out = training.param_dtype, []
+    for sync in program.param_syncs:
+        if only is not None and not all(f in only for f in sync.fqns):
+            continue
+        uses = [program.uses_of(fqn)[0] for fqn in sync.fqns]
+        wholes = [_numel(u.storage, u, program.mesh_shape) for u in uses]
+        out.append(Pass("cat", work, work, sum(wholes) // program.mesh_shape[sync.axis], 1))
+        out += [Pass("copy", work, work, whole, 1) for whole in wholes]
+    return out
+
+
+def _numel(layout, use: ParamUse, mesh_shape: Sequence[int]) -> int:
+    return math.prod(layout.local_shape(use.meta.shape, mesh_shape))

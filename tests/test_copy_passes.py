@@ -1,0 +1,106 @@
+"""The executor's copies around its flat collectives (costmodel/copy_passes.py) against the aten ops
+that ran: a stack of Linear + ReLU blocks on 2 gloo ranks, float32, dp / ZeRO-1 / ZeRO-2 / ZeRO-3 (one
+micro-step), and dp / ZeRO-3 over 2 micro-steps (dp's buckets copied in once, at the last one; ZeRO-3's
+at each). Every ``copy_`` and ``cat`` that kept its dtype, as a multiset of (op, elements), is a priced
+copy pass; a pass's price is its family's (``copy`` as ``contiguous``) at its bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from clusters import CPU_CLUSTER_PATH
+from dist_utils import block_stack_source, run_ranks, step_batch
+
+D, ROWS = 16, 4                                  # width, rows (traced)
+CASES = (("dp", 1), ("zero1", 1), ("zero2", 1), ("zero3", 1), ("dp", 2), ("zero3", 2))
+
+
+def _plans(path: Path):
+    """The model file, its graph and each case's plan (the baseline, with k micro-steps)."""
+    from autoddl.cluster import Cluster
+    from autoddl.loader import load_model_file
+    from autoddl.training import Training
+    from search.planner import search
+
+    torch.manual_seed(0)
+    mf = load_model_file(path, device="cpu")
+    graph = mf.trace()
+    cluster = Cluster.from_yaml(CPU_CLUSTER_PATH).resized(2)
+    schemes = {s.name: s.plan for s in search(graph, cluster, mesh=(2,)).schemes}
+    return mf, graph, {(name, k): dataclasses.replace(schemes[name], training=Training(micro_batches=k))
+                       for name, k in CASES}
+
+
+def _ran(path: Path) -> dict[tuple[str, int], list[tuple[str, int]]]:
+    from executor.audit import OpRecorder
+    from executor.runtime import DistributedModel, build_optimizer, init_mesh, train_step
+
+    mf, graph, plans = _plans(path)
+    out = {}
+    for (name, k), plan in plans.items():
+        dmodel = DistributedModel(mf.model, graph, plan, init_mesh(plan))
+        opt, batch = build_optimizer("sgd", dmodel.parameters()), step_batch(mf.example_inputs, k)
+        train_step(dmodel, batch, opt)                # the first step, as every step
+        rec = dmodel.recorder = OpRecorder(dmodel.mesh, dmodel.boxer.groups)
+        with rec:
+            train_step(dmodel, batch, opt)
+        out[(name, k)] = [(o.op.rstrip("_"), o.out_numels[0]) for o in rec.ops
+                          if o.op in ("copy_", "cat") and len(set(o.in_dtypes + o.out_dtypes)) == 1]
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    import textwrap
+
+    path = tmp_path_factory.mktemp("copies") / "blocks.py"
+    path.write_text(textwrap.dedent(block_stack_source(D, 2, rows=ROWS, root=True, loss=True)))
+    return path
+
+
+@pytest.mark.distributed
+def test_priced_copy_passes_are_the_copies_that_ran(model_path):
+    from autoddl.program import lower
+    from costmodel.copy_passes import copy_passes
+
+    ran = run_ranks(_ran, 2, model_path, timeout_s=300)
+    _, graph, plans = _plans(model_path)
+    for case, plan in plans.items():
+        priced = Counter()
+        for p in copy_passes(lower(graph, plan), plan.training):
+            priced[(p.op, p.numel)] += p.count
+        assert priced, case                           # each case copies something
+        for rank, runs in enumerate(ran):
+            got = Counter(runs[case])
+            assert got == priced, (case, rank, got - priced, priced - got)
+
+
+def test_copy_passes_by_hand(model_path):
+    """ZeRO-1 of a 2-block stack's 3 Linear(16, 16) on 2 ranks (816 parameters, float32): the buckets
+    copy in 816 gradient elements; the sync flattens 408 and copies 256 + 16 back into each layer; a
+    copy of n float32 elements reads and writes 8n bytes, priced as one ``contiguous`` op."""
+    from autoddl.cluster import Cluster
+    from autoddl.program import lower
+    from autoddl.training import Training
+    from costmodel.copy_passes import bucket_passes, param_sync_passes
+    from costmodel.master_passes import Pass, passes_time_s
+
+    _, graph, plans = _plans(model_path)
+    program = lower(graph, plans[("zero1", 1)])
+    buckets = bucket_passes(program, Training())
+    assert sum(p.numel * p.count for p in buckets) == 3 * (D * D + D)
+    syncs = param_sync_passes(program, Training())
+    assert [(p.op, p.numel) for p in syncs if p.op == "cat"] == [("cat", 3 * (D * D + D) // 2)]
+    assert sorted(p.numel for p in syncs if p.op == "copy") == sorted([D * D] * 3 + [D] * 3)
+    cluster = Cluster.from_yaml(CPU_CLUSTER_PATH)
+    fam = cluster.executor.op_cost("copy", "float32")
+    bw = cluster.device.memory_bandwidth_gbps * 1e9 * cluster.efficiency.memory
+    work_s = 10**6 * 8 / bw
+    want = 3 * (fam.work_at(work_s * 1e6)[0] * work_s + fam.forward_us * 1e-6) * cluster.time_sharing((2,))
+    assert math.isclose(passes_time_s([Pass("copy", "float32", "float32", 10**6, 3)], cluster, (2,)), want)
