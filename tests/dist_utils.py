@@ -1,6 +1,7 @@
 """Test helpers: for several gloo ranks on 127.0.0.1, the executor's own launcher, one step's batch of
 micro-batches and the comparison of a rank's check and audit with one process and the program; and
-the model file of repeated linear blocks that the pipeline and offload tests cut."""
+the model file of repeated linear blocks that the pipeline and offload tests cut; the aten ops of a
+training step."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from collections import Counter
 
 from executor.local_ranks import free_port, run_ranks
 
-__all__ = ["free_port", "run_ranks", "step_batch", "check_and_audit_problems", "block_stack_source"]
+__all__ = ["free_port", "run_ranks", "step_batch", "check_and_audit_problems", "block_stack_source",
+           "block_stack_file", "recorded_step"]
 
 
 def step_batch(inputs, k: int):
@@ -84,3 +86,27 @@ def block_stack_source(d: int, n: int, rows: int, attr: str = "h", root: bool = 
     with ``loss``, the first output column's sum as the loss (else the model file's default)."""
     return _BLOCK_STACK.format(d=d, n=n, rows=rows, attr=attr, root=f"self.inp = nn.Linear({d}, {d})" if root else "",
                                root_use="x = self.inp(x)" if root else "") + (_FIRST_COLUMN_LOSS if loss else "")
+
+
+def block_stack_file(directory, d: int, rows: int):
+    """``directory``/blocks.py: a root Linear(d, d) and 2 blocks, ``rows`` example rows, the first
+    output column's sum as the loss (:func:`block_stack_source`)."""
+    import textwrap
+    from pathlib import Path
+
+    path = Path(directory) / "blocks.py"
+    path.write_text(textwrap.dedent(block_stack_source(d, 2, rows=rows, root=True, loss=True)))
+    return path
+
+
+def recorded_step(dmodel, batch, opt):
+    """The ``executor.audit.OpRecorder`` of a second training step of ``dmodel`` (the first as every step)."""
+    from executor.audit import OpRecorder
+    from executor.runtime import train_step
+
+    train_step(dmodel, batch, opt)
+    rec = OpRecorder(dmodel.mesh, dmodel.boxer.groups)
+    dmodel.recorder = rec
+    with rec:
+        train_step(dmodel, batch, opt)
+    return rec

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from clusters import CPU_CLUSTER_PATH
-from dist_utils import block_stack_source, run_ranks, step_batch
+from dist_utils import block_stack_file, recorded_step, run_ranks, step_batch
 
 D, ROWS = 16, 4                                  # width, rows (traced)
 CASES = (("dp", 1), ("zero1", 1), ("zero2", 1), ("zero3", 1), ("dp", 2), ("zero3", 2))
@@ -38,18 +38,13 @@ def _plans(path: Path):
 
 
 def _ran(path: Path) -> dict[tuple[str, int], list[tuple[str, int]]]:
-    from executor.audit import OpRecorder
-    from executor.runtime import DistributedModel, build_optimizer, init_mesh, train_step
+    from executor.runtime import DistributedModel, build_optimizer, init_mesh
 
     mf, graph, plans = _plans(path)
     out = {}
     for (name, k), plan in plans.items():
         dmodel = DistributedModel(mf.model, graph, plan, init_mesh(plan))
-        opt, batch = build_optimizer("sgd", dmodel.parameters()), step_batch(mf.example_inputs, k)
-        train_step(dmodel, batch, opt)                # the first step, as every step
-        rec = dmodel.recorder = OpRecorder(dmodel.mesh, dmodel.boxer.groups)
-        with rec:
-            train_step(dmodel, batch, opt)
+        rec = recorded_step(dmodel, step_batch(mf.example_inputs, k), build_optimizer("sgd", dmodel.parameters()))
         out[(name, k)] = [(o.op.rstrip("_"), o.out_numels[0]) for o in rec.ops
                           if o.op in ("copy_", "cat") and len(set(o.in_dtypes + o.out_dtypes)) == 1]
     return out
@@ -57,11 +52,7 @@ def _ran(path: Path) -> dict[tuple[str, int], list[tuple[str, int]]]:
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    import textwrap
-
-    path = tmp_path_factory.mktemp("copies") / "blocks.py"
-    path.write_text(textwrap.dedent(block_stack_source(D, 2, rows=ROWS, root=True, loss=True)))
-    return path
+    return block_stack_file(tmp_path_factory.mktemp("copies"), D, ROWS)
 
 
 @pytest.mark.distributed

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import block_stack_source, run_ranks, step_batch
+from dist_utils import block_stack_file, recorded_step, run_ranks, step_batch
 from clusters import CPU_CLUSTER_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,25 +53,12 @@ def _ran(path: Path):
         dmodel = DistributedModel(mf.model, graph, plan, mesh)
         opt = build_optimizer("sgd", dmodel.parameters())
         batch = step_batch(mf.example_inputs, K)
-        rec = _recorded_step(dmodel, batch, opt)
+        rec = recorded_step(dmodel, batch, opt)
         passes = _passes(rec)
         last_backward = max(i for i, o in enumerate(rec.ops) if o.phase == "backward")
         reads = [i for i, o in enumerate(rec.ops) if o.op == "_local_scalar_dense"]
         out[name] = passes, len(reads), min(reads) > last_backward
     return out
-
-
-def _recorded_step(dmodel, batch, opt):
-    """The OpRecorder of a second training step (the first as every step)."""
-    from executor.audit import OpRecorder
-    from executor.runtime import train_step
-
-    train_step(dmodel, batch, opt)
-    rec = OpRecorder(dmodel.mesh, dmodel.boxer.groups)
-    dmodel.recorder = rec
-    with rec:
-        train_step(dmodel, batch, opt)
-    return rec
 
 
 def _passes(rec) -> list[tuple[str, str, str, int]]:
@@ -91,11 +78,7 @@ def _pass_like(o) -> bool:
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    import textwrap
-
-    path = tmp_path_factory.mktemp("passes") / "blocks.py"
-    path.write_text(textwrap.dedent(block_stack_source(D, 2, rows=ROWS, root=True, loss=True)))
-    return path
+    return block_stack_file(tmp_path_factory.mktemp("passes"), D, ROWS)
 
 
 @pytest.mark.distributed
@@ -138,7 +121,7 @@ def _ran_pipelined(path: Path):
 
     mf, graph, plan = _pipelined_plan(path)
     dmodel = distributed_model(mf.model, graph, plan, init_mesh(plan))
-    rec = _recorded_step(dmodel, step_batch(mf.example_inputs, K), build_optimizer("sgd", dmodel.parameters()))
+    rec = recorded_step(dmodel, step_batch(mf.example_inputs, K), build_optimizer("sgd", dmodel.parameters()))
     return _passes(rec), dmodel.held_parameters(), dmodel.pp_rank
 
 
