@@ -181,14 +181,16 @@ def executor_forward_s(node: OpNode, cluster: Cluster) -> float:
     return (ex.op_forward_us + ex.input_forward_us * len(node.inputs)) * 1e-6
 
 
-def forward_time_s(op_name: str, dtype: str, work_s: float, cluster: Cluster, inputs: int = 1) -> float:
+def forward_time_s(op_name: str, dtype: str, work_s: float, cluster: Cluster, inputs: int = 1,
+                   measured: bool = True) -> float:
     """Forward seconds on one device of an op of family ``op_name`` computing in ``dtype`` whose
     roofline time is ``work_s``: the family's measured work scale times ``work_s`` plus its fixed
-    cost, else ``work_s`` plus ``op_overhead_us`` and the executor's per-op and per-input costs.
+    cost (unless not ``measured``: a family whose measurement does not describe this op), else
+    ``work_s`` plus ``op_overhead_us`` and the executor's per-op and per-input costs.
     Graph ops (:func:`op_forward_time_s`) and the master passes (costmodel/master_passes.py) both
     price through it."""
     ex = cluster.executor
-    fam = ex.op_cost(op_name, dtype) if ex.op_us else None
+    fam = ex.op_cost(op_name, dtype) if ex.op_us and measured else None
     if fam is not None:
         return fam.work_at(work_s * 1e6)[0] * work_s + fam.forward_us * 1e-6
     return work_s + (cluster.op_overhead_us + ex.op_forward_us + ex.input_forward_us * inputs) * 1e-6

@@ -22,7 +22,8 @@ Left out: the ``contiguous`` of a reduce-scattered piece split on a dim other th
 the casts of ZeRO-1/2's float32 shards to the working dtype before their sync (mixed precision).
 
 Each pass is priced as the master passes are (:func:`costmodel.master_passes.passes_time_s`: one op
-of its family, ``copy`` as ``contiguous``, bytes at the memory roofline) and added to the step's
+of its family, bytes at the memory roofline; a ``copy`` at its roofline plus the unmeasured per-op
+cost, as no measured family describes it) and added to the step's
 optimizer task, where the master passes are: the copies run on the compute stream, and for a rank
 that computes serially where they run does not change the step time (a copy in backward that a
 bucket waits for delays the bucket by as much). The counts are checked against the ``copy_`` and

@@ -99,12 +99,15 @@ def step_passes(program: StepProgram, training: Training, only: frozenset[str] |
 
 def passes_time_s(passes: Iterable[Pass], cluster: Cluster, mesh_shape: Sequence[int]) -> float:
     """Seconds the passes take on one rank: each one op of its family (``to`` in its source dtype,
-    ``add`` in float32, a ``copy`` or ``cat`` (costmodel/copy_passes.py) in its dtype) with its bytes
-    at the memory roofline, priced as a graph op of that family is
-    (:func:`costmodel.compute.forward_time_s`), slowed by ``cluster.time_sharing``."""
+    ``add`` in float32, a ``cat`` (costmodel/copy_passes.py) in its dtype) with its bytes at the
+    memory roofline, priced as a graph op of that family is (:func:`costmodel.compute.forward_time_s`),
+    slowed by ``cluster.time_sharing``. A ``copy`` is priced at its roofline plus the unmeasured
+    per-op cost: the family it would take (``contiguous``) was measured on an input already contiguous
+    (executor/calibrate_models.py), which copies nothing (0.1-0.19 of the roofline on local-cpu)."""
     total = 0.0
     for p in passes:
         dtype = p.src if p.op == "to" else p.dst
         work_s = roofline_time_s(0.0, p.bytes_per_pass, cluster, dtype=dtype)
-        total += p.count * forward_time_s(p.op, dtype, work_s, cluster, inputs=2 if p.op == "add" else 1)
+        total += p.count * forward_time_s(p.op, dtype, work_s, cluster, inputs=2 if p.op == "add" else 1,
+                                          measured=p.op != "copy")
     return total * cluster.time_sharing(tuple(mesh_shape))
