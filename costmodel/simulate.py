@@ -58,8 +58,8 @@ from autoddl.collective_kinds import CollectiveKind
 from costmodel.collectives import cluster_collective_time_s, collective_cpu_s, send_recv_time_s, stage_device
 from costmodel.compute import (is_causal, op_backward_time_s, op_forward_time_s, optimizer_time_s,
                                recompute_overhead_s)
-from costmodel.host import host_copy_time_s, host_optimizer_time_s
 from costmodel.copy_passes import copy_passes
+from costmodel.host import host_copy_time_s, host_optimizer_time_s
 from costmodel.master_passes import passes_time_s, step_passes
 from costmodel.memory import master_parameters
 
