@@ -300,6 +300,15 @@ class GatherGroup:
     last_consumer: str = ""          # the last op forward uses the group in
     reshard: bool = False            # freed after that op's forward, gathered again before its backward
 
+    def gathers_per_step(self, micro_batches: int, pipelined: bool) -> int:
+        """How many times one step all-gathers the group: once with pipeline stages (a stage keeps its
+        groups gathered for the step), else once per micro-step, twice where it is freed after forward
+        and gathered again for backward (``reshard``). The working-copy casts (costmodel/master_passes.py)
+        and the copies around the gather (costmodel/copy_passes.py) run once per gather."""
+        if pipelined:
+            return 1
+        return micro_batches * (2 if self.reshard else 1)
+
 
 @dataclass(frozen=True)
 class Bucket:

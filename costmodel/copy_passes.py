@@ -71,7 +71,7 @@ def gather_passes(program: StepProgram, training: Training, only: frozenset[str]
         uses = [program.param_uses[i] for i in g.uses]
         if only is not None and not any(u.fqn in only for u in uses):
             continue
-        gathers = 1 if program.pipeline is not None else training.micro_batches * (2 if g.reshard else 1)
+        gathers = g.gathers_per_step(training.micro_batches, program.pipeline is not None)
         n, shards = program.mesh_shape[g.axis], [_numel(u.storage, u, program.mesh_shape) for u in uses]
         out.append(Pass("cat", work, work, sum(shards), gathers))
         out += [Pass("copy", work, work, shard * n, gathers + (training.micro_batches if g.reshard else 0))

@@ -89,12 +89,14 @@ def step_passes(program: StepProgram, training: Training, only: frozenset[str] |
     and for a use of an FSDP group kept gathered for the step (pipeline stages: gathered once)."""
     k = training.micro_batches
     pipelined = program.pipeline is not None
-    regathered = {i for g in program.gathers if g.reshard for i in g.uses}
-    once = {i for g in program.gathers if pipelined for i in g.uses}
     spilled = {f for g in program.spills for f in g.fqns}
+
+    def casts(u: ParamUse) -> int:
+        if u.fqn in spilled:
+            return 1
+        return program.gathers[u.gather].gathers_per_step(k, pipelined) if u.gather >= 0 else k
     return [p for u in program.param_uses if only is None or u.fqn in only
-            for p in use_passes(u, training, program.mesh_shape, syncs_every_micro_step([u], pipelined),
-                                1 if u.fqn in spilled or u.index in once else 2 * k if u.index in regathered else k)]
+            for p in use_passes(u, training, program.mesh_shape, syncs_every_micro_step([u], pipelined), casts(u))]
 
 
 def passes_time_s(passes: Iterable[Pass], cluster: Cluster, mesh_shape: Sequence[int]) -> float:
