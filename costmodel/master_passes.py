@@ -104,8 +104,9 @@ def passes_time_s(passes: Iterable[Pass], cluster: Cluster, mesh_shape: Sequence
     ``add`` in float32, a ``cat`` (costmodel/copy_passes.py) in its dtype) with its bytes at the
     memory roofline, priced as a graph op of that family is (:func:`costmodel.compute.forward_time_s`),
     slowed by ``cluster.time_sharing``. A ``copy`` is priced at its roofline plus the unmeasured
-    per-op cost: the family it would take (``contiguous``) was measured on an input already contiguous
-    (executor/calibrate_models.py), which copies nothing (0.1-0.19 of the roofline on local-cpu)."""
+    per-op cost: the family it would take (``contiguous``) is measured on a transposed input
+    (executor/calibrate.py ``Bench._op_calls``), strided reads a flat copy does not make (a profiled
+    dp step on the 2-core VM copied its gradients into their bucket at about the roofline)."""
     total = 0.0
     for p in passes:
         dtype = p.src if p.op == "to" else p.dst

@@ -685,10 +685,16 @@ class Bench:
         from autoddl import ops
         from executor.compiled import _substitute
 
+        # ``contiguous`` copies only an input laid out otherwise (the probe's, as a model's, is a transpose's
+        # output): given a contiguous one it returns it and measures no copy, so it gets a transposed view
+        strided = node.op_name == "contiguous"
         tensors = []
         for meta, grad in zip(node.input_metas, needs):
             dt = getattr(torch, meta.dtype)
-            if meta.is_floating:
+            if meta.is_floating and strided and meta.ndim >= 2:
+                shape = (*meta.shape[:-2], meta.shape[-1], meta.shape[-2])
+                t = torch.randn(shape, device=self.device, dtype=dt).transpose(-1, -2).detach().requires_grad_(grad)
+            elif meta.is_floating:
                 t = torch.randn(meta.shape, device=self.device, dtype=dt).requires_grad_(grad)
             else:
                 t = torch.randint(0, 2, meta.shape, device=self.device, dtype=dt)

@@ -690,3 +690,23 @@ def test_calibrate_only_shard_runner_rewrites_the_base_keeping_its_comments(tmp_
     assert capfd.readouterr().err.count("calibrate: shard runner, ") == 4
     assert cli.main(["calibrate", "--only", "shard_runner,send_recv"]) == 2
     assert "shard_runner is timed alone" in capfd.readouterr().err
+
+
+def test_the_contiguous_probe_copies_a_transposed_input():
+    """``contiguous`` given a tensor already contiguous returns that tensor, so a probe on synthetic
+    (contiguous) inputs timed no copy; the probe's call gets a transposed view, as a model's ``contiguous``
+    does (after a transpose), and each call returns a new contiguous tensor of the op's shape."""
+    import torch
+
+    from executor.calibrate import Bench
+    from executor.calibrate_models import probe_ops
+
+    settings = Settings.default(2, quick=True, family_dtypes=("float32",), family_sizes=("tiny", "small"))
+    (node, needs), = [(n, k) for n, k in probe_ops(settings)[("float32", "small")] if n.op_name == "contiguous"]
+    bench = Bench.__new__(Bench)                    # no process group: only the op's call is built
+    bench.torch, bench.device = torch, torch.device("cpu")
+    forward, backward = bench._op_calls(node, needs)
+    first, second = forward(), forward()
+    assert first.is_contiguous() and tuple(first.shape) == node.outputs[0].shape
+    assert first.data_ptr() != second.data_ptr()    # copied, not the input handed back
+    assert torch.equal(first, second)
