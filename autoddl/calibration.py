@@ -4,8 +4,9 @@
     cal.write("configs/local-cpu.yaml")
 
 ``executor.calibrate.measure`` times matmuls, memory bandwidth, per-op overhead and
-every collective on ``--nproc`` ranks; :func:`calibrate_cluster` turns the timings
-into a ``Cluster``:
+every collective on ``--nproc`` ranks, ``--launches`` times (3 for a full calibration; each timing
+the median over the launches, ``executor.calibrate.median_of_launches``); :func:`calibrate_cluster`
+turns the timings into a ``Cluster``:
 
 - ``device.peak_tflops``: per dtype (float32, bfloat16, float16 where it runs at a
   sane speed), the best matmul rate on the same shapes (per-op dispatch taken out);
@@ -54,7 +55,7 @@ from autoddl.pipeline import stages_from_cuts
 from autoddl.shard_program import BACKWARD, TaskKey, param_homes
 from costmodel.collectives import CollectiveFit, CollectiveKind, fit_collective
 from executor.calibrate import (LARGE_MATMUL_FLOPS, CollectiveTiming, ComputeSummary, Measurements, Settings,
-                                compute_summary, executor_glue_us, measure, with_executor_overheads)
+                                compute_summary, executor_glue_us, measure_launches, with_executor_overheads)
 from executor.calibrate_models import CHAIN_WIDTH, PROBE_SIZES
 from executor.calibrate_shards import SHARD_CHAIN, ShardTaskSample, fit_shard_runner, measure_shard_tasks
 from executor.shard_chain import WIDTH
@@ -211,15 +212,17 @@ def _rounded_link(link: LinkSpec) -> LinkSpec:
     return LinkSpec(bandwidth_gbps=_sig(link.bandwidth_gbps), latency_us=_sig(link.latency_us))
 
 
-def _ranks_text(s: Settings) -> str:
-    return f"{s.nproc} ranks at once, {s.threads} thread{'s' * (s.threads > 1)} each"
+def _ranks_text(s: Settings, launches: int = 1) -> str:
+    """How the ranks ran, and over how many launches a timing is the median (:func:`measure_launches`)."""
+    launches = f"; each timing the median of {launches} launches" if launches > 1 else ""
+    return f"{s.nproc} ranks at once, {s.threads} thread{'s' * (s.threads > 1)} each{launches}"
 
 
 def _header(meas: Measurements, comm: CommFits, command: str, notes: Sequence[str] = ()) -> str:
     """The YAML's header: the command, machine, time per benchmark, one line per fit or failed kind."""
     s = meas.settings
     lines = [f"Measured by `{command or 'autoddl calibrate'}` on {time.strftime('%Y-%m-%d %H:%M')}",
-             f"on {meas.machine}; {_ranks_text(s)}; {meas.seconds.get('total', 0):.0f} s ("
+             f"on {meas.machine}; {_ranks_text(s, meas.launches)}; {meas.seconds.get('total', 0):.0f} s ("
              + ", ".join(f"{k} {v:.0f} s" for k, v in meas.seconds.items() if k != "total") + ").",
              "Units are in the field names: *_gbps = GB/s (1e9 bytes/s, per device, one direction), "
              "*_us = microseconds.",
@@ -245,13 +248,13 @@ def _measured_comments(meas: Measurements, base: Cluster, comp: ComputeSummary, 
                              + (f"; above {s.nproc} ranks they share cores (slower compute and collectives "
                                 f"than measured)" if dpn > s.nproc else "")),
         "device.peak_tflops": (f"measured: best matmul rate per dtype over the same {len(comp.points)} shapes "
-                               f"(per-op dispatch {meas.dispatch_us:.1f} us taken out), {_ranks_text(s)}"
+                               f"(per-op dispatch {meas.dispatch_us:.1f} us taken out), {_ranks_text(s, meas.launches)}"
                                + "".join(f"; no {d} peak: {why}" for d, why in meas.dropped_dtypes.items())),
         "device.memory_gb": (f"measured: {_total_memory_gb():.1f} GB RAM / {dpn} devices"
                              if memory_gb != base.device.memory_gb or base.device.kind == "cpu" else "from base"),
         "device.memory_bandwidth_gbps": (
             f"measured: {mem_kind} over {s.memory_bytes >> 20} MB arrays (bytes read + written), per rank with "
-            f"{_ranks_text(s)}; " + ", ".join(f"{k} {v:.2f}" for k, v in meas.memory_gbps.items())),
+            f"{_ranks_text(s, meas.launches)}; " + ", ".join(f"{k} {v:.2f}" for k, v in meas.memory_gbps.items())),
         "links.intra_node": (f"fitted: median over the {len(colls)} collective kinds of the per-kind fits below "
                              f"({s.backend}, {span})"),
         "efficiency.compute": ((f"measured: median efficiency of the {n_large} matmuls of >= "
@@ -512,7 +515,7 @@ def calibrate(base: Cluster, settings: Settings, devices_per_node: int | None = 
         if torch.cuda.device_count() < settings.nproc:
             raise ValueError(f"calibrate --backend nccl needs one GPU per rank: --nproc {settings.nproc}, "
                              f"{torch.cuda.device_count()} GPUs visible; use --backend gloo or a smaller --nproc")
-    meas = measure(settings)
+    meas = measure_launches(settings)
     cal = calibrate_cluster(meas, base, devices_per_node, command, min_r2)
     return meas, cal if settings.comm_only else with_shard_runner(cal, settings)
 

@@ -43,6 +43,7 @@ models are in executor/calibrate_models.py; ``--across-hosts`` in executor/calib
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import platform
@@ -67,6 +68,7 @@ LARGE_MATMUL_FLOPS = 1e9            # matmuls at least this big give efficiency.
 MATMUL_DTYPES = ("float32", "bfloat16", "float16")   # timed on the same shapes; float32 gives the curve
 SLOW_DTYPE_FACTOR = 8.0             # a dtype this many times slower than float32 on a shape gets no peak
 SLOW_CALL_S = 0.05                  # an op family's call this slow is timed in two passes only
+FULL_LAUNCHES = 3                   # a full calibration's launches (median of each timing; Settings.launches)
 MESSAGES_PER_CALL = {"send_recv": 2}  # a timed send_recv call is a ping-pong: two one-way messages
 # The compute between two boxing moves when collective_us is timed: a move in a step follows the ops
 # since the previous one (0.2-1 ms per layer in the fidelity study's tiny models), and each rank gets
@@ -114,8 +116,11 @@ class Settings:
     matmul_dtypes: tuple[str, ...] = MATMUL_DTYPES   # float32 first; the others get a peak each
     kinds: tuple[str, ...] = FITTED_KINDS   # communication kinds timed (send_recv: on pairs of ranks)
     comm_only: bool = False           # time the communication kinds only (no compute, memory or executor)
+    launches: int = 1                 # times every benchmark is launched; each timing: the median over them
 
     def __post_init__(self) -> None:
+        if isinstance(self.launches, bool) or not isinstance(self.launches, int) or self.launches < 1:
+            raise ValueError(f"calibrate: --launches must be a positive integer, got {self.launches!r}")
         bad_kinds = [k for k in self.kinds if k not in FITTED_KINDS]
         if bad_kinds or not self.kinds:
             raise ValueError(f"calibrate: --only: unknown communication kinds {bad_kinds or '(none given)'}; "
@@ -140,7 +145,8 @@ class Settings:
     @classmethod
     def default(cls, nproc: int = 2, backend: str = "gloo", quick: bool = False,
                 threads: int | None = None, **overrides: Any) -> "Settings":
-        """Full settings (about 1-2 min for 2 ranks on 2 cores) or ``quick`` ones (~10 s, for tests)."""
+        """Full settings (3 launches, about 2-3 min for 2 ranks on 2 cores) or ``quick`` ones (one launch,
+        ~10 s, for tests)."""
         if quick:
             base = dict(matmul_shapes=tuple((s, s, s) for s in SQUARE_SIZES[:4]) + ((512, 512, 64),),
                         message_bytes=QUICK_MESSAGE_BYTES, memory_bytes=32 << 20, repeats=3,
@@ -148,8 +154,8 @@ class Settings:
                         family_sizes=("tiny", "small"), family_dtypes=("float32", "bfloat16"), family_passes=9,
                         recompute_chains=(4, 12), shard_steps=8)
         else:
-            base = dict(matmul_shapes=tuple((s, s, s) for s in SQUARE_SIZES) + SKINNY_SHAPES)
-        base.update(overrides)
+            base = dict(matmul_shapes=tuple((s, s, s) for s in SQUARE_SIZES) + SKINNY_SHAPES, launches=FULL_LAUNCHES)
+        base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(nproc=nproc, backend=backend, quick=quick,
                    threads=threads if threads is not None else default_threads(nproc), **base)
 
@@ -348,6 +354,7 @@ class Measurements:
     dropped_dtypes: dict[str, str] = field(default_factory=dict)  # dtype -> why it got no peak (too slow)
     families: tuple[FamilyTiming, ...] = ()                      # each op family per dtype and size
     recompute: tuple[RecomputeTiming, ...] = ()                  # checkpointed blocks against plain ones
+    launches: int = 1                                            # launches each timing is the median of
 
     @property
     def op_overhead_us(self) -> float:
@@ -433,6 +440,50 @@ def measure(settings: Settings, start_method: str = "fork") -> Measurements:
     except RuntimeError as exc:
         raise RuntimeError(f"calibrate: {exc}") from None
     return _combine(settings, results, time.perf_counter() - start)
+
+
+def measure_launches(settings: Settings, start_method: str = "fork") -> Measurements:
+    """:func:`measure` launched ``settings.launches`` times, one after the other, combined by
+    :func:`median_of_launches`; rank 0 says which launch runs."""
+    launches = []
+    for i in range(settings.launches):
+        if settings.verbose and settings.launches > 1:
+            print(f"calibrate: launch {i + 1} of {settings.launches}", file=sys.stderr, flush=True)
+        launches.append(measure(settings, start_method))
+    return median_of_launches(launches)
+
+
+def median_of_launches(launches: Sequence[Measurements]) -> Measurements:
+    """One Measurements from several launches of the same settings: each timing (every float field,
+    at any depth) the median over the launches, what was timed (shapes, sizes, counts, labels) as the
+    first launch says, the wall times added up. On a shared machine one launch's numbers move by tens
+    of percent from one minute to the next (three full launches a minute apart on the 2-core VM
+    measured memory bandwidth 12.3, 7.7 and 10.1 GB/s and executor.param_us 69, 98 and 73 us); the
+    median of three keeps one slow or fast minute out of the cluster file."""
+    if not launches:
+        raise ValueError("median_of_launches: no launches to combine")
+    merged = _median_merge(list(launches), "measurements")
+    seconds = {k: sum(m.seconds.get(k, 0.0) for m in launches) for k in launches[0].seconds}
+    return dataclasses.replace(merged, seconds=seconds, launches=len(launches))
+
+
+def _median_merge(values: list[Any], where: str) -> Any:
+    first = values[0]
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        return dataclasses.replace(first, **{f.name: _median_merge([getattr(v, f.name) for v in values],
+                                                                   f"{where}.{f.name}")
+                                             for f in dataclasses.fields(first) if f.init})
+    if isinstance(first, dict):
+        if any(v.keys() != first.keys() for v in values):
+            raise ValueError(f"median_of_launches: the launches timed different {where} keys; calibrate again")
+        return {k: _median_merge([v[k] for v in values], f"{where}[{k!r}]") for k in first}
+    if isinstance(first, (tuple, list)):
+        if any(len(v) != len(first) for v in values):
+            raise ValueError(f"median_of_launches: the launches timed different numbers of {where}; calibrate again")
+        return type(first)(_median_merge(list(column), f"{where}[{i}]") for i, column in enumerate(zip(*values)))
+    if isinstance(first, float):
+        return statistics.median(values)
+    return first
 
 
 def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measurements:

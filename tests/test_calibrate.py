@@ -710,3 +710,36 @@ def test_the_contiguous_probe_copies_a_transposed_input():
     assert first.is_contiguous() and tuple(first.shape) == node.outputs[0].shape
     assert first.data_ptr() != second.data_ptr()    # copied, not the input handed back
     assert torch.equal(first, second)
+
+
+def test_a_calibration_takes_each_timing_as_the_median_of_its_launches():
+    """Three launches of the same settings: every timing (matmuls, memory, collectives, the per-op cost)
+    is the median of the three, what was timed is kept, the wall times add up, and the fitted file
+    says so in its header; launches that timed different things are refused."""
+    from executor.calibrate import median_of_launches
+
+    agree = {k: (50e-6, 1.2e9) for k in GLOO_FORMULA}
+    base = synthetic_measurements(agree)
+    scale = (1.0, 1.6, 0.7)                      # a launch in a quiet, a busy and a quick minute
+    launches = [dataclasses.replace(
+        base, matmuls=tuple(dataclasses.replace(m, time_s=m.time_s * f) for m in base.matmuls),
+        memory_gbps={k: v / f for k, v in base.memory_gbps.items()}, tiny_op_us=base.tiny_op_us * f,
+        collectives=tuple(dataclasses.replace(c, time_s=c.time_s * f) for c in base.collectives),
+        seconds={"total": 10.0 * f}) for f in scale]
+    med = median_of_launches(launches)
+    assert med.launches == 3 and med.seconds == {"total": pytest.approx(33.0)}
+    assert [m.time_s for m in med.matmuls] == [m.time_s for m in base.matmuls]          # the median: x1.0
+    assert med.memory_gbps == base.memory_gbps and med.tiny_op_us == base.tiny_op_us
+    assert [(c.kind, c.nbytes, c.time_s) for c in med.collectives] == \
+        [(c.kind, c.nbytes, c.time_s) for c in base.collectives]
+    assert med.settings == base.settings and med.machine == base.machine
+    one_slow = median_of_launches([launches[1], launches[1], launches[0]])    # the median, not the mean
+    assert one_slow.tiny_op_us == pytest.approx(base.tiny_op_us * 1.6)
+    cal = calibrate_cluster(med, base_cluster(), devices_per_node=4, command="x")
+    assert "each timing the median of 3 launches" in cal.header.splitlines()[1]
+    assert cal.cluster.device.memory_bandwidth_gbps == 9.0
+    with pytest.raises(ValueError, match="different numbers of measurements.collectives"):
+        median_of_launches([base, dataclasses.replace(base, collectives=base.collectives[:-1])])
+    with pytest.raises(ValueError, match="--launches must be a positive integer"):
+        Settings.default(2, launches=0)
+    assert Settings.default(2).launches == 3 and Settings.default(2, quick=True).launches == 1

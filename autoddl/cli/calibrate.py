@@ -49,6 +49,10 @@ def add_calibrate(subparsers: "argparse._SubParsersAction") -> None:
                    help=f"cluster file giving the fields not measured (default {DEFAULT_BASE})")
     p.add_argument("--quick", action="store_true", help="fewer shapes and sizes (~15 s; for tests)")
     p.add_argument("--threads", type=int, help="intra-op threads per rank (default: cores / nproc)")
+    p.add_argument("--launches", type=int, metavar="L",
+                   help="launch every benchmark L times, one after the other, and take each timing's median over "
+                        "them, so that one busy or quiet minute of a shared machine does not make the file "
+                        "(default 3; 1 with --quick)")
     p.add_argument("--devices-per-node", type=int, metavar="N",
                    help="devices_per_node to write (default: the base's, at least --nproc)")
     p.add_argument("--raw", metavar="CSV", help="also write every timing to this CSV file")
@@ -89,9 +93,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.only:
         _note_other_machine(base)
     only = {"kinds": kinds, "comm_only": True} if args.only else {}
-    settings = Settings.default(args.nproc, args.backend, quick=args.quick, threads=args.threads, **only)
+    settings = Settings.default(args.nproc, args.backend, quick=args.quick, threads=args.threads,
+                                launches=args.launches, **only)
     print(f"calibrate: {settings.nproc} {settings.backend} ranks, {settings.threads} thread(s) each, "
-          f"{'quick' if settings.quick else 'full'} settings", file=sys.stderr, flush=True)
+          f"{'quick' if settings.quick else 'full'} settings, {settings.launches} launch(es)", file=sys.stderr,
+          flush=True)
     meas, cal = calibrate(base, settings, args.devices_per_node, _command(args), args.min_r2)
     if args.raw:
         write_raw(meas, args.raw)
@@ -184,6 +190,7 @@ def _command(args: argparse.Namespace) -> str:
     parts += [f"--out {shlex.quote(args.out)}"] if args.out else []
     parts += ["--quick"] if args.quick else []
     parts += [f"--threads {args.threads}"] if args.threads else []
+    parts += [f"--launches {args.launches}"] if args.launches else []
     parts += [f"--devices-per-node {args.devices_per_node}"] if args.devices_per_node else []
     parts += [f"--only {args.only}"] if args.only else []
     return " ".join(parts)
