@@ -5,9 +5,12 @@ PyTorch implementation of the same scheme (same model, batch, optimizer and rank
 dp vs DistributedDataParallel, zero3 vs FSDP2, tp vs DTensor tensor parallel, and the
 found plan beside all three. Both are placed and warmed up first, then their ``--steps`` measured
 steps run in ``--rounds`` interleaved rounds (``autoddl run --rounds``), so that the machine's drift
-over the launch falls on both sides of the ratio. Medians; p10-p90.
+over the launch falls on both sides of the ratio. Medians; p10-p90. Each pairing is launched
+``--launches`` times (3): the same program measured 0.97x and 1.24x DDP in two launches minutes apart
+on the 2-core VM (gpt tiny, 2026-11-27), so a row is the launch with the median ratio, every
+launch's ratio beside it.
 
-    python benchmarks/executor_bench.py                     # every case (about 10 min on 2 cores)
+    python benchmarks/executor_bench.py                     # every case (about 25 min on 2 cores)
     python benchmarks/executor_bench.py --only gpt-tiny --steps 24 --rounds 4
 
 Cases: (a) gpt tiny at batch 16; (b) a compute-bound GPT (4 layers, 256 wide, 8 x 128
@@ -43,7 +46,7 @@ CASES = {
 COUNTERPART = {"dp": "ddp", "zero3": "fsdp2", "tp": "dtensor_tp"}
 COLUMNS = ["case", "model", "sets", "plan", "reference", "plan_median_ms", "plan_p10_ms", "plan_p90_ms",
            "reference_median_ms", "reference_p10_ms", "reference_p90_ms", "ratio", "target_ratio", "met",
-           "predicted_ms", "steps", "warmup", "rounds", "note"]
+           "predicted_ms", "steps", "warmup", "rounds", "launches", "launch_ratios", "note"]
 TARGET = 1.10
 
 
@@ -123,6 +126,21 @@ def rows_of(case: str, scheme: str, runs: list[dict[str, str]], steps: int, warm
     return out
 
 
+def median_launch(launches: list[list[dict]]) -> list[dict]:
+    """Per reference (the found plan: its one row), the launch whose ratio is the median over the
+    launches (the lower middle of an even count), with every launch's ratio in ``launch_ratios``."""
+    by: dict[str, list[dict]] = {}
+    for rows in launches:
+        for r in rows:
+            by.setdefault("found" if r["plan"] == "found" else r["reference"], []).append(r)
+    out = []
+    for rows in by.values():
+        ranked = sorted(rows, key=lambda r: float(r["ratio"]))
+        pick = dict(ranked[(len(ranked) - 1) // 2])
+        out.append({**pick, "launches": len(rows), "launch_ratios": " ".join(r["ratio"] for r in rows)})
+    return out
+
+
 def _in_case_order(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: list(CASES).index(r["case"]) if r["case"] in CASES else len(CASES))
 
@@ -134,8 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=4,
                    help="the plan's and its references' measured steps in this many interleaved rounds (default 4)")
+    p.add_argument("--launches", type=int, default=3,
+                   help="launches of each pairing; a row is the launch with the median ratio (default 3)")
     p.add_argument("--out", default=str(ROOT / "results" / "executor.csv"))
     args = p.parse_args(argv)
+    if args.launches < 1:
+        raise SystemExit(f"--launches must be at least 1, got {args.launches}")
     kept = [r for r in read_rows(args.out)[1] if r["case"] not in args.only] if Path(args.out).exists() else []
     rows: list[dict] = []
     t0 = time.monotonic()
@@ -150,12 +172,19 @@ def main(argv: list[str] | None = None) -> int:
             if plan is None:
                 continue
             refs = applicable if scheme == "found" else [COUNTERPART[scheme]]
-            print(f"[{time.monotonic() - t0:5.0f} s] {case}: {scheme} beside {', '.join(refs)}", flush=True)
-            runs = run(plan, refs, args.steps, args.warmup, args.rounds)
-            new = rows_of(case, scheme, runs, args.steps, args.warmup, args.rounds)
+            launches = []
+            for i in range(args.launches):
+                print(f"[{time.monotonic() - t0:5.0f} s] {case}: {scheme} beside {', '.join(refs)} "
+                      f"(launch {i + 1} of {args.launches})", flush=True)
+                runs = run(plan, refs, args.steps, args.warmup, args.rounds)
+                launches.append(rows_of(case, scheme, runs, args.steps, args.warmup, args.rounds))
+                for r in launches[-1]:
+                    print(f"    {r['plan']} {r['plan_median_ms']} ms vs {r['reference']} {r['reference_median_ms']} "
+                          f"ms: {r['ratio']}x", flush=True)
+            new = median_launch(launches)
             for r in new:
-                print(f"    {r['plan']} {r['plan_median_ms']} ms vs {r['reference']} {r['reference_median_ms']} ms: "
-                      f"{r['ratio']}x", flush=True)
+                print(f"  median launch: {r['plan']} vs {r['reference']} {r['ratio']}x (launches {r['launch_ratios']})",
+                      flush=True)
             rows += new
             write_csv_atomic(args.out, _in_case_order(kept + rows), COLUMNS)     # the other cases' rows kept
     print(f"wrote {args.out} ({len(rows)} rows, {time.monotonic() - t0:.0f} s)")
