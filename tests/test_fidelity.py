@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
+from benchmark_modules import load_benchmark
 from clusters import CPU_CLUSTER_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -14,10 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def fid():
-    spec = importlib.util.spec_from_file_location("fidelity_bench", ROOT / "benchmarks" / "fidelity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("fidelity")
 
 
 def test_mape_by_hand(fid):
@@ -100,10 +97,7 @@ def test_study_csv_round_trip(fid, tmp_path):
 def reprice():
     import sys
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("fidelity_reprice_bench", ROOT / "benchmarks" / "fidelity_reprice.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("fidelity_reprice")
 
 
 def test_reprice_report_by_hand(reprice):
