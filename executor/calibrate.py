@@ -457,9 +457,9 @@ def median_of_launches(launches: Sequence[Measurements]) -> Measurements:
     """One Measurements from several launches of the same settings: each timing (every float field,
     at any depth) the median over the launches, what was timed (shapes, sizes, counts, labels) as the
     first launch says, the wall times added up. On a shared machine one launch's numbers move by tens
-    of percent from one minute to the next (three full launches a minute apart on the 2-core VM
-    measured memory bandwidth 12.3, 7.7 and 10.1 GB/s and executor.param_us 69, 98 and 73 us); the
-    median of three keeps one slow or fast minute out of the cluster file."""
+    of percent from one minute to the next (two full launches a minute apart on the 2-core VM
+    measured memory bandwidth 12.3 and 7.7 GB/s, executor.param_us 69 and 98 us); the median of three
+    keeps one slow or fast minute out of the cluster file (benchmarks/calibration_spread.py)."""
     if not launches:
         raise ValueError("median_of_launches: no launches to combine")
     merged = _median_merge(list(launches), "measurements")

@@ -705,7 +705,7 @@ def test_the_contiguous_probe_copies_a_transposed_input():
     (node, needs), = [(n, k) for n, k in probe_ops(settings)[("float32", "small")] if n.op_name == "contiguous"]
     bench = Bench.__new__(Bench)                    # no process group: only the op's call is built
     bench.torch, bench.device = torch, torch.device("cpu")
-    forward, backward = bench._op_calls(node, needs)
+    forward, _ = bench._op_calls(node, needs)
     first, second = forward(), forward()
     assert first.is_contiguous() and tuple(first.shape) == node.outputs[0].shape
     assert first.data_ptr() != second.data_ptr()    # copied, not the input handed back
