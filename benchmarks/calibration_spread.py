@@ -27,7 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from autoddl.atomic import write_text_atomic  # noqa: E402
+from autoddl.atomic import write_csv_atomic  # noqa: E402
+from executor.measure import read_rows  # noqa: E402
+
+COLUMNS = ["time", "field", "unit", "launches", "values", "spread"]
 
 FIELDS = (
     ("device.peak_tflops.float32", "TFLOPS"), ("device.memory_bandwidth_gbps", "GB/s"),
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{args.repeat})", file=sys.stderr, flush=True)
                 runs.setdefault(launches, []).append(calibrate(launches, Path(tmp) / f"l{launches}_{i}.yaml"))
     when = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    lines = ["time,field,unit,launches,values,spread"]
+    rows: list[dict] = []
     table = ["| field | one launch: values (spread) | three launches: values (spread) |", "|---|---|---|"]
     spreads: dict[int, list[float]] = {1: [], 3: []}
     for dotted, unit in FIELDS:
@@ -81,14 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             values = [field_value(c, dotted) for c in clusters]
             spread = max(values) / min(values) - 1 if min(values) > 0 else float("nan")
             spreads[launches].append(spread)
-            lines.append(f"{when},{dotted},{unit},{launches},{' '.join(f'{v:g}' for v in values)},{spread:.4f}")
+            rows.append({"time": when, "field": dotted, "unit": unit, "launches": launches,
+                         "values": " ".join(f"{v:g}" for v in values), "spread": f"{spread:.4f}"})
             cells.append(f"{' / '.join(f'{v:g}' for v in values)} ({spread:.0%})")
         table.append(f"| `{dotted}` {unit} | " + " | ".join(cells) + " |")
     table.append("| median spread over the fields | " + " | ".join(
         f"{statistics.median(s):.0%}" for s in spreads.values()) + " |")
-    out = Path(args.out)
-    earlier = out.read_text().splitlines()[1:] if out.exists() else []     # every earlier run's rows are kept
-    write_text_atomic(out, "\n".join(lines[:1] + earlier + lines[1:]) + "\n")
+    write_csv_atomic(args.out, read_rows(args.out)[1] + rows, COLUMNS)      # every earlier run's rows are kept
     print(f"`python benchmarks/calibration_spread.py --repeat {args.repeat}`, {when}, "
           f"{time.perf_counter() - start:.0f} s\n")
     print("\n".join(table))
