@@ -269,6 +269,31 @@ def executor_glue_us(timings: ExecutorTimings) -> tuple[float, float] | None:
     return max(0.0, statistics.fmean(fwd)) * 1e6, max(0.0, statistics.fmean(bwd)) * 1e6
 
 
+def interleaved_call_times(fns: Sequence[Callable[[], Any]], passes: int) -> list[float]:
+    """Median seconds per call of each of ``fns``, run in turn for ``passes`` passes (after one untimed),
+    each call timed alone and its result kept until the pass ends; a call slower than SLOW_CALL_S (a
+    CPU's float16 convolution backward can take a second) runs in two passes only.
+
+    Each pass starts one op further along (pass p runs ``fns[p % n:] + fns[:p % n]``): the first call of
+    a pass, after the previous pass's results are freed, measured 17 us for a view that takes 5 us
+    anywhere else on this machine (2026-11-27); in a fixed order one family (``view``, the probe's first
+    op) paid that in every pass and was priced 30-55 us per view. Rotated, each op is first in at most
+    ceil(passes / n) passes, which the median leaves out."""
+    n = len(fns)
+    times: list[list[float]] = [[] for _ in fns]
+    for p in range(passes + 1):
+        kept = []
+        for i in (*range(p % n, n), *range(p % n)):
+            if p > 2 and times[i] and min(times[i]) > SLOW_CALL_S:
+                continue
+            t0 = time.perf_counter()
+            kept.append(fns[i]())
+            if p:
+                times[i].append(time.perf_counter() - t0)
+        del kept
+    return [min(t) if min(t) > SLOW_CALL_S else statistics.median(t) for t in times]
+
+
 @dataclass(frozen=True)
 class FamilyTiming:
     """One op family timed on synthetic inputs in one dtype and size: its forward (with autograd
@@ -706,21 +731,7 @@ class Bench:
         return {"families": rows} if rows else {}
 
     def _interleaved(self, fns: list[Callable[[], Any]]) -> list[float]:
-        """Median seconds per call of each of ``fns``, run in turn for ``family_passes`` passes (after one
-        untimed), each call timed alone and its result kept until the pass ends; a call slower than
-        SLOW_CALL_S (a CPU's float16 convolution backward can take a second) runs in two passes only."""
-        times: list[list[float]] = [[] for _ in fns]
-        for p in range(self.s.family_passes + 1):
-            kept = []
-            for i, fn in enumerate(fns):
-                if p > 2 and times[i] and min(times[i]) > SLOW_CALL_S:
-                    continue
-                t0 = time.perf_counter()
-                kept.append(fn())
-                if p:
-                    times[i].append(time.perf_counter() - t0)
-            del kept
-        return [min(t) if min(t) > SLOW_CALL_S else statistics.median(t) for t in times]
+        return interleaved_call_times(fns, self.s.family_passes)
 
     def _grad_call(self, dtype: str) -> Callable[[], Any]:
         """``autograd.grad`` through a view: what a backward timing pays besides the op's node."""
