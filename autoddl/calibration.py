@@ -24,8 +24,8 @@ turns the timings into a ``Cluster``:
   (``costmodel.collectives.send_recv_time_s``); it is not part of the link's median.
 
 ``--only KINDS`` (``Settings.comm_only``) times those communication kinds alone and writes
-``--base`` with their fits put into ``collectives`` (:func:`calibrate_fits`), to be merged into a
-calibrated file.
+``--base`` with their fits put into ``collectives`` (:func:`calibrate_fits`), its other fields,
+header and comments kept.
 
 Fields not measured (name, device name and kind, nodes, inter-node link) come from
 ``--base``; every measured number gets a comment saying what was measured.
@@ -336,8 +336,8 @@ def calibrate_fits(meas: Measurements, base: Cluster, devices_per_node: int | No
                    min_r2: float = MIN_R2) -> Calibration:
     """``autoddl calibrate --only KINDS``: ``base`` with the fits of the timed kinds written into
     ``collectives`` (replacing the base's entries for those kinds) and ``devices_per_node`` when given;
-    every other field, the links included, is the base's (its comments are not carried: copy the new
-    entries into the base file)."""
+    every other field, the links included, is the base's (the command line keeps the base file's
+    header and comments: ``autoddl.cli.calibrate``)."""
     s = meas.settings
     if Backend(s.backend) is not base.backend:
         raise ValueError(f"calibrate --only: timed on {s.backend} but the base cluster {base.source or base.name} "
@@ -350,7 +350,7 @@ def calibrate_fits(meas: Measurements, base: Cluster, devices_per_node: int | No
     comments = {f"collectives.{k}": f"measured: {_fit_text(f, meas)}" for k, f in fits.items()}
     comm = CommFits(fits, failed, None, [], {})
     note = (f"Only {', '.join(s.kinds)} timed (--only); every other field is from "
-            f"{base.source or base.name}, whose comments are not copied here.")
+            f"{base.source or base.name}.")
     return Calibration(cluster=cluster, comments=comments, header=_header(meas, comm, command, [note]),
                        fits=fits, compute=None)
 

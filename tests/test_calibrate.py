@@ -586,6 +586,29 @@ def test_calibrate_only_send_recv_adds_its_fit_to_the_base(tmp_path):
         Settings.default(2, kinds=("send",), comm_only=True)
 
 
+def test_calibrate_only_keeps_the_base_files_header_and_comments(tmp_path):
+    """--only send_recv over a calibrated file: the command line keeps the base file's header (this run's
+    appended) and every comment of a field it did not measure, and comments the fit it wrote; before,
+    the rewritten file lost every source comment of the base."""
+    from autoddl.calibration import Calibration
+    from autoddl.cli.calibrate import _over_base_file
+
+    base = Cluster.from_yaml(CPU_CLUSTER_PATH)
+    settings = Settings.default(2, quick=True, kinds=("send_recv",), comm_only=True)
+    meas = Measurements(settings=settings, matmuls=(), memory_gbps={}, dispatch_us=0.0, tiny_op_us=0.0,
+                        collectives=send_recv_timings(120e-6, 3e9), seconds={"total": 1.0}, machine="test")
+    cal = calibrate_cluster(meas, base, command="autoddl calibrate --only send_recv")
+    base_file = tmp_path / "base.yaml"
+    base.to_yaml(base_file, comments={"device.memory_gb": "measured by hand", "collectives.send_recv": "old fit"},
+                 header="the full calibration")
+    out = tmp_path / "out.yaml"
+    _over_base_file(cal, str(base_file)).write(out)
+    again = Calibration.of_file(out)
+    assert again.cluster == cal.cluster and again.comments["device.memory_gb"] == "measured by hand"
+    assert again.comments["collectives.send_recv"].startswith("measured: a 120.0 us, b 3.000 GB/s")
+    assert again.header.startswith("the full calibration\nThen: Measured by `autoddl calibrate --only send_recv`")
+
+
 def test_quick_send_recv_calibration_on_two_gloo_ranks(tmp_path, capfd):
     """A real --only send_recv run: half a gloo isend / irecv ping-pong between 2 ranks, fitted and
     written over --base. R^2 is not asserted here (the test machine is shared; the synthetic tests

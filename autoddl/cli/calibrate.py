@@ -99,6 +99,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
           f"{'quick' if settings.quick else 'full'} settings, {settings.launches} launch(es)", file=sys.stderr,
           flush=True)
     meas, cal = calibrate(base, settings, args.devices_per_node, _command(args), args.min_r2)
+    if args.only:
+        cal = _over_base_file(cal, args.base)
     if args.raw:
         write_raw(meas, args.raw)
     if _write(cal, args.out):
@@ -107,6 +109,17 @@ def run_calibrate(args: argparse.Namespace) -> int:
         for line in cal.header.splitlines()[3:]:
             print(line)
     return 0
+
+
+def _over_base_file(cal: Calibration, base_path: str) -> Calibration:
+    """``--only KINDS``: the base file's header and comments kept, the measured fields' comments
+    replaced, and this run's header (command, fits) appended to the base's."""
+    base = Calibration.of_file(base_path)
+    replaced = tuple(cal.comments)
+    comments = {k: v for k, v in base.comments.items()
+                if not any(k == r or k.startswith(r + ".") for r in replaced)}
+    return dataclasses.replace(cal, comments={**comments, **cal.comments},
+                               header=f"{base.header}\nThen: {cal.header}" if base.header else cal.header)
 
 
 def _write(cal, out: str | None) -> bool:
