@@ -712,15 +712,17 @@ class Bench:
         """Each probed op (:func:`probe_ops`) on synthetic inputs of each size and dtype: its forward and
         its backward (``autograd.grad`` of its output; the grad call's own cost, timed through a view,
         taken out). The ops of one size and dtype run in turn, each call timed alone, for
-        ``family_passes`` passes (median per op), their outputs kept until the pass ends: as in a
+        ``family_passes`` passes (median per op; :func:`interleaved_call_times`, each pass starting one
+        op further along), their outputs kept until the pass ends: as in a
         training step, an op follows other ops (not itself, with its code and data hot) and allocates
         fresh memory for what it returns."""
         rows: list = []
         for (dtype, size), nodes in self.probes.items():
             self.dist.barrier()
             calls = [self._op_calls(node, needs) for node, needs in nodes]
-            fwd = self._interleaved([c[0] for c in calls])
-            bwd = self._interleaved([c[1] for c in calls if c[1] is not None] + [self._grad_call(dtype)])
+            fwd = interleaved_call_times([c[0] for c in calls], self.s.family_passes)
+            bwd = interleaved_call_times([c[1] for c in calls if c[1] is not None] + [self._grad_call(dtype)],
+                                         self.s.family_passes)
             base, bwd_of = bwd[-1], iter(bwd[:-1])
             for i, ((node, _), (_, grad_fn)) in enumerate(zip(nodes, calls)):
                 b = max(0.0, next(bwd_of) - base) if grad_fn is not None else 0.0
@@ -729,9 +731,6 @@ class Bench:
                 f"{r[0]} {r[5] * 1e6:.0f}/{r[6] * 1e6:.0f}" for r in rows if r[1:3] == (dtype, size))
                 + " us forward/backward (rank 0)")
         return {"families": rows} if rows else {}
-
-    def _interleaved(self, fns: list[Callable[[], Any]]) -> list[float]:
-        return interleaved_call_times(fns, self.s.family_passes)
 
     def _grad_call(self, dtype: str) -> Callable[[], Any]:
         """``autograd.grad`` through a view: what a backward timing pays besides the op's node."""
