@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from torchrun_pair import is_rank, run_pair, write_times  # noqa: E402
 
 OUT = ROOT / "results" / "collective_waits.csv"
 MESSAGE_BYTES = 128 << 10
@@ -35,8 +35,7 @@ COLUMNS = ("time", "git_commit", "machine", "pattern", "message_bytes", "calls",
 
 def rank_main(out_dir: str) -> None:
     """One torchrun rank: every pattern in every round; rank 0 writes its seconds per call."""
-    import json
-
+    
     import torch
     import torch.distributed as dist
 
@@ -62,7 +61,7 @@ def rank_main(out_dir: str) -> None:
                 if i >= 5:
                     out.append(time.perf_counter() - t)
     if dist.get_rank() == 0:
-        Path(out_dir, "times.json").write_text(json.dumps(times))
+        write_times(out_dir, times)
     dist.destroy_process_group()
 
 
@@ -82,21 +81,13 @@ def rows_of(times: dict[str, list[float]], machine: str, commit: str, load: floa
 
 
 def main() -> int:
-    import json
-
     from autoddl.machine import this_machine
     from executor.measure import append_row, git_commit
 
     load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="autoddl-waits-") as tmp:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-               __file__, "--rank", tmp]
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        if res.returncode != 0:
-            print(res.stdout[-2000:] + res.stderr[-2000:], file=sys.stderr)
-            return 1
-        times = json.loads(Path(tmp, "times.json").read_text())
+    times = run_pair(__file__, "autoddl-waits-")
+    if times is None:
+        return 1
     for row in rows_of(times, this_machine(), git_commit(), load):
         append_row(OUT, row, columns=COLUMNS)
         print(f"{row['pattern']:>26}: p10 {row['p10_us']:>5} us, median {row['median_us']:>5}, p90 {row['p90_us']:>5}, "
@@ -106,7 +97,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--rank":
-        rank_main(sys.argv[2])
+    if is_rank(sys.argv):
+        rank_main(is_rank(sys.argv))
     else:
         sys.exit(main())

@@ -16,17 +16,16 @@ results/loss_allreduce.csv (atomically).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from torchrun_pair import is_rank, run_pair, write_times  # noqa: E402
 
 OUT = ROOT / "results" / "loss_allreduce.csv"
 GRAD_BYTES = 140_000 * 4            # gpt tiny's one gradient bucket
@@ -69,7 +68,7 @@ def rank_main(out_dir: str) -> None:
                 if i >= WARMUP:
                     times[variant].append(time.perf_counter() - t)
     if dist.get_rank() == 0:
-        Path(out_dir, "times.json").write_text(json.dumps(times))
+        write_times(out_dir, times)
     dist.destroy_process_group()
 
 
@@ -88,19 +87,12 @@ def rows_of(times: dict[str, list[float]], machine: str, commit: str, load: floa
 
 def main() -> int:
     from autoddl.machine import this_machine
-    from executor.local_ranks import free_port
     from executor.measure import append_row, git_commit
 
     load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="autoddl-loss-ar-") as tmp:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), __file__, "--rank", tmp]
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        if res.returncode != 0:
-            print(res.stdout[-2000:] + res.stderr[-2000:], file=sys.stderr)
-            return 1
-        times = json.loads(Path(tmp, "times.json").read_text())
+    times = run_pair(__file__, "autoddl-loss-ar-")
+    if times is None:
+        return 1
     rows = rows_of(times, this_machine(), git_commit(), load)
     for row in rows:
         append_row(OUT, row, columns=COLUMNS)
@@ -113,7 +105,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--rank":
-        rank_main(sys.argv[2])
+    if is_rank(sys.argv):
+        rank_main(is_rank(sys.argv))
     else:
         sys.exit(main())
