@@ -121,12 +121,13 @@ def _gradient_source(graph: OpGraph, name: str, rg: set[str], pure: dict[str, fr
     return node.kind is NodeKind.PARAMETER or name not in rg or axis in pure.get(name, frozenset())
 
 
-def lower_program(graph: OpGraph, plan: Plan) -> StepProgram:
+def lower_program(graph: OpGraph, plan: Plan, *, loss_at_forward: bool = False) -> StepProgram:
     """The step program of ``plan`` for ``graph`` (module docstring); ``autoddl.program.lower``."""
-    return _Lowering(graph, plan).run()
+    return _Lowering(graph, plan, loss_at_forward).run()
 
 
 BUCKETED_KINDS = (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER)   # the gradient reductions
+LOSS_ELEMENT_BYTES = 4          # the loss carried by a bucket: one float32 element (loss_output)
 FIRST_BUCKET_BYTES = 1_000_000   # DDP's first bucket: torch/nn/parallel/distributed.py _DEFAULT_FIRST_BUCKET_BYTES
 GATHER_MIN_BYTES = 1_000_000     # smallest ZeRO-3 gather group (smaller layer groups merge with the next)
 
@@ -134,8 +135,9 @@ GATHER_MIN_BYTES = 1_000_000     # smallest ZeRO-3 gather group (smaller layer g
 class _Lowering:
     """Builds one StepProgram: forward in graph order, then backward in reverse, then the sync."""
 
-    def __init__(self, graph: OpGraph, plan: Plan):
+    def __init__(self, graph: OpGraph, plan: Plan, loss_at_forward: bool = False):
         self.graph, self.plan, self.mesh = graph, plan, tuple(plan.mesh.shape)
+        self.loss_at_forward = loss_at_forward
         self.rg = requires_grad(graph)
         self.prog = StepProgram(plan.name, self.mesh)
         self.last: int | None = None                       # the task issued last on the host thread
@@ -178,8 +180,8 @@ class _Lowering:
         self.prog.gathers = [GatherGroup(i, group, axis, tuple(u.index for u in self.prog.param_uses if u.gather == i),
                                          nbytes, last.get(i, ""), not keep and last.get(i, "") in self.rg)
                              for i, (group, axis, nbytes, _) in enumerate(self.gather_specs)]
-        self.loss_output()
         self.pack_buckets(ops)
+        self.loss_output()
         self.backward(ops)
         if self.stage_of:
             self.pipeline()
@@ -310,7 +312,9 @@ class _Lowering:
         self.gathered_once.add(task.id)
 
     def edge(self, ref: TensorRef, meta: TensorMeta, dst: NdSbp, grad: NdSbp | None, consumer: str,
-             host: bool = True) -> BoxKey:
+             host: bool = True, emit: bool = True) -> BoxKey:
+        """The box of ``ref`` into layout ``dst`` for ``consumer``; its forward collectives are issued
+        unless ``emit`` is False (the loss carried by a bucket: ``loss_output``)."""
         key = BoxKey(ref.node, ref.index, dst, grad, self.stage(ref.node if consumer == "output" else consumer))
         if key not in self.prog.edges:
             src = layout_of(self.graph, self.plan, ref)
@@ -320,7 +324,8 @@ class _Lowering:
             self.prog.edges[key] = EdgeBox(key, meta, src, label, boxing_moves(meta.nbytes, src, dst, self.mesh),
                                            backward)
             charge = ref.node if consumer == "output" else consumer     # per-op times add up
-            self.emit_moves(self.prog.edges[key].forward, "forward", label, charge, host)
+            if emit:
+                self.emit_moves(self.prog.edges[key].forward, "forward", label, charge, host)
             self.first_consumer[key] = consumer
         return key
 
@@ -351,8 +356,15 @@ class _Lowering:
     def loss_output(self) -> None:
         """Every rank reads the loss (the output node's last input: torch.export lists buffer
         mutations first), so it is boxed to B; its gradient is the seed 1, already B. Backward does
-        not need the boxed value, so a loss that is one all-reduce away from B (a P loss) is
-        reduced asynchronously: only the step's end waits for it (``StepProgram.loss_async``)."""
+        not need the boxed value, so a loss that is one all-reduce away from B (a P loss) need not
+        hold the step up:
+
+        - unless the loss is read at forward's end (``loss_at_forward``), it rides in the first
+          float32 all-reduce bucket of the same group as one more element (``StepProgram.loss_bucket``;
+          with micro-steps, the sum of their shares): a collective of its own, even 4 bytes and
+          asynchronous, cost gpt tiny's dp step 1.7-2.6 ms of 21 on the 2-core VM
+          (results/loss_allreduce.csv), and DDP has none;
+        - else it is reduced asynchronously: only the step's end waits for it (``StepProgram.loss_async``)."""
         out = self.graph.nodes_of(NodeKind.OUTPUT)
         if not out or not out[0].inputs:
             raise ValueError(f"the graph of {self.graph.model_name or 'the model'} has no output; trace it with "
@@ -365,8 +377,22 @@ class _Lowering:
         broadcast = NdSbp.broadcast(len(self.mesh))
         grad = needed_grad_ndsbp(broadcast) if ref.node in self.rg else None
         moves = boxing_moves(meta.nbytes, layout_of(self.graph, self.plan, ref), broadcast, self.mesh)
-        self.prog.loss_async = [m.kind for m in moves] == [CollectiveKind.ALL_REDUCE]
-        self.prog.loss = self.edge(ref, meta, broadcast, grad, "output", host=not self.prog.loss_async)
+        one_all_reduce = [m.kind for m in moves] == [CollectiveKind.ALL_REDUCE]
+        carrier = self._loss_carrier(moves[0]) if one_all_reduce else None
+        self.prog.loss_async = one_all_reduce and carrier is None
+        if carrier is not None:
+            self.prog.loss_bucket = carrier.index
+            self.prog.buckets[carrier.index] = replace(carrier, nbytes=carrier.nbytes + LOSS_ELEMENT_BYTES)
+        self.prog.loss = self.edge(ref, meta, broadcast, grad, "output", host=not one_all_reduce,
+                                   emit=carrier is None)
+
+    def _loss_carrier(self, loss_move: Move) -> Bucket | None:
+        """The bucket that can carry the loss (``loss_output``): the first all-reduce bucket over the
+        loss's group, reduced in float32, in a program without pipeline stages read after its sync."""
+        if self.loss_at_forward or self.stage_of or self.plan.training.grad_reduce_dtype != "float32":
+            return None
+        return next((b for b in self.prog.buckets
+                     if b.kind is CollectiveKind.ALL_REDUCE and b.axis == loss_move.group), None)
 
     # -- gradient sync buckets ----------------------------------------------------------------------
     def pack_buckets(self, ops: list[OpNode]) -> None:
@@ -448,7 +474,7 @@ class _Lowering:
         for use in self.prog.param_uses:              # the rest, at the end of backward
             if use.grad is not None and use.bucket < 0:
                 first = len(self.prog.tasks)
-                self.emit_moves(use.grad_sync, "grad_sync", use.fqn, use.fqn)
+                self.emit_moves(use.grad_sync, "grad_sync", use.fqn, self.first_consumer[use.index])   # per-op table
                 self.sync_use.update(dict.fromkeys(range(first, len(self.prog.tasks)), use.index))
                 if not self.syncs_every_micro_step([use]):
                     self.deferred_syncs.update(range(first, len(self.prog.tasks)))

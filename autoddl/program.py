@@ -379,6 +379,7 @@ class StepProgram:
     gathers: list[GatherGroup] = field(default_factory=list)
     loss: BoxKey | None = None
     loss_async: bool = False         # the loss's all-reduce is waited for at the step's end only
+    loss_bucket: int = -1            # the bucket whose all-reduce carries the loss as one more element
     param_syncs: list["ParamSync"] = field(default_factory=list)   # ZeRO-1/2: after the optimizer
     pipeline: "PipelineLayout | None" = None   # stages and schedule (autoddl/pipeline_program.py)
     spills: list["SpillGroup"] = field(default_factory=list)   # offload params: groups kept on the host
@@ -396,8 +397,10 @@ class StepProgram:
 
 
 
-def lower(graph: OpGraph, plan: Plan) -> StepProgram:
-    """The step program of ``plan`` for ``graph`` (autoddl/lowering.py builds it)."""
+def lower(graph: OpGraph, plan: Plan, *, loss_at_forward: bool = False) -> StepProgram:
+    """The step program of ``plan`` for ``graph`` (autoddl/lowering.py builds it). With
+    ``loss_at_forward`` every rank reads the loss as soon as forward ends (a module whose forward
+    returns it); otherwise it may be read only after the step's gradient sync, which can carry it."""
     from autoddl.lowering import lower_program
 
-    return lower_program(graph, plan)
+    return lower_program(graph, plan, loss_at_forward=loss_at_forward)

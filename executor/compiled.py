@@ -159,19 +159,33 @@ class LocalStep:
         return BoxFunction.apply(x, self.boxer, e.forward, e.backward, e.meta.shape, e.label)
 
     def report_loss(self, share: torch.Tensor) -> torch.Tensor:
-        """The program's asynchronous loss all-reduce (``StepProgram.loss_async``): launched now,
-        waited for by :meth:`loss_value`. Backward needs only the local share (the all-reduce's
-        gradient is the identity), which is returned."""
+        """This rank's share of the loss, reduced off the step's critical path: held for the bucket
+        that carries it (``StepProgram.loss_bucket``), or launched now as the program's asynchronous
+        loss all-reduce (``StepProgram.loss_async``), waited for by :meth:`loss_value`. Backward needs
+        only the local share (the all-reduce's gradient is the identity), which is returned."""
+        if self.program.loss_bucket >= 0:
+            self.grad_sync.hold_loss(share.detach())
+            return share
         edge = self.program.edges[self.program.loss]
         self.pending_losses.append(self.boxer.launch(edge.forward[0], share.detach(), edge.label))
         return share
 
     def loss_value(self, loss: torch.Tensor) -> float:
-        """The loss every rank reports: the oldest awaited all-reduce when one was launched (a pipeline
+        """The loss every rank reports: what the last gradient sync carried when a bucket carries it
+        (read after ``backward()``), the oldest awaited all-reduce when one was launched (a pipeline
         runs several micro-batches' forwards before their losses are read), else ``loss``."""
+        if self.program.loss_bucket >= 0:
+            return self.grad_sync.reduced_loss()
         if self.program.loss_async:
             return float(wait(self.pending_losses.pop(0)))
         return float(loss.detach())
+
+    def mean_loss(self, losses: Sequence[torch.Tensor]) -> float:
+        """The mean of one optimizer step's micro-step ``losses``, the same on every rank, read after
+        the step's gradient sync (which reduced it, when a bucket carried it)."""
+        if self.program.loss_bucket >= 0:
+            return self.grad_sync.reduced_loss() / len(losses)
+        return sum(self.loss_value(loss) for loss in losses) / len(losses)
 
     def place(self, full: torch.Tensor, nd: NdSbp) -> torch.Tensor:
         """This rank's piece, in layout ``nd``, of a tensor every rank holds whole (no communication)."""
@@ -216,7 +230,7 @@ class ProgramCompiler:
         if stage is not None and not stage.last:         # a pipeline stage: what the next one receives
             self.fx.output(tuple(self.output_node(b.ref) for b in stage.sent))
             return self.module()
-        if self.step.program.loss_async:     # the local share goes out; its all-reduce is in flight
+        if self.step.program.loss_async or self.step.program.loss_bucket >= 0:   # the local share goes out
             value = self.fx.call_function(self.step.report_loss, (self.output_node(TensorRef(loss.node, loss.index)),))
         else:
             value = self.source_node(TensorRef(loss.node, loss.index), loss)

@@ -23,6 +23,11 @@ side, so rank r's slice of the flat result is its piece of every gradient.
 Mixed precision: gradients (of the working copies, in ``param_dtype``) cross the
 network in ``reduce_dtype`` and are added to the float32 masters' ``.grad``.
 
+The loss: a program whose ``loss_bucket`` names a bucket reduces the loss in it, as one more float32
+element after the gradients (autoddl/lowering.py ``loss_output``): the compiled program hands each
+micro-step's share to ``hold_loss``, the bucket carries their sum, and ``reduced_loss`` reads it
+after the sync.
+
 Micro-steps: on every micro-step but the last (``last_micro_step`` False) only the
 uses whose sync is reduce-scatters alone are synced (FSDP reduces sharded gradients
 every micro-step); the others keep their gradient, summed in float32, for the last
@@ -58,6 +63,8 @@ class GradSync:
         self.layouts = [self._layout(b) for b in program.buckets]   # per bucket, per use: fixed for the run
         self.carried: dict[int, torch.Tensor] = {}    # use -> gradient kept from earlier micro-steps (fp32)
         self.buffers: dict[int, torch.Tensor] = {}    # all-reduce bucket -> its flat buffer, kept across steps
+        self.loss_shares: list[torch.Tensor] = []     # this rank's loss shares, for the loss bucket
+        self._reduced_loss: torch.Tensor | None = None   # the loss bucket's last element, after its sync
         self.last_micro_step = True
         self.start_step()
 
@@ -110,13 +117,30 @@ class GradSync:
         """The bucket's gradients copied (cast to the reduce dtype) into its flat buffer, all-reduced in
         place. The buffer is kept across steps, as DDP's bucket is: a fresh one every step costs its page
         faults (on the 2-core VM, copying 13 MB into new memory took ~12 ms, into a kept buffer ~1 ms), and an
-        out-of-place collective one more copy. The synced gradients are views of it (``finish``)."""
-        flat = self._kept_buffer(bucket, sum(g.numel() for g in grads), grads[0].device)
+        out-of-place collective one more copy. The synced gradients are views of it (``finish``). The
+        loss bucket's last element is the sum of this rank's loss shares (module docstring)."""
+        carries_loss = bucket.index == self.program.loss_bucket
+        flat = self._kept_buffer(bucket, sum(g.numel() for g in grads) + carries_loss, grads[0].device)
         start = 0
         for g in grads:
             flat[start:start + g.numel()].view(g.shape).copy_(g)
             start += g.numel()
+        if carries_loss:
+            flat[-1] = torch.stack(self.loss_shares).sum()
+            self.loss_shares = []
         return _all_reduce_in_place(flat, self.boxer.groups[bucket.axis])
+
+    def hold_loss(self, share: torch.Tensor) -> None:
+        """One micro-step's share of the loss, for the loss bucket (module docstring)."""
+        self.loss_shares.append(share.float())
+
+    def reduced_loss(self) -> float:
+        """The sum over ranks and micro-steps of the loss shares the last sync carried."""
+        if self._reduced_loss is None:
+            raise RuntimeError("the loss is read after the step's gradient sync, which has not run: call "
+                               "backward() on the loss of every micro-step first")
+        value, self._reduced_loss = float(self._reduced_loss), None
+        return value
 
     def _kept_buffer(self, bucket: Bucket, numel: int, device: torch.device) -> torch.Tensor:
         """The bucket's flat buffer; a ``.grad`` still viewing it from the last step (no
@@ -179,7 +203,10 @@ class GradSync:
             if result is None:
                 self._carry(uses)
                 continue
-            for use, g in zip(uses, self._unpack(bucket, _arrived(result))):
+            flat = _arrived(result)
+            if bucket.index == self.program.loss_bucket:
+                self._reduced_loss = flat[-1].clone()
+            for use, g in zip(uses, self._unpack(bucket, flat)):
                 synced[use.fqn] = g if use.fqn not in synced else synced[use.fqn] + g
         for use in self.program.param_uses:
             if use.grad is None or use.bucket >= 0:

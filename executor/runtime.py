@@ -149,7 +149,13 @@ def _set_param(module: nn.Module, fqn: str, value: nn.Parameter) -> None:
 
 class DistributedModel(nn.Module):
     """``model``'s parameters as DTensors (storage NdSbp); ``forward`` runs the compiled local program
-    and returns the loss (a plain scalar, the same on every rank); backward syncs the gradients."""
+    and returns the loss (a plain scalar, the same on every rank); backward syncs the gradients.
+
+    ``forward_backward`` reads the loss after the step's gradient sync, which may carry it
+    (``StepProgram.loss_bucket``); a subclass whose ``forward`` must return the reduced loss sets
+    ``loss_at_forward``."""
+
+    loss_at_forward = False
 
     def __init__(self, model: nn.Module, graph: OpGraph, plan: Plan, mesh: DeviceMesh, *,
                  recorder: CommRecorder | None = None):
@@ -158,7 +164,7 @@ class DistributedModel(nn.Module):
         self.graph, self.plan, self.mesh, self.recorder = graph, plan, mesh, recorder
         self.device = torch.device(mesh.device_type)
         self.module = copy.deepcopy(model)  # the caller's model stays a plain single-device reference
-        self.program = lower(graph, plan)
+        self.program = lower(graph, plan, loss_at_forward=self.loss_at_forward)
         boxer = Boxer(tuple(plan.mesh.shape), tuple(mesh.get_coordinate()), mesh_groups(mesh, self.program),
                       dist.get_backend(), self._on_collective)
         self.boxer = boxer
@@ -307,8 +313,9 @@ class DistributedModel(nn.Module):
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Run the compiled program; the gradient sync finishes at the end of the loss's backward.
 
-        Returns the tensor to call ``backward()`` on. With ``program.loss_async`` it is this rank's
-        share of the loss, its all-reduce still in flight: :meth:`loss_value` reads the loss."""
+        Returns the tensor to call ``backward()`` on. With ``program.loss_async`` or
+        ``program.loss_bucket`` it is this rank's share of the loss, reduced later (its all-reduce in
+        flight, or the gradient sync's bucket to come): ``forward_backward`` reads the loss."""
         self._set_phase("forward")
         self.step.start_step()
         self.host_copies.start_step()
@@ -328,7 +335,7 @@ class DistributedModel(nn.Module):
         finishes inside the last backward); returns the loss (mean over the micro-steps). The losses
         are read after the last micro-step: with ``program.loss_async`` each read waits for that
         micro-step's loss all-reduce, which the program waits for at the step's end, not between
-        micro-steps."""
+        micro-steps; with ``program.loss_bucket`` the gradient sync reduced their sum."""
         micro = self.micro_batches(inputs)
         losses = []
         for i, chunk in enumerate(micro):
@@ -336,7 +343,7 @@ class DistributedModel(nn.Module):
             loss = self(*chunk)
             (loss / len(micro) if len(micro) > 1 else loss).backward()
             losses.append(loss)
-        return sum(self.loss_value(loss) for loss in losses) / len(micro)
+        return self.step.mean_loss(losses)
 
     def compile_local(self) -> None:
         """Run the local program through ``torch.compile`` (``autoddl run --compile``)."""
@@ -619,6 +626,8 @@ class ParallelModule(DistributedModel):
     parameter's ``.grad``, so any torch optimizer over ``parameters()`` works and gradients
     accumulate over several backward passes as usual until its ``zero_grad``.
     """
+
+    loss_at_forward = True       # forward returns the reduced loss: no bucket can carry it
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """The loss, the same on every rank, as a tensor to call ``backward()`` on."""

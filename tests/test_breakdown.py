@@ -106,25 +106,23 @@ def test_data_parallel_mlp(a100):
     cost = plan_cost(g, plan, a100)
     params = g.parameters()
     total = sum(p.outputs[0].nbytes for p in params.values())    # 12,608 bytes: one bucket (< 1 MB)
-    expected_sync = _ar(total, n, a100.intra_node, a100.efficiency.network)
+    # the P loss (every rank reports it) rides in that bucket as one more float32 element
+    expected_sync = _ar(total + 4, n, a100.intra_node, a100.efficiency.network)
     assert cost.grad_sync_s == pytest.approx(expected_sync, rel=1e-12)
-    # the P loss is all-reduced to B in the forward (every rank reports it): 4 bytes
-    loss_ar = _ar(4, n, a100.intra_node, a100.efficiency.network)
-    assert cost.boxing_forward_s == pytest.approx(loss_ar) and cost.boxing_backward_s == 0
+    assert cost.boxing_forward_s == 0 and cost.boxing_backward_s == 0
     colls = predicted_collectives(g, plan, a100)
     assert Counter((c.kind, c.phase, c.tensor, c.bytes) for c in colls) == Counter(
-        [(K.ALL_REDUCE, "grad_sync", "bucket0", total), (K.ALL_REDUCE, "forward", f"{_loss(g).name}->output", 4)])
+        [(K.ALL_REDUCE, "grad_sync", "bucket0", total + 4)])
     # compute: every op's forward, plus backward for those downstream of a parameter
     expected_compute = sum(op_compute_time_s(op, plan.signatures[op.name], (n,), a100) for op in g.ops())
     assert cost.compute_s == pytest.approx(expected_compute)
     bw = a100.device.memory_bandwidth_gbps * 1e9 * a100.efficiency.memory
     copies = _bucket_copies_s(g, a100)
     assert cost.optimizer_s == pytest.approx(20 * g.parameter_bytes / bw + copies)  # foreach AdamW, replicated params
-    # the one bucket is ready only when the first layer's backward is done: nothing overlaps it;
-    # the loss's all-reduce is only reported, so it runs while backward does
+    # the one bucket is ready only when the first layer's backward is done: nothing overlaps it
     assert cost.step_time_s == pytest.approx(cost.compute_s + cost.grad_sync_s + cost.optimizer_s)
     assert cost.exposed_comm_s == pytest.approx(cost.grad_sync_s)
-    assert cost.comm_s == pytest.approx(cost.grad_sync_s + loss_ar)
+    assert cost.comm_s == pytest.approx(cost.grad_sync_s)
     # per-op table: one row per op, comm charged to the consuming ops adds up to comm_s
     assert list(cost.per_op["op"]) == [op.name for op in g.ops()]
     assert cost.per_op["comm_us"].sum() == pytest.approx(cost.comm_s * 1e6)
@@ -151,19 +149,20 @@ def test_data_parallel_over_two_axes_is_one_all_reduce_over_the_flattened_group(
                            "adamw", Training())
     program = lower(g, plan)
     total = sum(p.outputs[0].nbytes for p in g.parameters().values())
-    assert [(b.kind, b.axis, b.axes, b.nbytes) for b in program.buckets] == [(K.ALL_REDUCE, (0, 1), (0, 1), total)]
+    synced = total + 4              # the P loss rides in the bucket as one more float32 element
+    assert [(b.kind, b.axis, b.axes, b.nbytes) for b in program.buckets] == [(K.ALL_REDUCE, (0, 1), (0, 1), synced)]
     assert sorted(program.param_uses[i].fqn for i in program.buckets[0].uses) == sorted(g.parameters())
     [sync] = [t for t in program.tasks if t.tensor == "bucket0"]
     last_backward = max(t.id for t in program.tasks if t.phase == "backward" and t.collective is None)
     assert (sync.axis, sync.stream, sync.deps) == ((0, 1), "comm0+1", (last_backward,))   # as GradSync runs it
     syncs = [(c.kind, c.axis, c.bytes) for c in predicted_collectives(g, plan, cluster) if c.phase == "grad_sync"]
-    assert syncs == [(K.ALL_REDUCE, (0, 1), total)]
+    assert syncs == [(K.ALL_REDUCE, (0, 1), synced)]
     b, a = cluster.intra_node.bandwidth_gbps * 1e9 * cluster.efficiency.network, cluster.intra_node.latency_us * 1e-6
-    flat = 2 * 3 / 4 * total / b + 2 * 3 * a
-    assert plan_cost(g, plan, cluster).grad_sync_s == pytest.approx(flat, rel=1e-12)
+    assert plan_cost(g, plan, cluster).grad_sync_s == pytest.approx(2 * 3 / 4 * synced / b + 2 * 3 * a, rel=1e-12)
     # the search's per-edge price of a parameter's gradient sync is that same one all-reduce
     from search.formulate import _pair_pricer
     bb, pp = NdSbp.parse("[B, B]"), NdSbp.parse("[P, P]")
+    flat = 2 * 3 / 4 * total / b + 2 * 3 * a
     assert _pair_pricer((2, 2), cluster)(0, total, bb, bb, pp, True) == pytest.approx(flat, rel=1e-9)
 
 
@@ -318,7 +317,7 @@ def test_memory_dp_vs_zero3_gpt(gpt_graph, a100):
     program = lower(g, dp_plan)
     synced = [program.param_uses[i].fqn for b in program.buckets for i in b.uses]
     assert Counter(synced) == Counter(set(used))
-    assert sum(c.bytes for c in dp.collectives if c.phase == "grad_sync") == 4 * n_params
+    assert sum(c.bytes for c in dp.collectives if c.phase == "grad_sync") == 4 * n_params + 4   # and the loss
     assert [c for c in dp.collectives if c.phase == "backward"] == []
     # activations: user inputs + outputs of non-view ops that an op consumes, an n-th of batch-split ones
     expected_act = 0
@@ -338,14 +337,19 @@ def _loss(g: OpGraph):
 
 
 def test_loss_is_boxed_to_b_for_every_rank(a100):
-    """The executor hands every rank the loss: a P loss costs a forward all-reduce, charged to the
-    loss op; its seed gradient needs nothing. An "output" signature does not change that (the
-    executor does not apply one)."""
+    """The executor hands every rank the loss. A P loss rides in the first all-reduce bucket as one
+    more float32 element; with no bucket (``bucket_mb`` 0: each gradient synced on its own) it costs
+    a forward all-reduce of its own, charged to the loss op. Its seed gradient needs nothing. An
+    "output" signature does not change that (the executor does not apply one)."""
     g = mlp_graph()
     n = a100.num_devices
     plan = batch_split_plan(g, n, nd(B), "dp")
     loss = _loss(g)
     assert plan.signatures[loss.name].outputs == (nd(P),)
+    total = sum(p.outputs[0].nbytes for p in g.parameters().values())
+    assert [(c.kind, c.phase, c.bytes, c.tensor) for c in predicted_collectives(g, plan, a100)] == [
+        (K.ALL_REDUCE, "grad_sync", total + 4, "bucket0")]
+    plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, bucket_mb=0))
     expected = [(K.ALL_REDUCE, "forward", 4, f"{loss.name}->output")]
     colls = [c for c in predicted_collectives(g, plan, a100) if c.phase != "grad_sync"]
     assert [(c.kind, c.phase, c.bytes, c.tensor) for c in colls] == expected

@@ -252,10 +252,10 @@ def test_two_rank_plan_matches_single_process(two_rank_results, name):
 @pytest.mark.distributed
 def test_dp_tp_2x2_matches_single_process(four_rank_results):
     _assert_matches(four_rank_results, "dp_tp")
-    # tp axis: fc2's P output (local batch 4 x 8) all-reduced; dp axis: the scalar loss, and the
-    # four parameter gradients (local tp shards) all-reduced in one bucket
-    expected = sorted([("forward", "all_reduce", 1, B_LOCAL * 8 * F32), ("forward", "all_reduce", 0, F32),
-                       ("grad_sync", "all_reduce", 0, sum((8 * 8, 8, 8 * 8, 8)) * F32)])
+    # tp axis: fc2's P output (local batch 4 x 8) all-reduced; dp axis: the four parameter gradients
+    # (local tp shards) all-reduced in one bucket, the scalar loss riding in it as one more element
+    expected = sorted([("forward", "all_reduce", 1, B_LOCAL * 8 * F32),
+                       ("grad_sync", "all_reduce", 0, sum((8 * 8, 8, 8 * 8, 8)) * F32 + F32)])
     for res in four_rank_results:
         assert _comms(res["dp_tp"][1]) == expected
 
@@ -264,19 +264,36 @@ def test_dp_tp_2x2_matches_single_process(four_rank_results):
 def test_dp_on_both_axes_of_2x2_syncs_each_bucket_with_one_all_reduce_over_all_4_ranks(four_rank_results):
     """The parameters are B on both axes: their gradients travel in one bucket, all-reduced once over
     axes (0, 1) flattened (M = every parameter's bytes), and match one process; the scalar loss, P on
-    both axes, is one all-reduce over the same group (and, one all-reduce away from B, asynchronous)."""
+    both axes, rides in that bucket as one more float32 element (no collective of its own)."""
     from autoddl.program import lower
 
     _assert_matches(four_rank_results, "dp_2x2")
     _, _, graph = traced()
     program = lower(graph, make_plan(graph, "dp_2x2"))
     params = sum(PARAM_NUMEL.values()) * F32
-    assert [(b.axis, b.nbytes) for b in program.buckets] == [((0, 1), params)]
-    assert program.loss_async
-    expected = [("forward", "all_reduce", (0, 1), F32), ("grad_sync", "all_reduce", (0, 1), params)]
+    assert [(b.axis, b.nbytes) for b in program.buckets] == [((0, 1), params + F32)]
+    assert program.loss_bucket == 0 and not program.loss_async
+    expected = [("grad_sync", "all_reduce", (0, 1), params + F32)]
     assert sorted((t.phase, t.collective.value, t.axis, t.nbytes) for t in program.collectives()) == expected
     for res in four_rank_results:
         assert _comms(res["dp_2x2"][1]) == expected
+
+
+def test_a_loss_read_at_forward_is_all_reduced_on_its_own_asynchronously():
+    """``ParallelModule.forward`` returns the reduced loss, before any bucket exists: its program
+    (``loss_at_forward``) reduces the P loss with a 4-byte all-reduce of its own, issued without the
+    host waiting, and the bucket holds the gradients only."""
+    from autoddl.program import lower
+    from executor.runtime import ParallelModule
+
+    _, _, graph = traced()
+    assert ParallelModule.loss_at_forward
+    program = lower(graph, make_plan(graph, "dp_2x2"), loss_at_forward=True)
+    params = sum(PARAM_NUMEL.values()) * F32
+    assert [(b.axis, b.nbytes) for b in program.buckets] == [((0, 1), params)]
+    assert program.loss_bucket == -1 and program.loss_async
+    expected = [("forward", "all_reduce", (0, 1), F32), ("grad_sync", "all_reduce", (0, 1), params)]
+    assert sorted((t.phase, t.collective.value, t.axis, t.nbytes) for t in program.collectives()) == expected
 
 
 @pytest.mark.distributed
@@ -292,17 +309,17 @@ PARAM_NUMEL = {"fc1.weight": 16 * 8, "fc1.bias": 16, "fc2.weight": 8 * 16, "fc2.
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name,expected", [
-    # the four gradients (1,160 bytes) fill one bucket below DDP's 1 MB first bucket
-    ("dp", [("forward", "all_reduce", 0, F32), ("grad_sync", "all_reduce", 0, sum(PARAM_NUMEL.values()) * F32)]),
+    # the four gradients (1,160 bytes) fill one bucket below DDP's 1 MB first bucket; the loss
+    # rides in it as one more float32 element
+    ("dp", [("grad_sync", "all_reduce", 0, sum(PARAM_NUMEL.values()) * F32 + F32)]),
     # the parameters (all outside any numbered block: one "root" group) gathered in one all-gather;
     # gloo carries the bucket's reduce-scatter out as an all-reduce of the whole buffer
     ("zero3", [("forward", "all_reduce", 0, F32), ("forward", "all_gather", 0, sum(PARAM_NUMEL.values()) * F32),
                ("backward", "all_gather", 0, sum(PARAM_NUMEL.values()) * F32),      # freed, gathered again
                ("grad_sync", "all_reduce", 0, sum(PARAM_NUMEL.values()) * F32)]),
     ("tp", [("forward", "all_reduce", 0, 8 * 8 * F32)]),
-    ("dp_gather", [("forward", "all_reduce", 0, F32), ("forward", "all_gather", 0, 8 * 16 * F32),
-                   ("backward", "all_gather", 0, 8 * 16 * F32)]
-     + [("grad_sync", "all_reduce", 0, sum(PARAM_NUMEL.values()) * F32)]),
+    ("dp_gather", [("forward", "all_gather", 0, 8 * 16 * F32), ("backward", "all_gather", 0, 8 * 16 * F32)]
+     + [("grad_sync", "all_reduce", 0, sum(PARAM_NUMEL.values()) * F32 + F32)]),
     ("tp_sp", [("forward", "all_reduce", 0, 8 * 8 * F32), ("forward", "all_reduce", 0, F32),
                ("backward", "all_gather", 0, 8 * 8 * F32)]),
 ])

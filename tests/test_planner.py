@@ -70,8 +70,9 @@ def test_dp_baseline_splits_batch_and_replicates_weights(gpt, cluster4):
 @pytest.mark.parametrize("mesh", [(4,), (2, 2)])
 def test_dp_baseline_replicates_constants_and_moves_no_activation(mesh, cluster4):
     """Llama's rotary table (bf16, micro-batch 8) comes from buffers alone: data parallel keeps it whole
-    (B) and splits only the batch, so its only collectives are the loss's all-reduce and the gradient
-    sync (the greedy once split the table on the sequence and all-to-all'ed every rotary product)."""
+    (B) and splits only the batch, so its only collectives are the gradient sync's (the loss rides in
+    its first bucket; the greedy once split the table on the sequence and all-to-all'ed every rotary
+    product)."""
     from autoddl.loader import load_model_file
 
     llama = load_model_file(ROOT / "examples" / "llama.py", preset="tiny").with_batch_size(8).trace("bfloat16")
@@ -84,7 +85,7 @@ def test_dp_baseline_replicates_constants_and_moves_no_activation(mesh, cluster4
             assert all(nd == NdSbp.of(*[B] * len(mesh)) for nd in sigs[node.name].outputs), node.name
     plan = assignment_plan("dp", form, base.assignment, llama.fingerprint(), "llama", cluster4, "adamw", Training())
     kinds = {(c.kind.value, c.phase) for c in predicted_collectives(llama, plan, cluster4)}
-    assert kinds == {("all_reduce", "forward"), ("all_reduce", "grad_sync")}, kinds
+    assert kinds == {("all_reduce", "grad_sync")}, kinds
 
 
 def test_tp_baseline_is_megatron_column_then_row(gpt, cluster4):

@@ -111,8 +111,8 @@ def test_training_settings_match_one_process_and_the_program(mesh, setting):
 
 def test_the_settings_change_what_runs():
     """The programs differ as the settings say: recompute collectives under full recompute with
-    tensor parallel, one gradient all-reduce for two micro-steps of data parallel but a
-    reduce-scatter per micro-step for ZeRO-3, gathers in bf16 at half the fp32 bytes."""
+    tensor parallel, one gradient all-reduce for two micro-steps of data parallel (carrying their
+    losses) but a reduce-scatter per micro-step for ZeRO-3, gathers in bf16 at half the fp32 bytes."""
     from autoddl.program import lower
 
     def program(model, setting, scheme):
@@ -125,9 +125,11 @@ def test_the_settings_change_what_runs():
     assert count(program("llama", "fp32-full", "tp"), "all_reduce", "recompute") > 0
     dp = program("gpt", "fp32-mb2", "dp")
     assert count(dp, "all_reduce", "grad_sync") == len(dp.buckets) >= 1
-    assert count(dp, "all_reduce", "forward") == 2                     # each micro-step's loss
+    # both micro-steps' losses ride in the first bucket of the one sync, as their sum
+    assert count(dp, "all_reduce", "forward") == 0 and dp.loss_bucket == 0
     z3 = program("gpt", "fp32-mb2", "zero3")
     assert count(z3, "reduce_scatter", "grad_sync") == 2 * len(z3.buckets) >= 2
+    assert count(z3, "all_reduce", "forward") == 2 and z3.loss_bucket == -1   # no all-reduce bucket: each loss's own
     gathers = lambda prog: [t.nbytes for t in prog.collectives() if t.tensor.startswith("gather")]  # noqa: E731
     fp32 = gathers(z3)[: len(z3.gathers)]
     assert gathers(program("gpt", "bf16-selective-mb4", "zero3"))[: len(z3.gathers)] == [b // 2 for b in fp32]
