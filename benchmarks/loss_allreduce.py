@@ -1,15 +1,20 @@
-"""What the dp program's asynchronous loss all-reduce costs a step that DDP's does not pay.
+"""What an asynchronous loss all-reduce costs a data-parallel step that DDP's does not pay.
 
-The step program all-reduces the loss (4 bytes) as soon as the forward has it and waits for it at the
-step's end only (``StepProgram.loss_async``), so every rank returns the same loss; DDP returns each
-rank's own loss and runs no such collective. The cost model prices that all-reduce on the
-communication stream, hidden behind the backward. This times a synthetic data-parallel step on 2 gloo
-ranks, 1 thread each (matmuls for a forward and a backward twice as long, then a 0.55 MB gradient
-all-reduce: gpt tiny's dp step on this machine), without and with that asynchronous 4-byte all-reduce
-(a functional collective launched after the forward, waited for after the gradient all-reduce), and
-with the loss carried as one more element of the gradient all-reduce (no collective of its own: what
-the program could do instead), in interleaved rounds, and appends one row per variant (step p10 / median / p90 / mean in ms) to
-results/loss_allreduce.csv (atomically).
+Until 2026-11-28 the dp step program all-reduced the loss (4 bytes) as soon as the forward had it and
+waited for it at the step's end only (``StepProgram.loss_async``), so every rank returned the same
+loss; DDP returns each rank's own loss and runs no such collective. This benchmark measured what that
+cost, and the loss now rides in the first float32 all-reduce bucket instead (``StepProgram.loss_bucket``);
+programs without such a bucket (ZeRO-2/3, tensor parallel) and ``ParallelModule``, whose forward
+returns the reduced loss, still run the asynchronous all-reduce. The variant names in the CSV are
+those of the first runs ("the dp program" is the old program).
+
+This times a synthetic data-parallel step on 2 gloo ranks, 1 thread each (matmuls for a forward and a
+backward twice as long, then a 0.55 MB gradient all-reduce: gpt tiny's dp step on this machine),
+without and with that asynchronous 4-byte all-reduce (a functional collective launched after the
+forward, waited for after the gradient all-reduce), and with the loss carried as one more element of
+the gradient all-reduce (no collective of its own: what the program does now), in interleaved rounds,
+and appends one row per variant (step p10 / median / p90 / mean in ms) to results/loss_allreduce.csv
+(atomically).
 
     python benchmarks/loss_allreduce.py          # ~30 s; run it on an idle machine
 """
