@@ -149,11 +149,11 @@ def _set_param(module: nn.Module, fqn: str, value: nn.Parameter) -> None:
 
 class DistributedModel(nn.Module):
     """``model``'s parameters as DTensors (storage NdSbp); ``forward`` runs the compiled local program
-    and returns the loss (a plain scalar, the same on every rank); backward syncs the gradients.
+    and returns the tensor to call ``backward()`` on; backward syncs the gradients.
 
-    ``forward_backward`` reads the loss after the step's gradient sync, which may carry it
-    (``StepProgram.loss_bucket``); a subclass whose ``forward`` must return the reduced loss sets
-    ``loss_at_forward``."""
+    ``forward_backward`` returns the loss (a plain float, the same on every rank), read after the
+    step's gradient sync, which may carry it (``StepProgram.loss_bucket``); a subclass whose
+    ``forward`` must return the reduced loss sets ``loss_at_forward``."""
 
     loss_at_forward = False
 
