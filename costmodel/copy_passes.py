@@ -9,7 +9,9 @@ memory is slow (on the 2-core VM, 10 GB/s: ~2.6 ms per 13 MB of gradients copied
   gradient (dst layout) copied into the bucket's flat buffer, once per sync (the last micro-step's,
   or every micro-step's for reduce-scatters alone). Where that copy casts (into another
   ``reduce_dtype``) it is already a master pass (costmodel/master_passes.py); only the copies that
-  keep the dtype are counted here. The synced gradients are views of the buffer (no copy out);
+  keep the dtype are counted here. The synced gradients are views of the buffer (no copy out). The
+  bucket that carries the loss (``StepProgram.loss_bucket``) has it copied into its last element,
+  once per step (the later micro-steps' shares are added to it in place: 1-element adds, left out);
 - a **ZeRO-3 group gather** (executor/compiled.py ``_launch_gather``, ``_unpack``, ``_regather``):
   the group's working shards flattened by one ``cat``, the gathered buffer copied into one whole
   tensor per use (``executor.moves.unflatten_gathered``); per micro-step, once more when the group is
@@ -60,6 +62,8 @@ def bucket_passes(program: StepProgram, training: Training, only: frozenset[str]
             held = training.param_dtype if every or k == 1 else MASTER_DTYPE   # what is copied in
             if held == red:
                 out.append(Pass("copy", red, red, _numel(use.dst, use, program.mesh_shape), k if every else 1))
+    if program.loss_bucket >= 0 and only is None and program.edges[program.loss].meta.dtype == red:
+        out.append(Pass("copy", red, red, 1, 1))         # the loss into its bucket
     return out
 
 

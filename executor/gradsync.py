@@ -125,14 +125,17 @@ class GradSync:
         for g in grads:
             flat[start:start + g.numel()].view(g.shape).copy_(g)
             start += g.numel()
-        if carries_loss:
-            flat[-1] = torch.stack(self.loss_shares).sum()
+        if carries_loss:            # one copy in (costmodel/copy_passes.py), then 1-element adds
+            last = flat[-1:]
+            last.copy_(self.loss_shares[0])
+            for share in self.loss_shares[1:]:
+                last.add_(share)
             self.loss_shares = []
         return _all_reduce_in_place(flat, self.boxer.groups[bucket.axis])
 
     def hold_loss(self, share: torch.Tensor) -> None:
         """One micro-step's share of the loss, for the loss bucket (module docstring)."""
-        self.loss_shares.append(share.float())
+        self.loss_shares.append(share)
 
     def reduced_loss(self) -> float:
         """The sum over ranks and micro-steps of the loss shares the last sync carried."""

@@ -74,7 +74,7 @@ def test_priced_copy_passes_are_the_copies_that_ran(model_path):
 
 def test_copy_passes_by_hand(model_path):
     """ZeRO-1 of a 2-block stack's 3 Linear(16, 16) on 2 ranks (816 parameters, float32): the buckets
-    copy in 816 gradient elements; the sync flattens 408 and copies 256 + 16 back into each layer; a
+    copy in 816 gradient elements and the loss; the sync flattens 408 and copies 256 + 16 back into each layer; a
     copy of n float32 elements reads and writes 8n bytes at the memory roofline, plus the per-op cost
     no family measured (the ``contiguous`` family's probe copies nothing)."""
     from autoddl.cluster import Cluster
@@ -86,7 +86,7 @@ def test_copy_passes_by_hand(model_path):
     _, graph, plans = _plans(model_path)
     program = lower(graph, plans[("zero1", 1)])
     buckets = bucket_passes(program, Training())
-    assert sum(p.numel * p.count for p in buckets) == 3 * (D * D + D)
+    assert sum(p.numel * p.count for p in buckets) == 3 * (D * D + D) + 1
     syncs = param_sync_passes(program, Training())
     assert [(p.op, p.numel) for p in syncs if p.op == "cat"] == [("cat", 3 * (D * D + D) // 2)]
     assert sorted(p.numel for p in syncs if p.op == "copy") == sorted([D * D] * 3 + [D] * 3)
