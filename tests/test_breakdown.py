@@ -93,10 +93,12 @@ def _ar(nbytes, n, link, eff):
 
 # -- data parallel -------------------------------------------------------------------
 def _bucket_copies_s(g, cluster) -> float:
-    """Each float32 gradient copied into its bucket (costmodel/copy_passes.py): its bytes read and
-    written at the memory roofline, plus the cluster's per-op overhead (no measured copy family)."""
+    """Each float32 gradient, and the P loss that rides in the bucket (one element), copied into its
+    bucket (costmodel/copy_passes.py): its bytes read and written at the memory roofline, plus the
+    cluster's per-op overhead (no measured copy family)."""
     bw = cluster.device.memory_bandwidth_gbps * 1e9 * cluster.efficiency.memory
-    return sum(2 * p.outputs[0].nbytes / bw + cluster.op_overhead_us * 1e-6 for p in g.parameters().values())
+    sizes = [p.outputs[0].nbytes for p in g.parameters().values()] + [4]
+    return sum(2 * nbytes / bw + cluster.op_overhead_us * 1e-6 for nbytes in sizes)
 
 
 def test_data_parallel_mlp(a100):
