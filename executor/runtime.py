@@ -25,7 +25,7 @@ import datetime
 import math
 import os
 import weakref
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -463,16 +463,18 @@ def split_micro_batches(inputs: Sequence[torch.Tensor], k: int) -> list[Sequence
     if k == 1:
         return [inputs]
     columns = [t.chunk(k, dim=0) for t in inputs]
-    chunks = [[c[i] for c in columns] for i in range(k)]
+    return [with_values(inputs, [c[i] for c in columns]) for i in range(k)]
+
+
+def with_values(inputs: Sequence[Any], values: Sequence[Any]) -> Sequence[Any]:
+    """``values`` in the layout of ``inputs`` (a model file's ``StepInputs`` keep their forward /
+    target split; a plain sequence becomes a list)."""
     if not hasattr(inputs, "split"):
-        return chunks
+        return list(values)
     from autoddl.trace import StepInputs
 
-    out = []
-    for values in chunks:
-        args, kwargs, targets = inputs.split(values)
-        out.append(StepInputs(args, kwargs, targets if inputs.has_targets else None))
-    return out
+    args, kwargs, targets = inputs.split(values)
+    return StepInputs(args, kwargs, targets if inputs.has_targets else None)
 
 
 def train_step(dmodel: DistributedModel, inputs: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> float:
@@ -543,7 +545,11 @@ def run_check(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callabl
     Keys: ``loss`` (worst over steps), ``grad/<fqn>`` (last step), ``param/<fqn>`` (after the
     last optimizer step). Every rank must call it (gathering to full tensors is collective).
     """
-    ref = copy.deepcopy(model)
+    # The reference runs on the plan's device type: on GPUs a CPU reference would measure the two
+    # devices' kernels (bf16 accumulation orders), not the plan.
+    device = torch.device(mesh.device_type)
+    ref = copy.deepcopy(model).to(device)
+    ref_inputs = with_values(inputs, [t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs])
     dmodel = distributed_model(model, graph, plan, mesh)
     d_opt = build_optimizer(optimizer, dmodel.parameters(), lr)
     r_opt = build_optimizer(optimizer, ref.parameters(), lr)
@@ -551,7 +557,7 @@ def run_check(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callabl
     for _ in range(steps):
         d_loss = train_step(dmodel, inputs, d_opt)
         r_opt.zero_grad(set_to_none=True)
-        micro = split_micro_batches(inputs, plan.training.micro_batches)    # the same micro-steps
+        micro = split_micro_batches(ref_inputs, plan.training.micro_batches)    # the same micro-steps
         r_loss = 0.0
         for chunk in micro:
             loss = reference_loss(ref, chunk, loss_fn, plan.training.param_dtype)
