@@ -475,9 +475,10 @@ def nb01():
         Recompute buys memory with step time (full more than selective), and fp32 computes at the
         FP32 peak (67 TFLOPS), an order of magnitude below bf16's, so bf16 with selective recompute is
         the fastest setting that fits, as practitioners run it. Every
-        number is a prediction from the cluster file's datasheet peaks and published efficiencies; beside
-        TorchTitan's measurement of `fsdp=8`, selective recompute (results/README.md), the prediction is
-        high, which the results README reports as a missed target.
+        number is a prediction from the cluster file's datasheet peaks and the efficiencies measured on
+        an H100 (results/README.md, `gpu_components.csv`); beside TorchTitan's measurement of `fsdp=8`,
+        selective recompute (results/README.md, `published.csv`), the prediction is 1.12x the figure
+        in TorchTitan's paper (within the 15% target) and 1.22x the one in its repository (missed).
         """),
         _code(r"""
         fits = llama_variants[llama_variants.fits]
