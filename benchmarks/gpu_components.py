@@ -1,9 +1,10 @@
 """Measure on one CUDA GPU what the GPU cluster files assume, and one Llama-3-8B block end to end.
 
 The GPU cluster files (configs/h100-4x8.yaml and the others) price every op by a roofline over
-datasheet peaks times efficiencies cited from published component measurements, plus an assumed
-per-op launch overhead. This script measures those components on the GPU it runs on, with plain
-PyTorch (no autoddl code on the timed path), and writes one CSV row per measurement:
+datasheet peaks times efficiencies, plus a per-op launch overhead. This script measures those
+components on the GPU it runs on (configs/h100-4x8.yaml holds what it measured on an H100; the other
+files cite published measurements), with plain PyTorch (no autoddl code on the timed path but the
+selective recompute policy), and writes one CSV row per measurement:
 
 - ``matmul``: bf16 / fp16 / fp32 (TF32 off) products, square sizes 512-16384 (the curve of
   efficiency against FLOPs per product, as ``compute_curve`` reads it) and Llama-3-8B's seven block
