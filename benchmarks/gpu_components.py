@@ -4,7 +4,8 @@ The GPU cluster files (configs/h100-4x8.yaml and the others) price every op by a
 datasheet peaks times efficiencies, plus a per-op launch overhead. This script measures those
 components on the GPU it runs on (configs/h100-4x8.yaml holds what it measured on an H100; the other
 files cite published measurements), with plain PyTorch (no autoddl code on the timed path but the
-selective recompute policy), and writes one CSV row per measurement:
+selective recompute policy), and writes one CSV row per measurement (p10 / p90 interpolated as
+``executor.measure.StepStats``; the committed rows of 2026-11-28 took the nearest sample):
 
 - ``matmul``: bf16 / fp16 / fp32 (TF32 off) products, square sizes 512-16384 (the curve of
   efficiency against FLOPs per product, as ``compute_curve`` reads it) and Llama-3-8B's seven block
@@ -47,7 +48,6 @@ import csv
 import importlib.util
 import json
 import math
-import statistics
 import subprocess
 import sys
 import time
@@ -59,6 +59,9 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from costmodel.compute import ATTENTION_BACKWARD_FACTOR  # noqa: E402  (FlashAttention-2's count, as priced)
+from executor.measure import StepStats  # noqa: E402
 COLUMNS = ("section", "name", "dtype", "shape", "flops", "bytes", "samples", "p10_us", "median_us", "p90_us",
            "tflops", "gbps", "peak_mem_gb", "note")
 
@@ -103,11 +106,10 @@ def sync(device: torch.device) -> None:
 
 
 def percentiles(samples_s: list[float]) -> dict:
-    """p10 / median / p90 of seconds, as microseconds."""
-    xs = sorted(samples_s)
-    pick = lambda q: xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]  # noqa: E731
-    return {"samples": len(xs), "p10_us": pick(0.1) * 1e6, "median_us": statistics.median(xs) * 1e6,
-            "p90_us": pick(0.9) * 1e6}
+    """p10 / median / p90 of seconds (executor.measure ``StepStats``), as microseconds."""
+    stats = StepStats.of(samples_s)
+    return {"samples": stats.steps, "p10_us": stats.p10_s * 1e6, "median_us": stats.median_s * 1e6,
+            "p90_us": stats.p90_s * 1e6}
 
 
 def time_op(fn: Callable[[int], object], device: torch.device, samples: int = 15, warmup: int = 3,
@@ -216,7 +218,7 @@ def measure_attention(rec: Recorder, device: torch.device, smoke: bool) -> None:
             rec.add(section="attention", name=f"sdpa {backend_name} causal forward", dtype="bfloat16",
                     shape=shape, flops=fwd_flops, **t_f)
             rec.add(section="attention", name=f"sdpa {backend_name} causal forward+backward", dtype="bfloat16",
-                    shape=shape, flops=3.5 * fwd_flops, **t_fb)
+                    shape=shape, flops=(1 + ATTENTION_BACKWARD_FACTOR) * fwd_flops, **t_fb)
         del q, k, v, grad
 
 
@@ -304,7 +306,6 @@ class Recomputed(torch.nn.Module):
         super().__init__()
         self.block, self.kwargs = block, {}
         if policy == "selective":
-            sys.path.insert(0, str(ROOT))
             from executor.recompute import selective_context
             self.kwargs["context_fn"] = selective_context
 

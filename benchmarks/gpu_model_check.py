@@ -105,8 +105,10 @@ def op_compute_ms(breakdown, graph) -> dict[str, float]:
 
 
 def measured_ms(measured: pd.DataFrame, section: str, name: str) -> tuple[float, object] | None:
-    rows = measured[(measured.section == section) & (measured.name == name) & (measured.samples > 0)]
-    return None if rows.empty else (rows.median_us.iloc[-1] / 1e3, next(rows.itertuples()))
+    """The median (ms) and the row of the last measurement named ``name`` in ``section``, if any."""
+    rows = list(measured[(measured.section == section) & (measured.name == name)
+                         & (measured.samples > 0)].itertuples())
+    return None if not rows else (rows[-1].median_us / 1e3, rows[-1])
 
 
 def block_rows(measured: pd.DataFrame, cluster: Cluster, sdpa: str = "flash") -> list[dict]:
