@@ -127,7 +127,7 @@ def lower_program(graph: OpGraph, plan: Plan, *, loss_at_forward: bool = False) 
 
 
 BUCKETED_KINDS = (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER)   # the gradient reductions
-LOSS_ELEMENT_BYTES = 4          # the loss carried by a bucket: one float32 element (loss_output)
+LOSS_ELEMENT_BYTES = itemsize("float32")   # the loss carried by a bucket: one float32 element (loss_output)
 FIRST_BUCKET_BYTES = 1_000_000   # DDP's first bucket: torch/nn/parallel/distributed.py _DEFAULT_FIRST_BUCKET_BYTES
 GATHER_MIN_BYTES = 1_000_000     # smallest ZeRO-3 gather group (smaller layer groups merge with the next)
 
