@@ -20,6 +20,11 @@ memory is slow (on the 2-core VM, 10 GB/s: ~2.6 ms per 13 MB of gradients copied
 - a **ZeRO-1/2 parameter sync** (executor/runtime.py ``sync_parameters``): the updated working
   shards flattened by one ``cat``, the gathered buffer copied into each parameter in place.
 
+What a parameter sync costs the host beyond those copies and its all-gather (per parameter: the
+views that address its shard and its place in the gathered buffer, the calls around them) is
+``executor.param_sync_us``, measured by ``autoddl calibrate`` on the executor's own sync
+(:func:`param_sync_host_s`).
+
 Left out: the ``contiguous`` of a reduce-scattered piece split on a dim other than its first, and
 the casts of ZeRO-1/2's float32 shards to the working dtype before their sync (mixed precision).
 
@@ -37,6 +42,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from autoddl.cluster import Cluster
 from autoddl.precision import MASTER_DTYPE
 from autoddl.program import ParamUse, StepProgram, syncs_every_micro_step
 from autoddl.training import Training
@@ -94,6 +100,13 @@ def param_sync_passes(program: StepProgram, training: Training, only: frozenset[
         out.append(Pass("cat", work, work, sum(wholes) // program.mesh_shape[sync.axis], 1))
         out += [Pass("copy", work, work, whole, 1) for whole in wholes]
     return out
+
+
+def param_sync_host_s(program: StepProgram, cluster: Cluster, only: frozenset[str] | None = None) -> float:
+    """Seconds of the executor's own host work in the ZeRO-1/2 parameter syncs of one step, beyond their
+    all-gathers and copy passes: ``executor.param_sync_us`` per parameter synced (``only``: of these)."""
+    synced = sum(len(s.fqns) for s in program.param_syncs if only is None or all(f in only for f in s.fqns))
+    return synced * cluster.executor.param_sync_us * 1e-6 * cluster.time_sharing(tuple(program.mesh_shape))
 
 
 def _numel(layout, use: ParamUse, mesh_shape: Sequence[int]) -> int:

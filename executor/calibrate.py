@@ -56,7 +56,7 @@ from typing import Any, Callable, Sequence
 
 from autoddl.cluster import COLLECTIVE_KINDS, FITTED_KINDS, PEAK_DTYPES, ExecutorOverheads, RecomputeCost
 from executor.calibrate_models import (CHAIN_KINDS, CHAIN_WIDTH, PROBE_SIZES, block_model, broadcast_plan, chain_loss,
-                                       chain_model, probe_ops)
+                                       chain_model, probe_ops, zero1_plan)
 from executor.local_ranks import run_ranks
 
 SQUARE_SIZES = (64, 128, 256, 512, 1024, 2048)
@@ -203,6 +203,7 @@ class ExecutorTimings:
     chains: tuple[ChainTiming, ...]
     move_us: dict[str, float]          # "all_reduce" (P -> B) / "all_gather" (S -> B): the executor's move in a step
     raw_us: dict[str, float]           # the bare gloo / nccl collective on the same tensor
+    param_syncs: tuple[tuple[int, float, float], ...] = ()   # ZeRO-1 sync: (parameters, sync us, bare all-gather us)
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,18 @@ def fit_executor_overheads(timings: ExecutorTimings) -> ExecutorFit:
         input_forward_us=float(f[1]) * 1e6, input_backward_us=max(0.0, float(a[1] - f[1])) * 1e6,
         param_us=float(a[2]) * 1e6, collective_us=max(0.0, statistics.median(diffs)) if diffs else 0.0)
     return ExecutorFit(overheads, float(a[3]) * 1e6, float(np.max(np.abs(pred - step_t) / step_t)))
+
+
+def fit_param_sync_us(timings: ExecutorTimings, per_copy_us: float) -> float | None:
+    """``executor.param_sync_us``: what a ZeRO-1/2 parameter sync costs the host per parameter beyond its
+    all-gather and the copy each parameter is priced at (``per_copy_us``: a copy pass's fixed cost,
+    costmodel/copy_passes.py): the slope, over the two chain lengths, of the sync less the bare
+    all-gather of its buffer, less ``per_copy_us``; at least 0. None when the syncs were not timed."""
+    rows = sorted(timings.param_syncs)
+    if len(rows) < 2 or rows[-1][0] == rows[0][0]:
+        return None
+    (p1, sync1, bare1), (p2, sync2, bare2) = rows[0], rows[-1]
+    return max(0.0, ((sync2 - bare2) - (sync1 - bare1)) / (p2 - p1) - per_copy_us)
 
 
 def executor_glue_us(timings: ExecutorTimings) -> tuple[float, float] | None:
@@ -533,7 +546,9 @@ def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measuremen
                        for i, c in enumerate(ranks[0]["chains"]))
         executor = ExecutorTimings(chains, {k: max(r["move_us"][k] for r in ranks)
                                             for k in ranks[0]["move_us"]},
-                                   {k: max(r["raw_us"][k] for r in ranks) for k in ranks[0]["raw_us"]})
+                                   {k: max(r["raw_us"][k] for r in ranks) for k in ranks[0]["raw_us"]},
+                                   tuple((int(row[0]), *(max(r["param_syncs"][i][j] for r in ranks) for j in (1, 2)))
+                                         for i, row in enumerate(ranks[0].get("param_syncs", ()))))
     return Measurements(
         settings=settings, matmuls=matmuls,
         memory_gbps={k: mean(r["memory_gbps"][k] for r in ranks) for k in ranks[0].get("memory_gbps", {})},
@@ -685,7 +700,37 @@ class Bench:
             raw_us[kind] = statistics.median(reps_raw) * 1e6
             self.say(f"executor {kind} of 4 KB: the executor's move after {STEP_GAP_S * 1e3:g} ms of compute "
                      f"{move_us[kind]:.0f} us, bare {self.s.backend} back to back {raw_us[kind]:.0f} us (rank 0)")
-        return {"chains": chains, "move_us": move_us, "raw_us": raw_us}
+        return {"chains": chains, "move_us": move_us, "raw_us": raw_us, "param_syncs": self._param_syncs(mesh, x)}
+
+    def _param_syncs(self, mesh: Any, x: Any) -> list[list[float]]:
+        """ZeRO-1's parameter sync (``DistributedModel.sync_parameters``) of the ``param`` chains, against
+        the bare all-gather of the same buffer: per chain length, [parameters, sync us, bare us], each the
+        median over repetitions (the two interleaved, each the mean over back-to-back calls)."""
+        torch, dist = self.torch, self.dist
+        from autoddl.trace import trace
+        from executor.runtime import DistributedModel, build_optimizer, train_step
+
+        calls, rows = (10 if self.s.quick else 40), []
+        for n in self.s.executor_chains:
+            torch.manual_seed(0)
+            model = chain_model("param", n).to(self.device)
+            graph = trace(model, (x,), chain_loss, name=f"chain-param-{n}")
+            dmodel = DistributedModel(model, graph, zero1_plan(graph, (self.s.nproc,)), mesh)
+            train_step(dmodel, (x,), build_optimizer("adamw", dmodel.parameters()))   # the shards' states exist
+            numel = sum(p.numel() for p in model.parameters()) // self.s.nproc
+            piece = torch.ones(numel, device=self.device)                                  # this rank's shards
+            gathered = torch.empty(numel * self.s.nproc, device=self.device)
+            syncs, bares = [], []
+            for _ in range(self.s.repeats):
+                self.dist.barrier()
+                syncs.append(self.time_calls(dmodel.sync_parameters, calls))
+                self.dist.barrier()
+                bares.append(self.time_calls(lambda: dist.all_gather_into_tensor(gathered, piece), calls))
+            params = len(list(model.parameters()))
+            rows.append([params, statistics.median(syncs) * 1e6, statistics.median(bares) * 1e6])
+            self.say(f"executor ZeRO-1 parameter sync of {params} parameters: {rows[-1][1]:.0f} us, the bare "
+                     f"all-gather of its buffer {rows[-1][2]:.0f} us (rank 0)")
+        return rows
 
     def _step_gap(self) -> Callable[[], Any]:
         """Matmuls taking about STEP_GAP_S, the same number on every rank: the compute between two moves."""
@@ -952,6 +997,10 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
     ex = ExecutorOverheads(**{k: _round3(v) for k, v in fit.overheads.scalars().items()})
     ex = dataclasses.replace(ex, step_us=_round3(fit.step_fixed_us),     # measured apart (--only collective_cpu)
                              collective_compute_share=cluster.executor.collective_compute_share)
+    per_copy_us = meas.tiny_op_us + ex.op_forward_us                      # a copy pass's fixed cost (unmeasured op)
+    sync_us = fit_param_sync_us(meas.executor, per_copy_us)
+    if sync_us is not None:
+        ex = dataclasses.replace(ex, param_sync_us=_round3(sync_us))
     s = meas.settings
     chains = ", ".join(f"{c.kind} {c.ops} ops {c.step_s * 1e3:.1f} ms" for c in meas.executor.chains)
     diffs = ", ".join(f"{k} {meas.executor.move_us[k]:.0f} us vs {meas.executor.raw_us[k]:.0f} us"
@@ -967,6 +1016,12 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
                                      "ms of matmuls on every rank, less the matmuls alone, mean over the calls of a "
                                      f"repetition, median of {s.repeats} interleaved repetitions: {diffs}; median "
                                      "over kinds")
+    if ex.param_sync_us > 0:                    # 0 is left out of the file (not priced), comment and all
+        rows = ", ".join(f"{p} parameters {sync:.0f} us vs {bare:.0f} us" for p, sync, bare in meas.executor.param_syncs)
+        out["executor.param_sync_us"] = (f"measured: ZeRO-1's parameter sync of chains of {CHAIN_WIDTH}x{CHAIN_WIDTH} "
+                                         f"parameters against the bare all-gather of its buffer, median of "
+                                         f"{s.repeats} interleaved repetitions ({rows}); per parameter, the slope of "
+                                         f"the difference less a copy pass's fixed cost ({per_copy_us:.1f} us)")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     at_once = max(1, cores // s.threads)
     if s.backend == "gloo" and cluster.device.kind == "cpu":

@@ -207,3 +207,16 @@ def broadcast_plan(graph: Any, mesh_shape: tuple[int, ...]) -> Any:
     sigs.update({n.name: Signature(tuple(b for _ in n.inputs), tuple(b for _ in n.outputs)) for n in graph.ops()})
     return Plan("all-B", Mesh(tuple(mesh_shape)), sigs, {fqn: b for fqn in graph.parameters()},
                 graph.fingerprint(), model=graph.model_name)
+
+
+def zero1_plan(graph: Any, mesh_shape: tuple[int, ...]) -> Any:
+    """:func:`broadcast_plan` with every parameter's optimizer states split on dim 0 of mesh axis 0
+    (ZeRO-1's storage): after the optimizer, one all-gather per step rebuilds the parameters
+    (``DistributedModel.sync_parameters``), which is what the calibration times."""
+    import dataclasses
+
+    from autoddl.sbp import NdSbp, Split
+
+    plan = broadcast_plan(graph, mesh_shape)
+    split = NdSbp((Split(0),) + tuple(NdSbp.broadcast(len(mesh_shape)))[1:])
+    return dataclasses.replace(plan, name="all-B-zero1", optimizer_storage={fqn: split for fqn in graph.parameters()})

@@ -383,6 +383,9 @@ def test_quick_calibration_on_two_gloo_ranks(tmp_path, capfd):
     assert min(ex.shard_forward_us, ex.shard_backward_us, ex.shard_param_us) >= 0
     for field in SHARD_FIELDS:      # a cost fitted to 0 (a quick fit on a noisy VM) is left out, comment and all
         assert (getattr(ex, field) > 0) == (f"\n  {field}: " in text), field
+    # ZeRO-1's parameter sync, timed on the param chains of both lengths against the bare all-gather
+    assert err.count("calibrate: executor ZeRO-1 parameter sync of ") == 2
+    assert ex.param_sync_us >= 0 and (ex.param_sync_us > 0) == ("\n  param_sync_us: " in text)
 
 
 def test_calibrate_rejects_bad_options_before_measuring(capsys):
@@ -424,17 +427,35 @@ def test_fit_executor_overheads_recovers_exact_costs():
         fit_executor_overheads(ExecutorTimings(timings.chains[:2], {}, {}))
 
 
+def test_fit_param_sync_us_is_the_slope_beyond_the_bare_gather_and_the_priced_copy():
+    from executor.calibrate import ExecutorTimings, fit_param_sync_us
+
+    def timings(*rows):
+        return ExecutorTimings(_chains(200, 60, 30, 90, 400, 500, 2000), {}, {}, tuple(rows))
+
+    # sync = 900 us fixed + 80 us per parameter + the all-gather (1000 us + 10 us per parameter's bytes)
+    rows = [(p, 900 + 80 * p + 1000 + 10 * p, 1000 + 10 * p) for p in (9, 41)]
+    assert fit_param_sync_us(timings(*rows), per_copy_us=16.0) == pytest.approx(64.0)
+    assert fit_param_sync_us(timings(*reversed(rows)), per_copy_us=16.0) == pytest.approx(64.0)
+    assert fit_param_sync_us(timings(*rows), per_copy_us=100.0) == 0.0        # cheaper than priced: none
+    assert fit_param_sync_us(timings(rows[0]), per_copy_us=16.0) is None      # one length: no slope
+    assert fit_param_sync_us(timings(), per_copy_us=16.0) is None
+
+
 def test_with_executor_overheads_sets_section_and_dispatch_only_op_overhead(tmp_path):
     from executor.calibrate import ExecutorTimings, with_executor_overheads
 
+    syncs = ((9, 9 * 500.0 + 2000, 2000.0), (41, 41 * 500.0 + 2000, 2000.0))      # 500 us per parameter
     meas = dataclasses.replace(synthetic_measurements({k: (50e-6, 1.2e9) for k in GLOO_FORMULA}), executor=ExecutorTimings(
-        _chains(200, 60, 30, 90, 400, 500, 2000), {"all_reduce": 1700.0}, {"all_reduce": 1000.0}))
+        _chains(200, 60, 30, 90, 400, 500, 2000), {"all_reduce": 1700.0}, {"all_reduce": 1000.0}, syncs))
     cal = calibrate_cluster(meas, base_cluster(), devices_per_node=4, command="x")
     cluster, comments = with_executor_overheads(cal.cluster, cal.comments, meas)
     assert cluster.op_overhead_us == 4.0                         # tiny op with grad; the DTensor round is in executor
     assert (cluster.executor.op_forward_us, cluster.executor.param_us, cluster.executor.collective_us) == \
         pytest.approx((200, 400, 700))
     assert "chains of tiny ops" in comments["executor"] and "4 KB" in comments["executor.collective_us"]
+    assert cluster.executor.param_sync_us == pytest.approx(500 - 4 - 200)   # less a copy's tiny op + op_forward
+    assert "41 parameters 22500 us vs 2000 us" in comments["executor.param_sync_us"]
     cluster.to_yaml(tmp_path / "c.yaml", comments=comments, header="h")
     assert Cluster.from_yaml(tmp_path / "c.yaml") == cluster
     assert with_executor_overheads(cal.cluster, cal.comments, synthetic_measurements(

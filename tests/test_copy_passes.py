@@ -96,3 +96,29 @@ def test_copy_passes_by_hand(model_path):
     per_op_s = (cluster.op_overhead_us + ex.op_forward_us + ex.input_forward_us) * 1e-6
     want = 3 * (10**6 * 8 / bw + per_op_s) * cluster.time_sharing((2,))
     assert math.isclose(passes_time_s([Pass("copy", "float32", "float32", 10**6, 3)], cluster, (2,)), want)
+
+
+def test_param_sync_host_cost_by_hand(model_path):
+    """ZeRO-1 and ZeRO-2 of the stack sync its 6 parameters (3 weights, 3 biases) once per step: the
+    optimizer task pays ``executor.param_sync_us`` for each, times the mesh's time-sharing, beyond its
+    copy passes; dp and ZeRO-3 have no parameter sync, and a cluster without the measurement (0, as the
+    GPU files) prices none."""
+    from autoddl.cluster import Cluster
+    from autoddl.program import lower
+    from costmodel.copy_passes import param_sync_host_s
+    from costmodel.simulate import task_time_s
+
+    _, graph, plans = _plans(model_path)
+    base = Cluster.from_yaml(CPU_CLUSTER_PATH).resized(2)
+    cluster = dataclasses.replace(base, executor=dataclasses.replace(base.executor, param_sync_us=50.0))
+    for (name, k), plan in plans.items():
+        program = lower(graph, plan)
+        synced = 6 if name in ("zero1", "zero2") else 0
+        assert sum(len(s.fqns) for s in program.param_syncs) == synced, name
+        want = synced * 50e-6 * cluster.time_sharing((2,))
+        assert param_sync_host_s(program, cluster) == pytest.approx(want, abs=1e-15)
+        assert param_sync_host_s(program, base) == 0.0
+        task = next(t for t in program.tasks if t.phase == "optimizer" and not t.is_collective)
+        with_sync = task_time_s(task, graph, plan, cluster, program=program)
+        without = task_time_s(task, graph, plan, base, program=program)
+        assert with_sync - without == pytest.approx(want, rel=1e-9, abs=1e-15), name
