@@ -705,8 +705,11 @@ class Bench:
     def _param_syncs(self, mesh: Any, x: Any) -> list[list[float]]:
         """ZeRO-1's parameter sync (``DistributedModel.sync_parameters``) of the ``param`` chains, against
         the bare all-gather of the same buffer: per chain length, [parameters, sync us, bare us], each the
-        median over repetitions (the two interleaved, each the mean over back-to-back calls)."""
+        median over repetitions (the two interleaved, each the mean over back-to-back calls). None timed
+        (no ``param_sync_us`` fitted) when the ranks do not divide the chains' rows."""
         torch, dist = self.torch, self.dist
+        if CHAIN_WIDTH % self.s.nproc:
+            return []
         from autoddl.trace import trace
         from executor.runtime import DistributedModel, build_optimizer, train_step
 
@@ -997,7 +1000,7 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
     ex = ExecutorOverheads(**{k: _round3(v) for k, v in fit.overheads.scalars().items()})
     ex = dataclasses.replace(ex, step_us=_round3(fit.step_fixed_us),     # measured apart (--only collective_cpu)
                              collective_compute_share=cluster.executor.collective_compute_share)
-    per_copy_us = meas.tiny_op_us + ex.op_forward_us                      # a copy pass's fixed cost (unmeasured op)
+    per_copy_us = meas.tiny_op_us + ex.op_forward_us + ex.input_forward_us   # a copy pass's fixed cost (unmeasured op)
     sync_us = fit_param_sync_us(meas.executor, per_copy_us)
     if sync_us is not None:
         ex = dataclasses.replace(ex, param_sync_us=_round3(sync_us))
