@@ -10,17 +10,23 @@ For each link rate (``--rates``, Mbit/s; default 1000 and 10000):
    and each 2-D plan whose axes play different roles once more with its axes swapped (``tp_dp`` is
    ``dp_tp`` with Megatron across the hosts and data parallel inside them; ``found_swapped`` the
    found plan so), priced by the cost model on the same cluster;
-3. every plan runs on the testbed at that rate: ``python benchmarks/two_hosts.py --rate-mbit R --
-   autoddl run PLAN --steps S --warmup W`` (host 0 holds mesh axis 1, the inner one; axis 0 crosses
-   the link), and its runs-table row gets the study's columns (``link_mb``: MB the veth carried,
-   both directions, over the whole launch: start-up, warm-up, measured and audit steps).
+3. a model's plans run on the testbed at that rate in one launch: ``python benchmarks/two_hosts.py
+   --rate-mbit R -- -m executor.worker --plans ... --steps S --warmup W --rounds K`` (host 0 holds mesh
+   axis 1, the inner one; axis 0 crosses the link): each plan placed and warmed up, then the measured
+   steps in K interleaved rounds, each plan's share in turn, so that the machine's drift over the launch
+   falls on every plan alike (studies before two-hosts-20261128 ran each plan in its own launch of 5
+   steps, and the same program measured up to 45% apart); each row gets the study's columns
+   (``link_mb``: MB the veth carried, both directions, over the launch: all its plans' start-up,
+   warm-up, measured and audit steps).
 
 ``results/two_hosts.csv`` gets one row per run (the runs-table columns of ``executor.measure`` plus
-``STUDY_COLUMNS``); then, per (model, rate): MAPE of predicted vs measured step time, the Spearman
-rank correlation over the schemes, and whether the found plan was measured fastest (or tied within
-p10..p90; ``benchmarks/fidelity.py``'s rules).
+``STUDY_COLUMNS``), and ``results/fidelity.csv`` the same run as the fidelity study's rows are, with a
+``testbed`` column (``fidelity_row``; ``--export-fidelity`` adds a study measured before); then, per
+(model, rate): MAPE of predicted vs measured step time, the Spearman rank correlation over the schemes,
+and whether the found plan was measured fastest (or tied within p10..p90; ``benchmarks/fidelity.py``'s
+rules).
 
-    python benchmarks/two_hosts_study.py                          # the whole study (~15 min on 2 cores)
+    python benchmarks/two_hosts_study.py                          # the whole study (~10 min on 2 cores)
     python benchmarks/two_hosts_study.py --rates 1000 --models gpt --steps 3
     python benchmarks/two_hosts_study.py --analyze-only           # the tables (and results/two_hosts.png) from the CSV
 
@@ -31,8 +37,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -45,6 +53,7 @@ if str(ROOT) not in sys.path:
 
 TESTBED = ROOT / "benchmarks" / "two_hosts.py"
 DEFAULT_CSV = ROOT / "results" / "two_hosts.csv"
+FIDELITY_CSV = ROOT / "results" / "fidelity.csv"           # the rows join the fidelity study's, with a testbed
 DEFAULT_CLUSTER = ROOT / "configs" / "two-hosts.yaml"
 PLOT = ROOT / "results" / "two_hosts.png"                  # predicted vs measured, one colour per model and rate
 MODELS: dict[str, dict[str, Any]] = {        # build_model / example_inputs keywords: weights big enough that
@@ -54,7 +63,7 @@ MODELS: dict[str, dict[str, Any]] = {        # build_model / example_inputs keyw
 MESH = (2, 2)                                 # axis 0 across the hosts, axis 1 inside a host
 SWAPPED = {"dp_tp": "tp_dp", "found": "found_swapped"}
 STUDY_COLUMNS = ("study", "rate_mbit", "delay_ms", "scheme", "axes", "link_mb", "cluster_file", "steps", "warmup",
-                 "load_avg_1m", "error")
+                 "load_avg_1m", "error", "rounds")
 
 
 # -- clusters ------------------------------------------------------------------------------------------
@@ -145,38 +154,87 @@ def plan_model(model: str, kwargs: dict[str, Any], cluster_path: Path, plan_dir:
 
 
 # -- runs ------------------------------------------------------------------------------------------------
-def run_plan(it: dict[str, Any], rate: float, steps: int, warmup: int, timeout_s: float,
-             run_dir: Path) -> dict[str, Any]:
-    """One plan on the testbed at ``rate`` via ``autoddl run``; its runs-table row, or {"error": ...}."""
-    from executor.measure import read_rows
-
-    runs_csv = run_dir / f"{it['model']}-{it['scheme']}-{rate:g}mbit.csv"
-    runs_csv.unlink(missing_ok=True)
-    cmd = [sys.executable, str(TESTBED), "--rate-mbit", f"{rate:g}", "--timeout-s", f"{timeout_s + 30:g}", "--",
-           "autoddl", "run", str(it["path"]), "--steps", str(steps), "--warmup", str(warmup),
-           "--out", str(runs_csv), "--timeout-s", f"{timeout_s:g}"]
+def run_plans(items: list[dict[str, Any]], model: str, kwargs: dict[str, Any], rate: float,
+              args: argparse.Namespace, run_dir: Path) -> tuple[dict[Path, dict[str, Any]], str]:
+    """Every plan of ``items`` in one launch on the testbed at ``rate``: ``executor.worker --plans``
+    places and warms up each, then times the measured steps in ``args.rounds`` interleaved rounds, each
+    plan's share in turn (as benchmarks/fidelity.py does: plans launched one after the other measured
+    up to 45% apart on the same program). Returns plan path -> the worker's result (or {"error": ...})
+    and the MB the link carried over the launch, both directions, all its plans together."""
+    out_dir = run_dir / f"{model}-results"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    cmd = [sys.executable, str(TESTBED), "--rate-mbit", f"{rate:g}", "--timeout-s", f"{args.timeout_s + 30:g}", "--",
+           "-m", "executor.worker", "--plans", *[str(it["path"]) for it in items], "--out-dir", str(out_dir),
+           "--model", str(ROOT / "examples" / f"{model}.py"), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--quiet"]
+    cmd += [a for k, v in kwargs.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     t0 = time.monotonic()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     log = (res.stdout + res.stderr).splitlines()
-    rows = read_rows(runs_csv)[1] if runs_csv.exists() else []
-    if res.returncode != 0 or not rows:
-        tail = " | ".join(line for line in log[-6:] if line.strip())
-        return {"error": f"exit {res.returncode} after {time.monotonic() - t0:.0f} s: {tail}"[:600]}
+    failed = f"exit {res.returncode} after {time.monotonic() - t0:.0f} s: " + " | ".join(
+        line for line in log[-6:] if line.strip())
+    results = {}
+    for it in items:
+        f = out_dir / f"{it['path'].stem}.json"
+        results[it["path"]] = json.loads(f.read_text()) if f.exists() else {"error": failed[:600]}
     carried = next((line for line in log if "two_hosts: the link carried" in line), "")
     link_mb = sum(map(float, re.findall(r"([0-9.]+) MB", carried))) if carried else float("nan")   # both ways
-    return dict(rows[-1], link_mb=f"{link_mb:.2f}")
+    return results, f"{link_mb:.2f}"
+
+
+def measured_row(it: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """The runs-table row of one plan's worker result (executor.measure's columns), or {"error": ...}."""
+    from executor.measure import StepStats, git_commit, run_row
+
+    if "step_time_s" not in result:
+        return {"error": result.get("error") or "no step times in the result"}
+    plan = it["plan"]
+    return run_row(model=it["model"], preset=" ".join(f"{k}={v}" for k, v in plan.model_args.items()),
+                   cluster=plan.cluster, plan=plan.name, mesh=str(plan.mesh), nproc=4,
+                   backend=result.get("backend", "gloo"), predicted=plan.cost.to_dict(),
+                   stats=StepStats.of(result["step_time_s"]), peak_memory_mb=max(result["peak_memory_mb"]),
+                   commit=git_commit(ROOT))
 
 
 def study_row(it: dict[str, Any], row: dict[str, Any], study: str, rate: float, delay_ms: float,
-              steps: int, warmup: int) -> dict[str, Any]:
+              args: argparse.Namespace) -> dict[str, Any]:
     plan = it["plan"]
     out = {"model": it["model"], "plan": plan.name, "mesh": str(plan.mesh), "nproc": 4,
            "predicted_step_s": f"{plan.cost.step_time_s if plan.cost else float('nan'):.6g}", **row}
     out.update({"study": study, "rate_mbit": f"{rate:g}", "delay_ms": f"{delay_ms:g}", "scheme": it["scheme"],
                 "axes": "swapped" if it["scheme"] in SWAPPED.values() else "as planned",
-                "cluster_file": _shown(Path(plan.cluster_file)), "steps": steps, "warmup": warmup,
-                "load_avg_1m": f"{os.getloadavg()[0]:.2f}", "error": row.get("error", "")})
+                "cluster_file": _shown(Path(plan.cluster_file)), "steps": args.steps, "warmup": args.warmup,
+                "rounds": args.rounds, "load_avg_1m": f"{os.getloadavg()[0]:.2f}", "error": row.get("error", "")})
     return out
+
+
+def fidelity_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A study row as results/fidelity.csv holds it: the runs-table columns, benchmarks/fidelity.py's
+    study columns (config 2x2) and ``testbed`` ("two hosts at R Mbit/s"), which keeps these rows out
+    of the loopback study that fidelity.py and notebook 02 read by default."""
+    from benchmarks.fidelity import STEP_TIMING
+
+    out = {k: v for k, v in row.items() if k not in ("rate_mbit", "delay_ms", "axes", "link_mb")}
+    out.update(config="2x2", same_as="", omp_threads=1, step_timing=STEP_TIMING,
+               testbed=f"two hosts at {row['rate_mbit']} Mbit/s")
+    return out
+
+
+def append_fidelity_rows(rows: list[dict[str, Any]], fidelity_csv: Path) -> int:
+    """Append ``rows`` (this study's) to ``fidelity_csv`` as :func:`fidelity_row` makes them, leaving out
+    those already there (same study, testbed, model and scheme); how many were appended."""
+    from benchmarks.fidelity import STUDY_COLUMNS as FIDELITY_COLUMNS
+    from executor.measure import RUN_COLUMNS, append_row, read_rows
+
+    _, have = read_rows(fidelity_csv) if fidelity_csv.exists() else ([], [])
+    seen = {(r["study"], r.get("testbed", ""), r["model"], r["scheme"]) for r in have}
+    appended = 0
+    for row in map(fidelity_row, rows):
+        if (row["study"], row["testbed"], row["model"], row["scheme"]) not in seen:
+            append_row(fidelity_csv, row, columns=RUN_COLUMNS + FIDELITY_COLUMNS + ("testbed",))
+            appended += 1
+    return appended
 
 
 def _shown(path: Path) -> str:
@@ -237,13 +295,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rates", type=float, nargs="+", default=[1000.0, 10000.0], metavar="MBIT",
                    help="link rates between the hosts, Mbit/s (default 1000 10000)")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--steps", type=int, default=5, help="measured steps per plan (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="warm-up steps per plan (default 2)")
-    p.add_argument("--timeout-s", type=float, default=240.0, help="per plan run (default 240)")
+    p.add_argument("--steps", type=int, default=12, help="measured steps per plan (default 12)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up steps per plan (default 3)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="a launch's plans time their measured steps in this many interleaved rounds (default 3)")
+    p.add_argument("--timeout-s", type=float, default=900.0, help="per launch: one model's plans at one rate "
+                                                                  "(default 900)")
     p.add_argument("--csv", type=Path, default=DEFAULT_CSV, help=f"rows appended here (default {DEFAULT_CSV.name})")
     p.add_argument("--work", type=Path, default=Path("/tmp/autoddl-two-hosts-study"),
                    help="plans, per-run CSVs and calibrations at other rates (default /tmp/autoddl-two-hosts-study)")
     p.add_argument("--quick-calibration", action="store_true", help="calibrate other rates with --quick")
+    p.add_argument("--fidelity-csv", type=Path, default=FIDELITY_CSV,
+                   help=f"each row also joins this CSV with a testbed column (default {FIDELITY_CSV.name})")
+    p.add_argument("--export-fidelity", action="store_true",
+                   help="only append the latest study's rows of --csv to --fidelity-csv (those not there yet)")
     p.add_argument("--analyze-only", action="store_true", help="only print the tables of the latest study")
     return p.parse_args(argv)
 
@@ -259,10 +324,13 @@ def run_study(args: argparse.Namespace, study: str) -> int:
         for model in args.models:
             plan_dir = args.work / f"{rate:g}mbit"
             plan_dir.mkdir(parents=True, exist_ok=True)
-            for it in plan_model(model, MODELS[model], cluster, plan_dir):
-                row = run_plan(it, rate, args.steps, args.warmup, args.timeout_s, plan_dir)
-                out = study_row(it, row, study, rate, delay, args.steps, args.warmup)
+            items = plan_model(model, MODELS[model], cluster, plan_dir)
+            results, link_mb = run_plans(items, model, MODELS[model], rate, args, plan_dir)
+            for it in items:
+                row = dict(measured_row(it, results[it["path"]]), link_mb=link_mb)
+                out = study_row(it, row, study, rate, delay, args)
                 append_row(args.csv, out, columns=RUN_COLUMNS + STUDY_COLUMNS)
+                append_fidelity_rows([out], args.fidelity_csv)
                 failures += bool(out["error"])
                 measured = f"{float(out['measured_median_s']) * 1e3:.1f} ms" if out.get("measured_median_s") else \
                     f"FAILED: {out['error']}"
@@ -273,6 +341,14 @@ def run_study(args: argparse.Namespace, study: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.export_fidelity:
+        from executor.measure import read_rows
+
+        _, rows = read_rows(args.csv)
+        study = max(r["study"] for r in rows)
+        appended = append_fidelity_rows([r for r in rows if r["study"] == study], args.fidelity_csv)
+        print(f"study {study}: {appended} rows appended to {_shown(args.fidelity_csv)}")
+        return 0
     if not args.analyze_only:
         probe = subprocess.run([sys.executable, str(TESTBED), "--check-only"], capture_output=True, text=True)
         if probe.returncode != 0:

@@ -199,3 +199,29 @@ def test_collective_cpu_measured_across_the_testbed_link(tmp_path):
     assert "inter-host groups [[0, 2], [1, 3]] at once across the tbf 10000 Mbit/s link" in note
     assert "4 gloo ranks, 1 thread each" in note and "median of 5 repeats" in note
     assert _our_namespaces() <= before, f"namespaces left behind: {_our_namespaces() - before}"
+
+
+def test_study_rows_come_from_one_launchs_worker_results(tmp_path):
+    """benchmarks/two_hosts_study.py times a model's plans in one launch: each plan's row is its own
+    worker result (the median and p10/p90 of its step times, its predicted cost), the launch's link
+    MB and the study's columns; a plan without a result keeps the launch's error."""
+    import argparse
+
+    from autoddl.plan import Plan
+    from benchmark_modules import load_benchmark
+
+    study = load_benchmark("two_hosts_study")
+
+    path = ROOT / "results" / "plans" / "executor-gpt-tiny-dp.json"
+    it = {"model": "gpt", "scheme": "dp", "path": path, "plan": Plan.load(path)}
+    times = [0.010, 0.012, 0.011, 0.020, 0.013]
+    args = argparse.Namespace(steps=5, warmup=3, rounds=3)
+    row = dict(study.measured_row(it, {"step_time_s": times, "peak_memory_mb": [10.0, 12.5]}), link_mb="7.50")
+    out = study.study_row(it, row, "two-hosts-x", 1000.0, 0.0, args)
+    assert float(out["measured_median_s"]) == pytest.approx(0.012)
+    assert float(out["predicted_step_s"]) == pytest.approx(it["plan"].cost.step_time_s, rel=1e-5)
+    assert (out["link_mb"], out["rounds"], out["steps"], out["rate_mbit"], out["error"]) == ("7.50", 3, 5, "1000", "")
+    assert float(out["peak_memory_mb"]) == 12.5 and out["axes"] == "as planned"
+    failed = study.study_row(it, dict(study.measured_row(it, {"error": "exit 1: boom"}), link_mb="nan"),
+                             "two-hosts-x", 1000.0, 0.0, args)
+    assert failed["error"] == "exit 1: boom" and "measured_median_s" not in failed
