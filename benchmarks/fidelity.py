@@ -281,13 +281,15 @@ def study_row(it: dict[str, Any], result: dict[str, Any], study: str, steps: int
 
 # -- analysis -----------------------------------------------------------------------------------
 def load_study(csv_path: Path, study: str | None = None) -> tuple[str, list[dict[str, Any]]]:
-    """Rows of ``study`` (default: the latest in the CSV) that were measured, times as floats."""
+    """Rows of ``study`` (default: the latest of this study's own, on loopback: rows without a
+    ``testbed``, which benchmarks/two_hosts_study.py's rows name) that were measured, times as floats."""
     from executor.measure import read_rows
 
     _, rows = read_rows(csv_path)
-    if not rows:
+    own = [r for r in rows if not r.get("testbed")]
+    if not own and study is None:
         raise SystemExit(f"{csv_path}: no rows; run the study first (python benchmarks/fidelity.py)")
-    study = study or max(r["study"] for r in rows)
+    study = study or max(r["study"] for r in own)
     out = []
     for r in rows:
         if r["study"] != study or not r.get("measured_median_s"):

@@ -564,6 +564,8 @@ def nb02():
         missing = [c for c in need if c not in raw.columns]
         if missing:
             raise ValueError(f"{CSV}: missing columns {missing}; expected the columns of executor.measure.RUN_COLUMNS")
+        if "testbed" in raw.columns:                     # the two-host studies' rows: results/README.md
+            raw = raw[raw["testbed"].isna()]
         if "study" in raw.columns:                       # the latest study only
             raw["study"] = raw["study"].astype(str)
             STUDY = raw["study"].max()

@@ -88,9 +88,14 @@ def test_study_csv_round_trip(fid, tmp_path):
                               "measured_p90_s": med, "load_avg_1m": "1.5"}, columns=RUN_COLUMNS + fid.STUDY_COLUMNS)
     append_row(csv_path, {"study": "B", "model": "m", "config": "2", "scheme": "dp", "predicted_step_s": "0.01",
                           "error": "RuntimeError: boom"}, columns=RUN_COLUMNS + fid.STUDY_COLUMNS)
-    study, rows = fid.load_study(csv_path)
+    append_row(csv_path, {"study": "two-hosts-C", "model": "m", "config": "2x2", "scheme": "dp", "same_as": "",
+                          "predicted_step_s": "0.05", "measured_median_s": "0.06", "measured_p10_s": "0.06",
+                          "measured_p90_s": "0.06", "load_avg_1m": "1", "testbed": "two hosts at 1000 Mbit/s"},
+               columns=RUN_COLUMNS + fid.STUDY_COLUMNS)
+    study, rows = fid.load_study(csv_path)          # the latest of its own: not the two-host testbed's
     assert study == "B" and len(rows) == 1 and rows[0]["median"] == 0.04 and rows[0]["predicted"] == 0.03
     assert fid.load_study(csv_path, "A")[1][0]["median"] == 0.02
+    assert fid.load_study(csv_path, "two-hosts-C")[1][0]["median"] == 0.06     # by name
 
 
 @pytest.fixture(scope="module")

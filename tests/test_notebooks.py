@@ -185,7 +185,7 @@ def _write_fidelity_csv(path: Path) -> list[tuple[float, float]]:
     """Two studies; the latest has 6 measured runs and 1 failed one. Returns its (predicted, measured) s."""
     cols = ["study", "model", "preset", "cluster", "plan", "scheme", "config", "mesh", "nproc", "predicted_step_s",
             "predicted_compute_s", "predicted_comm_s", "predicted_grad_sync_s", "predicted_optimizer_s",
-            "measured_median_s", "measured_p10_s", "measured_p90_s", "load_avg_1m", "error"]
+            "measured_median_s", "measured_p10_s", "measured_p90_s", "load_avg_1m", "error", "testbed"]
     latest = [  # model, scheme, mesh, nproc, predicted, compute, comm, grad_sync, optimizer, measured
         ("mlp", "dp", "2", 2, 0.010, 0.006, 0.003, 0.003, 0.001, 0.012),
         ("mlp", "tp", "2", 2, 0.020, 0.008, 0.011, 0.001, 0.001, 0.030),
@@ -197,9 +197,12 @@ def _write_fidelity_csv(path: Path) -> list[tuple[float, float]]:
     lines = [",".join(cols)]
     for m, sch, mesh, n, p, c, cm, g, o, meas in latest:
         lines.append(f"20990101-000000,{m},tiny,local-cpu,{sch},{sch},{mesh},{mesh},{n},{p},{c},{cm},{g},{o},"
-                     f"{meas},{meas * 0.9},{meas * 1.1},1.0,")
-    lines.append("20990101-000000,gpt,tiny,local-cpu,tp,tp,4,4,4,0.07,0.03,0.035,0.0,0.005,,,,1.0,timeout")
-    lines.append("20000101-000000,mlp,tiny,local-cpu,dp,dp,2,2,2,1.0,0.5,0.4,0.1,0.1,100.0,90.0,110.0,1.0,")
+                     f"{meas},{meas * 0.9},{meas * 1.1},1.0,,")
+    lines.append("20990101-000000,gpt,tiny,local-cpu,tp,tp,4,4,4,0.07,0.03,0.035,0.0,0.005,,,,1.0,timeout,")
+    lines.append("20000101-000000,mlp,tiny,local-cpu,dp,dp,2,2,2,1.0,0.5,0.4,0.1,0.1,100.0,90.0,110.0,1.0,,")
+    # a later two-host study (benchmarks/two_hosts_study.py): not the loopback study the notebook reads
+    lines.append("two-hosts-20991231,gpt,tiny,two-hosts,dp,dp,2x2,2x2,4,1.0,0.5,0.4,0.1,0.1,9.0,8.0,10.0,1.0,,"
+                 "two hosts at 1000 Mbit/s")
     path.write_text("\n".join(lines) + "\n")
     return [(r[4], r[9]) for r in latest]
 
@@ -235,6 +238,8 @@ def test_02_measured_vs_predicted_on_the_study(monkeypatch):
     nb = execute("02")
     s = summary(nb)
     raw = pd.read_csv(FIDELITY_CSV)
+    if "testbed" in raw.columns:                # the two-host studies' rows are not the loopback study's
+        raw = raw[raw["testbed"].isna()]
     if "study" in raw.columns:
         raw = raw[raw["study"].astype(str) == str(raw["study"].astype(str).max())]
     runs = raw.dropna(subset=["measured_median_s", "predicted_step_s"])
