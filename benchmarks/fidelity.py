@@ -258,23 +258,31 @@ def run_plans(model: str, kwargs: dict[str, Any], nproc: int, items: list[dict[s
     return results
 
 
-def study_row(it: dict[str, Any], result: dict[str, Any], study: str, steps: int, warmup: int,
-              load: float) -> dict[str, Any]:
+def result_row(model: str, plan: Any, nproc: int, result: dict[str, Any]) -> dict[str, Any] | None:
+    """The runs-table row (executor.measure's columns) of one plan's result from an ``executor.worker
+    --plans`` launch: its step times' median and p10 / p90, its prediction; None without step times."""
     from executor.measure import StepStats, git_commit, run_row
 
+    if "step_time_s" not in result:
+        return None
+    return run_row(model=model, preset=" ".join(f"{k}={v}" for k, v in plan.model_args.items()),
+                   cluster=plan.cluster, plan=plan.name, mesh=str(plan.mesh), nproc=nproc,
+                   backend=result.get("backend", "gloo"), predicted=plan.cost.to_dict(),
+                   stats=StepStats.of(result["step_time_s"]), peak_memory_mb=max(result["peak_memory_mb"]),
+                   commit=git_commit(ROOT))
+
+
+def study_row(it: dict[str, Any], result: dict[str, Any], study: str, steps: int, warmup: int,
+              load: float) -> dict[str, Any]:
     plan = it["plan"]
     extra = {"study": study, "scheme": it["scheme"], "config": it["config"], "same_as": it["same_as"],
              "steps": steps, "warmup": warmup, "rounds": result.get("rounds", 1), "step_timing": STEP_TIMING,
              "omp_threads": result.get("omp_num_threads", 1),
              "load_avg_1m": f"{load:.2f}", "error": result.get("error", "")}
-    if "step_time_s" not in result:
+    row = result_row(it["model"], plan, it["nproc"], result)
+    if row is None:
         return {"model": it["model"], "plan": plan.name, "mesh": str(plan.mesh), "nproc": it["nproc"],
                 "predicted_step_s": f"{plan.cost.step_time_s:.6g}", **extra}
-    row = run_row(model=it["model"], preset=" ".join(f"{k}={v}" for k, v in plan.model_args.items()),
-                  cluster=plan.cluster, plan=plan.name, mesh=str(plan.mesh), nproc=it["nproc"],
-                  backend=result.get("backend", "gloo"), predicted=plan.cost.to_dict(),
-                  stats=StepStats.of(result["step_time_s"]), peak_memory_mb=max(result["peak_memory_mb"]),
-                  commit=git_commit(ROOT))
     row.update(extra)
     return row
 

@@ -185,16 +185,10 @@ def run_plans(items: list[dict[str, Any]], model: str, kwargs: dict[str, Any], r
 
 def measured_row(it: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
     """The runs-table row of one plan's worker result (executor.measure's columns), or {"error": ...}."""
-    from executor.measure import StepStats, git_commit, run_row
+    from benchmarks.fidelity import result_row
 
-    if "step_time_s" not in result:
-        return {"error": result.get("error") or "no step times in the result"}
-    plan = it["plan"]
-    return run_row(model=it["model"], preset=" ".join(f"{k}={v}" for k, v in plan.model_args.items()),
-                   cluster=plan.cluster, plan=plan.name, mesh=str(plan.mesh), nproc=4,
-                   backend=result.get("backend", "gloo"), predicted=plan.cost.to_dict(),
-                   stats=StepStats.of(result["step_time_s"]), peak_memory_mb=max(result["peak_memory_mb"]),
-                   commit=git_commit(ROOT))
+    row = result_row(it["model"], it["plan"], 4, result)
+    return row if row is not None else {"error": result.get("error") or "no step times in the result"}
 
 
 def study_row(it: dict[str, Any], row: dict[str, Any], study: str, rate: float, delay_ms: float,
@@ -231,8 +225,10 @@ def append_fidelity_rows(rows: list[dict[str, Any]], fidelity_csv: Path) -> int:
     seen = {(r["study"], r.get("testbed", ""), r["model"], r["scheme"]) for r in have}
     appended = 0
     for row in map(fidelity_row, rows):
-        if (row["study"], row["testbed"], row["model"], row["scheme"]) not in seen:
+        key = (row["study"], row["testbed"], row["model"], row["scheme"])
+        if key not in seen:
             append_row(fidelity_csv, row, columns=RUN_COLUMNS + FIDELITY_COLUMNS + ("testbed",))
+            seen.add(key)
             appended += 1
     return appended
 

@@ -225,3 +225,13 @@ def test_study_rows_come_from_one_launchs_worker_results(tmp_path):
     failed = study.study_row(it, dict(study.measured_row(it, {"error": "exit 1: boom"}), link_mb="nan"),
                              "two-hosts-x", 1000.0, 0.0, args)
     assert failed["error"] == "exit 1: boom" and "measured_median_s" not in failed
+    # the same rows join the fidelity CSV with a testbed (issue 14), once each
+    from executor.measure import read_rows
+
+    fidelity_csv = tmp_path / "fidelity.csv"
+    assert study.append_fidelity_rows([out, failed], fidelity_csv) == 1       # same study, model, scheme: once
+    assert study.append_fidelity_rows([out], fidelity_csv) == 0
+    (joined,) = read_rows(fidelity_csv)[1]
+    assert (joined["testbed"], joined["config"], joined["scheme"], joined["study"]) == (
+        "two hosts at 1000 Mbit/s", "2x2", "dp", "two-hosts-x")
+    assert joined["measured_median_s"] == out["measured_median_s"] and "link_mb" not in joined
