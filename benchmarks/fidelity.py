@@ -235,24 +235,33 @@ def wait_until_quiet(max_busy: float, timeout_s: float) -> float:
     return busy
 
 
-def run_plans(model: str, kwargs: dict[str, Any], nproc: int, items: list[dict[str, Any]], steps: int,
-              warmup: int, out_dir: Path, timeout_s: float, rounds: int = 1) -> dict[Path, dict[str, Any]]:
-    """One torchrun launch of ``nproc`` ranks timing every plan of ``items`` (in ``rounds`` interleaved
-    rounds: executor/worker.py ``run_many``); plan path -> result."""
-    from executor.launch import LaunchSpec, launch
+def plans_worker_args(items: list[dict[str, Any]], out_dir: Path, model_py: Path, kwargs: dict[str, Any],
+                      steps: int, warmup: int, rounds: int) -> list[str]:
+    """``executor.worker`` arguments timing every plan of ``items`` in one launch (in ``rounds``
+    interleaved rounds: executor/worker.py ``run_many``), each result written to ``out_dir``."""
+    args = ["--plans", *[str(it["path"]) for it in items], "--out-dir", str(out_dir), "--model", str(model_py),
+            "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds), "--quiet"]
+    return args + [a for k, v in kwargs.items() for a in ("--set", f"{k}={json.dumps(v)}")]
 
-    worker_args = ["--plans", *[str(it["path"]) for it in items], "--out-dir", str(out_dir),
-                   "--model", str(model_file(model)), "--steps", str(steps),
-                   "--warmup", str(warmup), "--rounds", str(rounds), "--quiet"]
-    worker_args += [a for k, v in kwargs.items() for a in ("--set", f"{k}={json.dumps(v)}")]
-    res = launch(LaunchSpec(nproc, omp_num_threads=1, timeout_s=timeout_s), worker_args)
+
+def worker_results(items: list[dict[str, Any]], out_dir: Path, error: str) -> dict[Path, dict[str, Any]]:
+    """Plan path -> the result the worker wrote for it in ``out_dir``, else {"error": ``error``}."""
     results = {}
     for it in items:
         f = out_dir / f"{it['path'].stem}.json"
-        if f.exists():
-            results[it["path"]] = json.loads(f.read_text())
-        else:
-            results[it["path"]] = {"error": res.describe() if not res.ok else "no result written"}
+        results[it["path"]] = json.loads(f.read_text()) if f.exists() else {"error": error}
+    return results
+
+
+def run_plans(model: str, kwargs: dict[str, Any], nproc: int, items: list[dict[str, Any]], steps: int,
+              warmup: int, out_dir: Path, timeout_s: float, rounds: int = 1) -> dict[Path, dict[str, Any]]:
+    """One torchrun launch of ``nproc`` ranks timing every plan of ``items`` (:func:`plans_worker_args`);
+    plan path -> result."""
+    from executor.launch import LaunchSpec, launch
+
+    worker_args = plans_worker_args(items, out_dir, model_file(model), kwargs, steps, warmup, rounds)
+    res = launch(LaunchSpec(nproc, omp_num_threads=1, timeout_s=timeout_s), worker_args)
+    results = worker_results(items, out_dir, res.describe() if not res.ok else "no result written")
     if not res.ok:
         print(f"  launch failed: {res.describe()}\n  " + "\n  ".join(res.stderr_tail[-15:]), flush=True)
     return results

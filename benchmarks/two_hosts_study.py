@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import shutil
@@ -164,20 +163,17 @@ def run_plans(items: list[dict[str, Any]], model: str, kwargs: dict[str, Any], r
     out_dir = run_dir / f"{model}-results"
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
+    from benchmarks.fidelity import plans_worker_args, worker_results
+
     cmd = [sys.executable, str(TESTBED), "--rate-mbit", f"{rate:g}", "--timeout-s", f"{args.timeout_s + 30:g}", "--",
-           "-m", "executor.worker", "--plans", *[str(it["path"]) for it in items], "--out-dir", str(out_dir),
-           "--model", str(ROOT / "examples" / f"{model}.py"), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--quiet"]
-    cmd += [a for k, v in kwargs.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+           "-m", "executor.worker", *plans_worker_args(items, out_dir, ROOT / "examples" / f"{model}.py", kwargs,
+                                                       args.steps, args.warmup, args.rounds)]
     t0 = time.monotonic()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     log = (res.stdout + res.stderr).splitlines()
     failed = f"exit {res.returncode} after {time.monotonic() - t0:.0f} s: " + " | ".join(
         line for line in log[-6:] if line.strip())
-    results = {}
-    for it in items:
-        f = out_dir / f"{it['path'].stem}.json"
-        results[it["path"]] = json.loads(f.read_text()) if f.exists() else {"error": failed[:600]}
+    results = worker_results(items, out_dir, failed[:600])
     carried = next((line for line in log if "two_hosts: the link carried" in line), "")
     link_mb = sum(map(float, re.findall(r"([0-9.]+) MB", carried))) if carried else float("nan")   # both ways
     return results, f"{link_mb:.2f}"
