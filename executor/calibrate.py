@@ -653,12 +653,14 @@ class Bench:
 
         mesh = init_device_mesh(self.device.type, (self.s.nproc,))
         x = torch.randn(CHAIN_WIDTH, CHAIN_WIDTH, device=self.device)          # (W, W)
-        chains = []
+        chains, param_graphs = [], {}
         for kind in CHAIN_KINDS:
             for n in self.s.executor_chains:
                 torch.manual_seed(0)
                 model = chain_model(kind, n).to(self.device)
                 graph = trace(model, (x,), chain_loss, name=f"chain-{kind}-{n}")
+                if kind == "param":
+                    param_graphs[n] = graph                     # traced once: _param_syncs runs them again
                 ops = [o for o in graph.ops() if o.op_name != "getitem"]
                 dmodel = DistributedModel(model, graph, broadcast_plan(graph, (self.s.nproc,)), mesh)
                 opt = build_optimizer("adamw", dmodel.parameters())
@@ -700,24 +702,24 @@ class Bench:
             raw_us[kind] = statistics.median(reps_raw) * 1e6
             self.say(f"executor {kind} of 4 KB: the executor's move after {STEP_GAP_S * 1e3:g} ms of compute "
                      f"{move_us[kind]:.0f} us, bare {self.s.backend} back to back {raw_us[kind]:.0f} us (rank 0)")
-        return {"chains": chains, "move_us": move_us, "raw_us": raw_us, "param_syncs": self._param_syncs(mesh, x)}
+        return {"chains": chains, "move_us": move_us, "raw_us": raw_us,
+                "param_syncs": self._param_syncs(mesh, x, param_graphs)}
 
-    def _param_syncs(self, mesh: Any, x: Any) -> list[list[float]]:
-        """ZeRO-1's parameter sync (``DistributedModel.sync_parameters``) of the ``param`` chains, against
+    def _param_syncs(self, mesh: Any, x: Any, graphs: dict[int, Any]) -> list[list[float]]:
+        """ZeRO-1's parameter sync (``DistributedModel.sync_parameters``) of the ``param`` chains (``graphs``:
+        their traced graphs by length, as the chains above traced them; each gets a fresh model), against
         the bare all-gather of the same buffer: per chain length, [parameters, sync us, bare us], each the
         median over repetitions (the two interleaved, each the mean over back-to-back calls). None timed
         (no ``param_sync_us`` fitted) when the ranks do not divide the chains' rows."""
         torch, dist = self.torch, self.dist
         if CHAIN_WIDTH % self.s.nproc:
             return []
-        from autoddl.trace import trace
         from executor.runtime import DistributedModel, build_optimizer, train_step
 
         calls, rows = (10 if self.s.quick else 40), []
-        for n in self.s.executor_chains:
+        for n, graph in graphs.items():
             torch.manual_seed(0)
             model = chain_model("param", n).to(self.device)
-            graph = trace(model, (x,), chain_loss, name=f"chain-param-{n}")
             dmodel = DistributedModel(model, graph, zero1_plan(graph, (self.s.nproc,)), mesh)
             train_step(dmodel, (x,), build_optimizer("adamw", dmodel.parameters()))   # the shards' states exist
             numel = sum(p.numel() for p in model.parameters()) // self.s.nproc
