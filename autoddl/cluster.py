@@ -396,6 +396,9 @@ class ExecutorOverheads:
     # per parameter a ZeRO-1/2 parameter sync rebuilds (executor/runtime.py ``sync_parameters``), beyond its
     # all-gather and its copy passes (costmodel/copy_passes.py); 0 = not priced (unmeasured: GPU cluster files)
     param_sync_us: float = 0.0
+    # per parameter a ZeRO-3 / FSDP group gather packs and unpacks (executor/compiled.py ``_launch_gather``,
+    # ``_unpack``), per gather, beyond its all-gather and its copy passes; 0 = not priced (as param_sync_us)
+    param_gather_us: float = 0.0
     # the shard runner's (executor/shard_runner.py, ``autoddl schedule --run``) own fixed costs, in place of
     # param_us and step_us for shard tasks (search/shards.py); 0 = not priced (unmeasured: GPU cluster files)
     shard_forward_us: float = 0.0   # per shard forward task beyond its ops (its flows' leaves, the run loop)
@@ -511,13 +514,14 @@ _EXECUTOR_FIELDS = {k: (f"a non-negative number of microseconds {what}", "nonneg
     ("collective_us", "per collective beyond its latency"),
     ("step_us", "per training step (inputs, loss, zero_grad)"),
     ("param_sync_us", "per parameter a ZeRO-1/2 parameter sync rebuilds, beyond its all-gather and copies"),
+    ("param_gather_us", "per parameter a ZeRO-3 group gather unpacks, per gather, beyond its all-gather and copies"),
     ("shard_forward_us", "per shard forward task of the shard runner, beyond its ops"),
     ("shard_backward_us", "per shard backward task of the shard runner, beyond its ops"),
     ("shard_param_us", "per parameter a shard runner's backward updates"))}
 _EXECUTOR_FIELDS["collective_compute_share"] = ("a number from 0 to 1: the share of a collective's duration its ranks' "
                                                "compute stream also pays (NCCL's SM use; gloo's CPU is "
                                                "links.*.cpu_ns_per_byte)", "unit")
-_UNPRICED_WHEN_ZERO = ("param_sync_us", "shard_forward_us", "shard_backward_us", "shard_param_us",   # 0: left out
+_UNPRICED_WHEN_ZERO = ("param_sync_us", "param_gather_us", "shard_forward_us", "shard_backward_us", "shard_param_us",   # 0: left out
                        "collective_compute_share")
 _TOP_KEYS = ("name", "nodes", "devices_per_node", "device", "links", "backend", "efficiency",
              "op_overhead_us", "collectives", "compute_curve", "executor", "cores_per_node",

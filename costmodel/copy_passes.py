@@ -23,7 +23,8 @@ memory is slow (on the 2-core VM, 10 GB/s: ~2.6 ms per 13 MB of gradients copied
 What a parameter sync costs the host beyond those copies and its all-gather (per parameter: the
 views that address its shard and its place in the gathered buffer, the calls around them) is
 ``executor.param_sync_us``, measured by ``autoddl calibrate`` on the executor's own sync
-(:func:`param_sync_host_s`).
+(:func:`param_sync_host_s`); what a ZeRO-3 gather costs it per parameter it unpacks, each time, is
+``executor.param_gather_us``, measured on the executor's own gather (:func:`param_gather_host_s`).
 
 Left out: the ``contiguous`` of a reduce-scattered piece split on a dim other than its first, and
 the casts of ZeRO-1/2's float32 shards to the working dtype before their sync (mixed precision).
@@ -107,6 +108,20 @@ def param_sync_host_s(program: StepProgram, cluster: Cluster, only: frozenset[st
     all-gathers and copy passes: ``executor.param_sync_us`` per parameter synced (``only``: of these)."""
     synced = sum(len(s.fqns) for s in program.param_syncs if only is None or all(f in only for f in s.fqns))
     return synced * cluster.executor.param_sync_us * 1e-6 * cluster.time_sharing(tuple(program.mesh_shape))
+
+
+def param_gather_host_s(program: StepProgram, training: Training, cluster: Cluster,
+                        only: frozenset[str] | None = None) -> float:
+    """Seconds of the executor's own host work in the ZeRO-3 group gathers of one step, beyond their
+    all-gathers and copy passes: ``executor.param_gather_us`` per parameter use a gather unpacks, each
+    time the group is gathered (``GatherGroup.gathers_per_step``: per micro-step, once more for backward
+    where it is resharded after forward; ``only``: the groups holding one of these parameters)."""
+    unpacked = 0
+    for g in program.gathers:
+        if only is not None and not any(program.param_uses[i].fqn in only for i in g.uses):
+            continue
+        unpacked += len(g.uses) * g.gathers_per_step(training.micro_batches, program.pipeline is not None)
+    return unpacked * cluster.executor.param_gather_us * 1e-6 * cluster.time_sharing(tuple(program.mesh_shape))
 
 
 def _numel(layout, use: ParamUse, mesh_shape: Sequence[int]) -> int:

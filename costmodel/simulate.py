@@ -22,7 +22,8 @@ activations: the bubble, priced as the schedule runs. Durations:
   their gradients (working-copy casts, micro-step gradient accumulation: costmodel/master_passes.py)
   and the executor's copies around its flat collectives (bucket copy-in, gathers' flatten and
   unflatten: costmodel/copy_passes.py), and under ZeRO-1/2 the executor's host work per parameter
-  its parameter syncs rebuild (``executor.param_sync_us``);
+  its parameter syncs rebuild (``executor.param_sync_us``), under ZeRO-3 per parameter each of its
+  group gathers unpacks (``executor.param_gather_us``);
 - host copy (``copy`` stream, offload): latency + bytes / bandwidth of the host link (costmodel/host.py).
 
 A collective also costs its ranks' compute stream ``f * d + c``: ``f * d``, ``f`` =
@@ -59,7 +60,7 @@ from autoddl.collective_kinds import CollectiveKind
 from costmodel.collectives import cluster_collective_time_s, collective_cpu_s, send_recv_time_s, stage_device
 from costmodel.compute import (is_causal, op_backward_time_s, op_forward_time_s, optimizer_time_s,
                                recompute_overhead_s)
-from costmodel.copy_passes import copy_passes, param_sync_host_s
+from costmodel.copy_passes import copy_passes, param_gather_host_s, param_sync_host_s
 from costmodel.host import host_copy_time_s, host_optimizer_time_s
 from costmodel.master_passes import passes_time_s, step_passes
 from costmodel.memory import master_parameters
@@ -156,7 +157,8 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
         passes = step_passes(program, plan.training, params) + copy_passes(program, plan.training, params) \
             if program else []
         passes_s = passes_time_s(passes, cluster, mesh)
-        sync_host_s = param_sync_host_s(program, cluster, params) if program else 0.0
+        sync_host_s = (param_sync_host_s(program, cluster, params)
+                       + param_gather_host_s(program, plan.training, cluster, params)) if program else 0.0
         return step_s + cluster.executor.step_us * 1e-6 + passes_s + sync_host_s
     node = graph[task.op]
     sig = signature_of(plan, node)

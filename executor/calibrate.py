@@ -56,7 +56,7 @@ from typing import Any, Callable, Sequence
 
 from autoddl.cluster import COLLECTIVE_KINDS, FITTED_KINDS, PEAK_DTYPES, ExecutorOverheads, RecomputeCost
 from executor.calibrate_models import (CHAIN_KINDS, CHAIN_WIDTH, PROBE_SIZES, block_model, broadcast_plan, chain_loss,
-                                       chain_model, probe_ops, zero1_plan)
+                                       chain_model, probe_ops, zero1_plan, zero3_plan)
 from executor.local_ranks import run_ranks
 
 SQUARE_SIZES = (64, 128, 256, 512, 1024, 2048)
@@ -204,6 +204,7 @@ class ExecutorTimings:
     move_us: dict[str, float]          # "all_reduce" (P -> B) / "all_gather" (S -> B): the executor's move in a step
     raw_us: dict[str, float]           # the bare gloo / nccl collective on the same tensor
     param_syncs: tuple[tuple[int, float, float], ...] = ()   # ZeRO-1 sync: (parameters, sync us, bare all-gather us)
+    param_gathers: tuple[tuple[int, float, float], ...] = ()  # ZeRO-3 gather: (parameters, gather us, bare us)
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,21 @@ def fit_param_sync_us(timings: ExecutorTimings, per_copy_us: float) -> float | N
     all-gather and the copy each parameter is priced at (``per_copy_us``: a copy pass's fixed cost,
     costmodel/copy_passes.py): the slope, over the two chain lengths, of the sync less the bare
     all-gather of its buffer, less ``per_copy_us``; at least 0. None when the syncs were not timed."""
-    rows = sorted(timings.param_syncs)
+    return _per_param_beyond_bare(timings.param_syncs, per_copy_us)
+
+
+def fit_param_gather_us(timings: ExecutorTimings, per_copy_us: float) -> float | None:
+    """``executor.param_gather_us``: what a ZeRO-3 group gather costs the host per parameter it packs and
+    unpacks, beyond its all-gather and the copy each parameter is priced at: as :func:`fit_param_sync_us`,
+    from the gathers of ``timings.param_gathers``. None when the gathers were not timed."""
+    return _per_param_beyond_bare(timings.param_gathers, per_copy_us)
+
+
+def _per_param_beyond_bare(rows: Sequence[tuple[int, float, float]], per_copy_us: float) -> float | None:
+    """The slope over the parameter counts of ``rows`` ((parameters, executor us, bare collective us))
+    of the executor's time less the bare collective's, less ``per_copy_us``; at least 0; None without
+    two parameter counts."""
+    rows = sorted(rows)
     if len(rows) < 2 or rows[-1][0] == rows[0][0]:
         return None
     (p1, sync1, bare1), (p2, sync2, bare2) = rows[0], rows[-1]
@@ -547,8 +562,9 @@ def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measuremen
         executor = ExecutorTimings(chains, {k: max(r["move_us"][k] for r in ranks)
                                             for k in ranks[0]["move_us"]},
                                    {k: max(r["raw_us"][k] for r in ranks) for k in ranks[0]["raw_us"]},
-                                   tuple((int(row[0]), *(max(r["param_syncs"][i][j] for r in ranks) for j in (1, 2)))
-                                         for i, row in enumerate(ranks[0].get("param_syncs", ()))))
+                                   *(tuple((int(row[0]), *(max(r[key][i][j] for r in ranks) for j in (1, 2)))
+                                           for i, row in enumerate(ranks[0].get(key, ())))
+                                     for key in ("param_syncs", "param_gathers")))
     return Measurements(
         settings=settings, matmuls=matmuls,
         memory_gbps={k: mean(r["memory_gbps"][k] for r in ranks) for k in ranks[0].get("memory_gbps", {})},
@@ -703,7 +719,8 @@ class Bench:
             self.say(f"executor {kind} of 4 KB: the executor's move after {STEP_GAP_S * 1e3:g} ms of compute "
                      f"{move_us[kind]:.0f} us, bare {self.s.backend} back to back {raw_us[kind]:.0f} us (rank 0)")
         return {"chains": chains, "move_us": move_us, "raw_us": raw_us,
-                "param_syncs": self._param_syncs(mesh, x, param_graphs)}
+                "param_syncs": self._param_syncs(mesh, x, param_graphs),
+                "param_gathers": self._param_gathers(mesh, x, param_graphs)}
 
     def _param_syncs(self, mesh: Any, x: Any, graphs: dict[int, Any]) -> list[list[float]]:
         """ZeRO-1's parameter sync (``DistributedModel.sync_parameters``) of the ``param`` chains (``graphs``:
@@ -735,6 +752,40 @@ class Bench:
             rows.append([params, statistics.median(syncs) * 1e6, statistics.median(bares) * 1e6])
             self.say(f"executor ZeRO-1 parameter sync of {params} parameters: {rows[-1][1]:.0f} us, the bare "
                      f"all-gather of its buffer {rows[-1][2]:.0f} us (rank 0)")
+        return rows
+
+    def _param_gathers(self, mesh: Any, x: Any, graphs: dict[int, Any]) -> list[list[float]]:
+        """A ZeRO-3 group gather as a step runs it (executor/compiled.py ``LocalStep``: the shards packed and
+        all-gathered, then unpacked into whole parameters) over the ``param`` chains' parameters (one group:
+        a chain has no repeated blocks), against the bare all-gather of the same buffer: per chain length,
+        [parameters, gather us, bare us], as :meth:`_param_syncs` times the ZeRO-1 sync."""
+        torch, dist = self.torch, self.dist
+        if CHAIN_WIDTH % self.s.nproc:
+            return []
+        from executor.moves import wait
+        from executor.runtime import DistributedModel, build_optimizer, train_step
+
+        calls, rows = (10 if self.s.quick else 40), []
+        for n, graph in graphs.items():
+            torch.manual_seed(0)
+            model = chain_model("param", n).to(self.device)
+            dmodel = DistributedModel(model, graph, zero3_plan(graph, (self.s.nproc,)), mesh)
+            train_step(dmodel, (x,), build_optimizer("adamw", dmodel.parameters()))
+            step, groups = dmodel.step, range(len(dmodel.program.gathers))
+            numel = sum(p.numel() for p in model.parameters()) // self.s.nproc
+            piece = torch.ones(numel, device=self.device)                                  # this rank's shards
+            gathered = torch.empty(numel * self.s.nproc, device=self.device)
+            gathers, bares = [], []
+            for _ in range(self.s.repeats):
+                self.dist.barrier()
+                gathers.append(self.time_calls(lambda: [step._unpack(g, wait(step._launch_gather(g))) for g in groups],
+                                               calls))
+                self.dist.barrier()
+                bares.append(self.time_calls(lambda: dist.all_gather_into_tensor(gathered, piece), calls))
+            params = sum(len(dmodel.program.gathers[g].uses) for g in groups)
+            rows.append([params, statistics.median(gathers) * 1e6, statistics.median(bares) * 1e6])
+            self.say(f"executor ZeRO-3 gather of {params} parameters in {len(groups)} group(s): {rows[-1][1]:.0f} us, "
+                     f"the bare all-gather of its buffer {rows[-1][2]:.0f} us (rank 0)")
         return rows
 
     def _step_gap(self) -> Callable[[], Any]:
@@ -1003,9 +1054,10 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
     ex = dataclasses.replace(ex, step_us=_round3(fit.step_fixed_us),     # measured apart (--only collective_cpu)
                              collective_compute_share=cluster.executor.collective_compute_share)
     per_copy_us = meas.tiny_op_us + ex.op_forward_us + ex.input_forward_us   # a copy pass's fixed cost (unmeasured op)
-    sync_us = fit_param_sync_us(meas.executor, per_copy_us)
-    if sync_us is not None:
-        ex = dataclasses.replace(ex, param_sync_us=_round3(sync_us))
+    for field_name, fit_us in (("param_sync_us", fit_param_sync_us), ("param_gather_us", fit_param_gather_us)):
+        us = fit_us(meas.executor, per_copy_us)
+        if us is not None:
+            ex = dataclasses.replace(ex, **{field_name: _round3(us)})
     s = meas.settings
     chains = ", ".join(f"{c.kind} {c.ops} ops {c.step_s * 1e3:.1f} ms" for c in meas.executor.chains)
     diffs = ", ".join(f"{k} {meas.executor.move_us[k]:.0f} us vs {meas.executor.raw_us[k]:.0f} us"
@@ -1021,12 +1073,15 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
                                      "ms of matmuls on every rank, less the matmuls alone, mean over the calls of a "
                                      f"repetition, median of {s.repeats} interleaved repetitions: {diffs}; median "
                                      "over kinds")
-    if ex.param_sync_us > 0:                    # 0 is left out of the file (not priced), comment and all
-        rows = ", ".join(f"{p} parameters {sync:.0f} us vs {bare:.0f} us" for p, sync, bare in meas.executor.param_syncs)
-        out["executor.param_sync_us"] = (f"measured: ZeRO-1's parameter sync of chains of {CHAIN_WIDTH}x{CHAIN_WIDTH} "
-                                         f"parameters against the bare all-gather of its buffer, median of "
-                                         f"{s.repeats} interleaved repetitions ({rows}); per parameter, the slope of "
-                                         f"the difference less a copy pass's fixed cost ({per_copy_us:.1f} us)")
+    for field_name, what, timed in (("param_sync_us", "ZeRO-1's parameter sync", meas.executor.param_syncs),
+                                    ("param_gather_us", "a ZeRO-3 group gather (pack, all-gather, unpack)",
+                                     meas.executor.param_gathers)):
+        if getattr(ex, field_name) > 0:         # 0 is left out of the file (not priced), comment and all
+            rows = ", ".join(f"{p} parameters {t:.0f} us vs {bare:.0f} us" for p, t, bare in timed)
+            out[f"executor.{field_name}"] = (
+                f"measured: {what} of chains of {CHAIN_WIDTH}x{CHAIN_WIDTH} parameters against the bare all-gather "
+                f"of its buffer, median of {s.repeats} interleaved repetitions ({rows}); per parameter, the slope "
+                f"of the difference less a copy pass's fixed cost ({per_copy_us:.1f} us)")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     at_once = max(1, cores // s.threads)
     if s.backend == "gloo" and cluster.device.kind == "cpu":

@@ -220,3 +220,16 @@ def zero1_plan(graph: Any, mesh_shape: tuple[int, ...]) -> Any:
     plan = broadcast_plan(graph, mesh_shape)
     split = NdSbp((Split(0),) + tuple(NdSbp.broadcast(len(mesh_shape)))[1:])
     return dataclasses.replace(plan, name="all-B-zero1", optimizer_storage={fqn: split for fqn in graph.parameters()})
+
+
+def zero3_plan(graph: Any, mesh_shape: tuple[int, ...]) -> Any:
+    """:func:`broadcast_plan` with every parameter kept split on dim 0 of mesh axis 0 (ZeRO-3's storage):
+    each step gathers every parameter group before use (``executor.compiled.LocalStep``), which is what
+    the calibration times."""
+    import dataclasses
+
+    from autoddl.sbp import NdSbp, Split
+
+    plan = broadcast_plan(graph, mesh_shape)
+    split = NdSbp((Split(0),) + tuple(NdSbp.broadcast(len(mesh_shape)))[1:])
+    return dataclasses.replace(plan, name="all-B-zero3", param_storage={fqn: split for fqn in graph.parameters()})

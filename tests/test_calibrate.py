@@ -386,6 +386,9 @@ def test_quick_calibration_on_two_gloo_ranks(tmp_path, capfd):
     # ZeRO-1's parameter sync, timed on the param chains of both lengths against the bare all-gather
     assert err.count("calibrate: executor ZeRO-1 parameter sync of ") == 2
     assert ex.param_sync_us >= 0 and (ex.param_sync_us > 0) == ("\n  param_sync_us: " in text)
+    # a ZeRO-3 group gather of the same chains' parameters, likewise
+    assert err.count("calibrate: executor ZeRO-3 gather of ") == 2
+    assert ex.param_gather_us >= 0 and (ex.param_gather_us > 0) == ("\n  param_gather_us: " in text)
 
 
 def test_calibrate_rejects_bad_options_before_measuring(capsys):
@@ -440,6 +443,19 @@ def test_fit_param_sync_us_is_the_slope_beyond_the_bare_gather_and_the_priced_co
     assert fit_param_sync_us(timings(*rows), per_copy_us=100.0) == 0.0        # cheaper than priced: none
     assert fit_param_sync_us(timings(rows[0]), per_copy_us=16.0) is None      # one length: no slope
     assert fit_param_sync_us(timings(), per_copy_us=16.0) is None
+
+
+def test_fit_param_gather_us_is_the_slope_beyond_the_bare_gather_and_the_priced_copy():
+    """The same slope as the sync's, from the ZeRO-3 gathers' rows alone (the syncs' rows are ignored)."""
+    from executor.calibrate import ExecutorTimings, fit_param_gather_us
+
+    # gather = 700 us fixed + 45 us per parameter + the all-gather (800 us + 12 us per parameter's bytes)
+    gathers = tuple((p, 700 + 45 * p + 800 + 12 * p, 800 + 12 * p) for p in (9, 41))
+    syncs = tuple((p, 5000.0 * p, 1.0) for p in (9, 41))
+    timings = ExecutorTimings(_chains(200, 60, 30, 90, 400, 500, 2000), {}, {}, syncs, gathers)
+    assert fit_param_gather_us(timings, per_copy_us=8.0) == pytest.approx(37.0)
+    assert fit_param_gather_us(dataclasses.replace(timings, param_gathers=gathers[:1]), per_copy_us=8.0) is None
+    assert fit_param_gather_us(dataclasses.replace(timings, param_gathers=()), per_copy_us=8.0) is None
 
 
 def test_with_executor_overheads_sets_section_and_dispatch_only_op_overhead(tmp_path):

@@ -98,6 +98,32 @@ def test_copy_passes_by_hand(model_path):
     assert math.isclose(passes_time_s([Pass("copy", "float32", "float32", 10**6, 3)], cluster, (2,)), want)
 
 
+def test_param_gather_host_cost_by_hand(model_path):
+    """ZeRO-3 of the stack gathers its one group of 6 parameter uses before forward and, freed after
+    forward, again before backward: 12 unpacked parameters per micro-step, 24 over 2. The optimizer task
+    pays ``executor.param_gather_us`` for each, times the mesh's time-sharing; dp and ZeRO-1/2 gather
+    nothing, and a cluster without the measurement (0, as the GPU files) prices none."""
+    from autoddl.cluster import Cluster
+    from autoddl.program import lower
+    from costmodel.copy_passes import param_gather_host_s
+    from costmodel.simulate import task_time_s
+
+    _, graph, plans = _plans(model_path)
+    base = Cluster.from_yaml(CPU_CLUSTER_PATH).resized(2)
+    base = dataclasses.replace(base, executor=dataclasses.replace(base.executor, param_gather_us=0.0))
+    cluster = dataclasses.replace(base, executor=dataclasses.replace(base.executor, param_gather_us=40.0))
+    for (name, k), plan in plans.items():
+        program = lower(graph, plan)
+        unpacked = {"zero3": 12 * k}.get(name, 0)
+        want = unpacked * 40e-6 * cluster.time_sharing((2,))
+        assert param_gather_host_s(program, plan.training, cluster) == pytest.approx(want, abs=1e-15), name
+        assert param_gather_host_s(program, plan.training, base) == 0.0
+        task = next(t for t in program.tasks if t.phase == "optimizer" and not t.is_collective)
+        with_gathers = task_time_s(task, graph, plan, cluster, program=program)
+        without = task_time_s(task, graph, plan, base, program=program)
+        assert with_gathers - without == pytest.approx(want, rel=1e-9, abs=1e-15), name
+
+
 def test_param_sync_host_cost_by_hand(model_path):
     """ZeRO-1 and ZeRO-2 of the stack sync its 6 parameters (3 weights, 3 biases) once per step: the
     optimizer task pays ``executor.param_sync_us`` for each, times the mesh's time-sharing, beyond its
