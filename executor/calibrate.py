@@ -723,69 +723,55 @@ class Bench:
                 "param_gathers": self._param_gathers(mesh, x, param_graphs)}
 
     def _param_syncs(self, mesh: Any, x: Any, graphs: dict[int, Any]) -> list[list[float]]:
-        """ZeRO-1's parameter sync (``DistributedModel.sync_parameters``) of the ``param`` chains (``graphs``:
-        their traced graphs by length, as the chains above traced them; each gets a fresh model), against
-        the bare all-gather of the same buffer: per chain length, [parameters, sync us, bare us], each the
-        median over repetitions (the two interleaved, each the mean over back-to-back calls). None timed
-        (no ``param_sync_us`` fitted) when the ranks do not divide the chains' rows."""
-        torch, dist = self.torch, self.dist
-        if CHAIN_WIDTH % self.s.nproc:
-            return []
-        from executor.runtime import DistributedModel, build_optimizer, train_step
-
-        calls, rows = (10 if self.s.quick else 40), []
-        for n, graph in graphs.items():
-            torch.manual_seed(0)
-            model = chain_model("param", n).to(self.device)
-            dmodel = DistributedModel(model, graph, zero1_plan(graph, (self.s.nproc,)), mesh)
-            train_step(dmodel, (x,), build_optimizer("adamw", dmodel.parameters()))   # the shards' states exist
-            numel = sum(p.numel() for p in model.parameters()) // self.s.nproc
-            piece = torch.ones(numel, device=self.device)                                  # this rank's shards
-            gathered = torch.empty(numel * self.s.nproc, device=self.device)
-            syncs, bares = [], []
-            for _ in range(self.s.repeats):
-                self.dist.barrier()
-                syncs.append(self.time_calls(dmodel.sync_parameters, calls))
-                self.dist.barrier()
-                bares.append(self.time_calls(lambda: dist.all_gather_into_tensor(gathered, piece), calls))
-            params = len(list(model.parameters()))
-            rows.append([params, statistics.median(syncs) * 1e6, statistics.median(bares) * 1e6])
-            self.say(f"executor ZeRO-1 parameter sync of {params} parameters: {rows[-1][1]:.0f} us, the bare "
-                     f"all-gather of its buffer {rows[-1][2]:.0f} us (rank 0)")
-        return rows
+        """ZeRO-1's parameter sync (``DistributedModel.sync_parameters``) of the ``param`` chains against the
+        bare all-gather of the same buffer (:meth:`_against_bare_gather`)."""
+        return self._against_bare_gather(mesh, x, graphs, zero1_plan, "ZeRO-1 parameter sync",
+                                         lambda dmodel: dmodel.sync_parameters)
 
     def _param_gathers(self, mesh: Any, x: Any, graphs: dict[int, Any]) -> list[list[float]]:
         """A ZeRO-3 group gather as a step runs it (executor/compiled.py ``LocalStep``: the shards packed and
-        all-gathered, then unpacked into whole parameters) over the ``param`` chains' parameters (one group:
-        a chain has no repeated blocks), against the bare all-gather of the same buffer: per chain length,
-        [parameters, gather us, bare us], as :meth:`_param_syncs` times the ZeRO-1 sync."""
+        all-gathered, then unpacked into whole parameters; a chain has no repeated blocks, so its parameters
+        are one group) against the bare all-gather of the same buffer (:meth:`_against_bare_gather`)."""
+        from executor.moves import wait
+
+        def gather_all(dmodel: Any) -> Callable[[], Any]:
+            step, groups = dmodel.step, range(len(dmodel.program.gathers))
+            return lambda: [step._unpack(g, wait(step._launch_gather(g))) for g in groups]
+        return self._against_bare_gather(mesh, x, graphs, zero3_plan, "ZeRO-3 group gather", gather_all)
+
+    def _against_bare_gather(self, mesh: Any, x: Any, graphs: dict[int, Any], plan_of: Callable[..., Any],
+                             what: str, runner: Callable[[Any], Callable[[], Any]]) -> list[list[float]]:
+        """``runner(dmodel)()`` (a flat all-gather of every parameter as the executor runs it) on a
+        ``plan_of(graph, mesh shape)`` plan of each ``param`` chain (``graphs``: their traced graphs by length,
+        as the chains traced them; each gets a fresh model, stepped once so that its shards and states
+        exist), against the bare all-gather of the same buffer: per chain length, [parameters, executor us,
+        bare us], each the median over repetitions (the two interleaved, each the mean over back-to-back
+        calls). None timed when the ranks do not divide the chains' rows."""
         torch, dist = self.torch, self.dist
         if CHAIN_WIDTH % self.s.nproc:
             return []
-        from executor.moves import wait
         from executor.runtime import DistributedModel, build_optimizer, train_step
 
         calls, rows = (10 if self.s.quick else 40), []
         for n, graph in graphs.items():
             torch.manual_seed(0)
             model = chain_model("param", n).to(self.device)
-            dmodel = DistributedModel(model, graph, zero3_plan(graph, (self.s.nproc,)), mesh)
+            dmodel = DistributedModel(model, graph, plan_of(graph, (self.s.nproc,)), mesh)
             train_step(dmodel, (x,), build_optimizer("adamw", dmodel.parameters()))
-            step, groups = dmodel.step, range(len(dmodel.program.gathers))
+            run = runner(dmodel)
             numel = sum(p.numel() for p in model.parameters()) // self.s.nproc
             piece = torch.ones(numel, device=self.device)                                  # this rank's shards
             gathered = torch.empty(numel * self.s.nproc, device=self.device)
-            gathers, bares = [], []
+            timed, bares = [], []
             for _ in range(self.s.repeats):
                 self.dist.barrier()
-                gathers.append(self.time_calls(lambda: [step._unpack(g, wait(step._launch_gather(g))) for g in groups],
-                                               calls))
+                timed.append(self.time_calls(run, calls))
                 self.dist.barrier()
                 bares.append(self.time_calls(lambda: dist.all_gather_into_tensor(gathered, piece), calls))
-            params = sum(len(dmodel.program.gathers[g].uses) for g in groups)
-            rows.append([params, statistics.median(gathers) * 1e6, statistics.median(bares) * 1e6])
-            self.say(f"executor ZeRO-3 gather of {params} parameters in {len(groups)} group(s): {rows[-1][1]:.0f} us, "
-                     f"the bare all-gather of its buffer {rows[-1][2]:.0f} us (rank 0)")
+            params = len(list(model.parameters()))
+            rows.append([params, statistics.median(timed) * 1e6, statistics.median(bares) * 1e6])
+            self.say(f"executor {what} of {params} parameters: {rows[-1][1]:.0f} us, the bare all-gather of "
+                     f"its buffer {rows[-1][2]:.0f} us (rank 0)")
         return rows
 
     def _step_gap(self) -> Callable[[], Any]:

@@ -387,7 +387,7 @@ def test_quick_calibration_on_two_gloo_ranks(tmp_path, capfd):
     assert err.count("calibrate: executor ZeRO-1 parameter sync of ") == 2
     assert ex.param_sync_us >= 0 and (ex.param_sync_us > 0) == ("\n  param_sync_us: " in text)
     # a ZeRO-3 group gather of the same chains' parameters, likewise
-    assert err.count("calibrate: executor ZeRO-3 gather of ") == 2
+    assert err.count("calibrate: executor ZeRO-3 group gather of ") == 2
     assert ex.param_gather_us >= 0 and (ex.param_gather_us > 0) == ("\n  param_gather_us: " in text)
 
 
