@@ -521,8 +521,8 @@ _EXECUTOR_FIELDS = {k: (f"a non-negative number of microseconds {what}", "nonneg
 _EXECUTOR_FIELDS["collective_compute_share"] = ("a number from 0 to 1: the share of a collective's duration its ranks' "
                                                "compute stream also pays (NCCL's SM use; gloo's CPU is "
                                                "links.*.cpu_ns_per_byte)", "unit")
-_UNPRICED_WHEN_ZERO = ("param_sync_us", "param_gather_us", "shard_forward_us", "shard_backward_us", "shard_param_us",   # 0: left out
-                       "collective_compute_share")
+_UNPRICED_WHEN_ZERO = ("param_sync_us", "param_gather_us", "shard_forward_us", "shard_backward_us",   # 0: left out
+                       "shard_param_us", "collective_compute_share")
 _TOP_KEYS = ("name", "nodes", "devices_per_node", "device", "links", "backend", "efficiency",
              "op_overhead_us", "collectives", "compute_curve", "executor", "cores_per_node",
              "comm_measured_ranks_per_node", "host_link", "host_memory_gb", "host_memory_bandwidth_gbps",

@@ -729,14 +729,12 @@ class Bench:
                                          lambda dmodel: dmodel.sync_parameters)
 
     def _param_gathers(self, mesh: Any, x: Any, graphs: dict[int, Any]) -> list[list[float]]:
-        """A ZeRO-3 group gather as a step runs it (executor/compiled.py ``LocalStep``: the shards packed and
-        all-gathered, then unpacked into whole parameters; a chain has no repeated blocks, so its parameters
-        are one group) against the bare all-gather of the same buffer (:meth:`_against_bare_gather`)."""
-        from executor.moves import wait
-
+        """A ZeRO-3 group gather as a step runs it (executor/compiled.py ``LocalStep.gather_group``: the shards
+        packed and all-gathered, then unpacked into whole parameters; a chain has no repeated blocks, so its
+        parameters are one group) against the bare all-gather of the same buffer (:meth:`_against_bare_gather`)."""
         def gather_all(dmodel: Any) -> Callable[[], Any]:
             step, groups = dmodel.step, range(len(dmodel.program.gathers))
-            return lambda: [step._unpack(g, wait(step._launch_gather(g))) for g in groups]
+            return lambda: [step.gather_group(g) for g in groups]
         return self._against_bare_gather(mesh, x, graphs, zero3_plan, "ZeRO-3 group gather", gather_all)
 
     def _against_bare_gather(self, mesh: Any, x: Any, graphs: dict[int, Any], plan_of: Callable[..., Any],

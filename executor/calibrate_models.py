@@ -213,23 +213,22 @@ def zero1_plan(graph: Any, mesh_shape: tuple[int, ...]) -> Any:
     """:func:`broadcast_plan` with every parameter's optimizer states split on dim 0 of mesh axis 0
     (ZeRO-1's storage): after the optimizer, one all-gather per step rebuilds the parameters
     (``DistributedModel.sync_parameters``), which is what the calibration times."""
-    import dataclasses
-
-    from autoddl.sbp import NdSbp, Split
-
-    plan = broadcast_plan(graph, mesh_shape)
-    split = NdSbp((Split(0),) + tuple(NdSbp.broadcast(len(mesh_shape)))[1:])
-    return dataclasses.replace(plan, name="all-B-zero1", optimizer_storage={fqn: split for fqn in graph.parameters()})
+    return _split_storage(broadcast_plan(graph, mesh_shape), "all-B-zero1", "optimizer_storage")
 
 
 def zero3_plan(graph: Any, mesh_shape: tuple[int, ...]) -> Any:
     """:func:`broadcast_plan` with every parameter kept split on dim 0 of mesh axis 0 (ZeRO-3's storage):
-    each step gathers every parameter group before use (``executor.compiled.LocalStep``), which is what
-    the calibration times."""
+    each step gathers every parameter group before use (``executor.compiled.LocalStep.gather_group``),
+    which is what the calibration times."""
+    return _split_storage(broadcast_plan(graph, mesh_shape), "all-B-zero3", "param_storage")
+
+
+def _split_storage(plan: Any, name: str, storage: str) -> Any:
+    """``plan`` renamed, with its ``storage`` field (``param_storage`` or ``optimizer_storage``) split on
+    dim 0 of mesh axis 0 for every parameter."""
     import dataclasses
 
     from autoddl.sbp import NdSbp, Split
 
-    plan = broadcast_plan(graph, mesh_shape)
-    split = NdSbp((Split(0),) + tuple(NdSbp.broadcast(len(mesh_shape)))[1:])
-    return dataclasses.replace(plan, name="all-B-zero3", param_storage={fqn: split for fqn in graph.parameters()})
+    split = NdSbp((Split(0),) + tuple(NdSbp.broadcast(len(plan.mesh.shape)))[1:])
+    return dataclasses.replace(plan, name=name, **{storage: {fqn: split for fqn in plan.param_storage}})

@@ -140,11 +140,16 @@ class LocalStep:
         the values are the ones forward used)."""
         with torch.no_grad():
             for group in groups:
-                fresh = self._unpack(group, wait(self._launch_gather(group, "regather")))
+                fresh = self.gather_group(group, "regather")
                 for t, value in zip(self.gathered[group], fresh):
                     t.untyped_storage().resize_(value.numel() * value.element_size())
                     with torch.autograd._unsafe_preserve_version_counter(t):
                         t.copy_(value)
+
+    def gather_group(self, group: int, label: str = "gather") -> list[torch.Tensor]:
+        """``group``'s parameters gathered now and unpacked into whole tensors (no prefetch, nothing kept):
+        the pack, all-gather and unpack every gather of the group runs."""
+        return self._unpack(group, wait(self._launch_gather(group, label)))
 
     def _unpack(self, group: int, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each use's whole tensor: a use's pieces, one per rank, joined along the dim its storage splits."""
