@@ -78,10 +78,8 @@ def gather_passes(program: StepProgram, training: Training, only: frozenset[str]
     """Per ZeRO-3 gather of a group: one ``cat`` of its shards, one copy per use out of the buffer;
     a gather again for backward also copies each whole into the tensor autograd saved."""
     work, out = training.param_dtype, []
-    for g in program.gathers:
+    for g in _gathers_of(program, only):
         uses = [program.param_uses[i] for i in g.uses]
-        if only is not None and not any(u.fqn in only for u in uses):
-            continue
         gathers = g.gathers_per_step(training.micro_batches, program.pipeline is not None)
         n, shards = program.mesh_shape[g.axis], [_numel(u.storage, u, program.mesh_shape) for u in uses]
         out.append(Pass("cat", work, work, sum(shards), gathers))
@@ -93,9 +91,7 @@ def gather_passes(program: StepProgram, training: Training, only: frozenset[str]
 def param_sync_passes(program: StepProgram, training: Training, only: frozenset[str] | None = None) -> list[Pass]:
     """Per ZeRO-1/2 parameter sync: one ``cat`` of the updated shards, one copy per parameter into it."""
     work, out = training.param_dtype, []
-    for sync in program.param_syncs:
-        if only is not None and not all(f in only for f in sync.fqns):
-            continue
+    for sync in _syncs_of(program, only):
         uses = [program.uses_of(fqn)[0] for fqn in sync.fqns]
         wholes = [_numel(u.storage, u, program.mesh_shape) for u in uses]
         out.append(Pass("cat", work, work, sum(wholes) // program.mesh_shape[sync.axis], 1))
@@ -106,7 +102,7 @@ def param_sync_passes(program: StepProgram, training: Training, only: frozenset[
 def param_sync_host_s(program: StepProgram, cluster: Cluster, only: frozenset[str] | None = None) -> float:
     """Seconds of the executor's own host work in the ZeRO-1/2 parameter syncs of one step, beyond their
     all-gathers and copy passes: ``executor.param_sync_us`` per parameter synced (``only``: of these)."""
-    synced = sum(len(s.fqns) for s in program.param_syncs if only is None or all(f in only for f in s.fqns))
+    synced = sum(len(s.fqns) for s in _syncs_of(program, only))
     return synced * cluster.executor.param_sync_us * 1e-6 * cluster.time_sharing(tuple(program.mesh_shape))
 
 
@@ -116,12 +112,21 @@ def param_gather_host_s(program: StepProgram, training: Training, cluster: Clust
     all-gathers and copy passes: ``executor.param_gather_us`` per parameter use a gather unpacks, each
     time the group is gathered (``GatherGroup.gathers_per_step``: per micro-step, once more for backward
     where it is resharded after forward; ``only``: the groups holding one of these parameters)."""
-    unpacked = 0
-    for g in program.gathers:
-        if only is not None and not any(program.param_uses[i].fqn in only for i in g.uses):
-            continue
-        unpacked += len(g.uses) * g.gathers_per_step(training.micro_batches, program.pipeline is not None)
+    pipelined = program.pipeline is not None
+    unpacked = sum(len(g.uses) * g.gathers_per_step(training.micro_batches, pipelined)
+                   for g in _gathers_of(program, only))
     return unpacked * cluster.executor.param_gather_us * 1e-6 * cluster.time_sharing(tuple(program.mesh_shape))
+
+
+def _gathers_of(program: StepProgram, only: frozenset[str] | None) -> list:
+    """``program``'s ZeRO-3 group gathers, or (``only``) those holding one of these parameters."""
+    return [g for g in program.gathers
+            if only is None or any(program.param_uses[i].fqn in only for i in g.uses)]
+
+
+def _syncs_of(program: StepProgram, only: frozenset[str] | None) -> list:
+    """``program``'s ZeRO-1/2 parameter syncs, or (``only``) those all of whose parameters are these."""
+    return [s for s in program.param_syncs if only is None or all(f in only for f in s.fqns)]
 
 
 def _numel(layout, use: ParamUse, mesh_shape: Sequence[int]) -> int:

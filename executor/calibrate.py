@@ -1038,7 +1038,11 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
     ex = dataclasses.replace(ex, step_us=_round3(fit.step_fixed_us),     # measured apart (--only collective_cpu)
                              collective_compute_share=cluster.executor.collective_compute_share)
     per_copy_us = meas.tiny_op_us + ex.op_forward_us + ex.input_forward_us   # a copy pass's fixed cost (unmeasured op)
-    for field_name, fit_us in (("param_sync_us", fit_param_sync_us), ("param_gather_us", fit_param_gather_us)):
+    per_parameter = (   # field, its fit, the timings it is fitted on, what they timed
+        ("param_sync_us", fit_param_sync_us, meas.executor.param_syncs, "ZeRO-1's parameter sync"),
+        ("param_gather_us", fit_param_gather_us, meas.executor.param_gathers,
+         "a ZeRO-3 group gather (pack, all-gather, unpack)"))
+    for field_name, fit_us, _, _ in per_parameter:
         us = fit_us(meas.executor, per_copy_us)
         if us is not None:
             ex = dataclasses.replace(ex, **{field_name: _round3(us)})
@@ -1057,9 +1061,7 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
                                      "ms of matmuls on every rank, less the matmuls alone, mean over the calls of a "
                                      f"repetition, median of {s.repeats} interleaved repetitions: {diffs}; median "
                                      "over kinds")
-    for field_name, what, timed in (("param_sync_us", "ZeRO-1's parameter sync", meas.executor.param_syncs),
-                                    ("param_gather_us", "a ZeRO-3 group gather (pack, all-gather, unpack)",
-                                     meas.executor.param_gathers)):
+    for field_name, _, timed, what in per_parameter:
         if getattr(ex, field_name) > 0:         # 0 is left out of the file (not priced), comment and all
             rows = ", ".join(f"{p} parameters {t:.0f} us vs {bare:.0f} us" for p, t, bare in timed)
             out[f"executor.{field_name}"] = (
