@@ -49,6 +49,7 @@ from typing import Sequence
 
 from autoddl.cluster import (COLLECTIVE_KINDS, CONFIG_DIR, Backend, Cluster, CollectiveFits, Efficiency, LinkSpec,
                             RecomputeCost, yaml_comments)
+from autoddl.collective_points import CollectivePoints, measured_points
 from autoddl.loader import load_model_file
 from autoddl.machine import this_machine
 from autoddl.pipeline import stages_from_cuts
@@ -225,8 +226,9 @@ def _header(meas: Measurements, comm: CommFits, command: str, notes: Sequence[st
              f"on {meas.machine}; {_ranks_text(s, meas.launches)}; {meas.seconds.get('total', 0):.0f} s ("
              + ", ".join(f"{k} {v:.0f} s" for k, v in meas.seconds.items() if k != "total") + ").",
              "Units are in the field names: *_gbps = GB/s (1e9 bytes/s, per device, one direction), "
-             "*_us = microseconds.",
-             f"Collective fits ({s.backend}; t = formula of costmodel.collectives with latency a, bandwidth b):"]
+             "*_us = microseconds."]
+    if comm.fits or comm.failed:
+        lines.append(f"Collective fits ({s.backend}; t = formula of costmodel.collectives with latency a, bandwidth b):")
     lines += [f"  {k}: {_fit_text(f, meas)}" for k, f in comm.fits.items()]
     lines += [f"  {k}: not fitted, left to links.intra_node: {why}" for k, why in comm.failed.items()]
     return "\n".join(lines + list(notes))
@@ -313,9 +315,10 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
         intra_node=link, inter_node=link if base.nodes == 1 else base.inter_node,
         efficiency=Efficiency(compute=_sig(min(1.0, comp.large_efficiency), 3), memory=1.0, network=1.0),
         op_overhead_us=_sig(meas.op_overhead_us, 3), collectives=CollectiveFits(**comm.per_kind),
+        collective_points=base.collective_points.merged(timed_points(meas)),
         compute_curve=comp.curve, source="", **cpu_host(base, meas, _total_memory_gb() or memory_gb * dpn, mem_gbps, s.nproc),
         calibrated_on=this_machine() if base.device.kind == "cpu" else base.calibrated_on)
-    comments = _measured_comments(meas, base, comp, comm, dpn, memory_gb, mem_kind)
+    comments = {**_measured_comments(meas, base, comp, comm, dpn, memory_gb, mem_kind), **_points_comments(meas)}
     if base.device.kind == "cpu":
         comments["calibrated_on"] = ("the machine measured (autoddl/machine.py); `autoddl run` and the benchmarks "
                                      "say so when they run on another")
@@ -342,17 +345,47 @@ def calibrate_fits(meas: Measurements, base: Cluster, devices_per_node: int | No
     if Backend(s.backend) is not base.backend:
         raise ValueError(f"calibrate --only: timed on {s.backend} but the base cluster {base.source or base.name} "
                          f"uses {base.backend.value}; pass --backend {base.backend.value} or another --base")
+    points = base.collective_points.merged(timed_points(meas))
+    comments = _points_comments(meas)
+    if base.cores_per_node and s.nproc > base.cores_per_node:
+        fits: dict[str, CollectiveFit] = {}
+        comm = CommFits(fits, {}, None, [], {})
+        cluster = dataclasses.replace(base, collective_points=points, source="",
+                                      devices_per_node=devices_per_node or base.devices_per_node)
+        note = (f"Only {', '.join(s.kinds)} timed (--only), on {s.nproc} ranks, more than cores_per_node "
+                f"({base.cores_per_node}): their curves are in collective_points.ranks_{s.nproc} (what a mesh of "
+                f"{s.nproc} ranks on a node pays for a collective its ranks wait for); the fits and every other "
+                f"field are from {base.source or base.name}.")
+        return Calibration(cluster=cluster, comments=comments, header=_header(meas, comm, command, [note]),
+                           fits=fits, compute=None)
     failed: dict[str, str] = {}
     fits = fit_collectives(meas.collectives, s.backend, failed, min_r2)
     entries = {**dict(base.collectives.items()), **{k: _rounded_link(f.link) for k, f in fits.items()}}
-    cluster = dataclasses.replace(base, collectives=CollectiveFits(**entries), source="",
+    cluster = dataclasses.replace(base, collectives=CollectiveFits(**entries), collective_points=points, source="",
                                   devices_per_node=devices_per_node or base.devices_per_node)
-    comments = {f"collectives.{k}": f"measured: {_fit_text(f, meas)}" for k, f in fits.items()}
+    comments.update({f"collectives.{k}": f"measured: {_fit_text(f, meas)}" for k, f in fits.items()})
     comm = CommFits(fits, failed, None, [], {})
     note = (f"Only {', '.join(s.kinds)} timed (--only); every other field is from "
             f"{base.source or base.name}.")
     return Calibration(cluster=cluster, comments=comments, header=_header(meas, comm, command, [note]),
                        fits=fits, compute=None)
+
+
+def timed_points(meas: Measurements) -> CollectivePoints:
+    """The timed collectives' medians as curves measured with ``settings.nproc`` ranks busy
+    (autoddl/collective_points.py)."""
+    return measured_points(((t.kind, t.n_devices, t.nbytes, t.time_s) for t in meas.collectives),
+                           meas.settings.nproc, COLLECTIVE_KINDS)
+
+
+def _points_comments(meas: Measurements) -> dict[str, str]:
+    s = meas.settings
+    if not timed_points(meas):
+        return {}
+    return {f"collective_points.ranks_{s.nproc}": (
+        f"measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {_ranks_text(s, meas.launches)}, each group of a size "
+        f"running the collective at once, back to back; median of {s.repeats} repetitions of the slowest rank, in "
+        "microseconds by M bytes, made non-decreasing (autoddl/collective_points.py)")}
 
 
 # -- op families and recompute: what the executor's ops really cost ---------------------------------

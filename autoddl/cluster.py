@@ -87,6 +87,7 @@ from typing import Any
 import yaml
 
 from autoddl.atomic import write_text_atomic
+from autoddl.collective_points import CollectivePoints, parse_collective_points
 from autoddl.op_families import (CAST_OPS, CONV_OPS, COPY_OPS, MATMUL_OPS, NORMS, REDUCTIONS, SDPA_OPS,
                                   VIEW_OPS)
 from autoddl.training import DTYPES
@@ -524,7 +525,7 @@ _EXECUTOR_FIELDS["collective_compute_share"] = ("a number from 0 to 1: the share
 _UNPRICED_WHEN_ZERO = ("param_sync_us", "param_gather_us", "shard_forward_us", "shard_backward_us",   # 0: left out
                        "shard_param_us", "collective_compute_share")
 _TOP_KEYS = ("name", "nodes", "devices_per_node", "device", "links", "backend", "efficiency",
-             "op_overhead_us", "collectives", "compute_curve", "executor", "cores_per_node",
+             "op_overhead_us", "collectives", "collective_points", "compute_curve", "executor", "cores_per_node",
              "comm_measured_ranks_per_node", "host_link", "host_memory_gb", "host_memory_bandwidth_gbps",
              "calibrated_on")
 HOST_FIELDS = {   # the host side of a node (module docstring): field -> what it is
@@ -823,6 +824,8 @@ def _parse_optional(d: dict, src: str, kw: dict[str, Any], errors: list[str]) ->
             kw[key] = _number(src, key, d[key], HOST_FIELDS[key], "pos", errors)
     if d.get("collectives") is not None:
         kw["collectives"] = _collectives(src, d["collectives"], errors)
+    if d.get("collective_points") is not None:
+        kw["collective_points"] = parse_collective_points(src, d["collective_points"], errors, COLLECTIVE_KINDS)
     if d.get("compute_curve") is not None:
         kw["compute_curve"] = _compute_curve(src, d["compute_curve"], errors)
     if d.get("executor") is not None:
@@ -1035,6 +1038,7 @@ class Cluster:
     efficiency: Efficiency = Efficiency()
     op_overhead_us: float = 5.0
     collectives: CollectiveFits = CollectiveFits()
+    collective_points: CollectivePoints = CollectivePoints()   # measured times by size (autoddl/collective_points.py)
     compute_curve: tuple[tuple[float, float], ...] = ()
     executor: ExecutorOverheads = ExecutorOverheads()
     cores_per_node: int | None = None   # CPU: ranks a node runs at once at full speed; None: no sharing
@@ -1056,6 +1060,8 @@ class Cluster:
                 raise ClusterConfigError(f"{self.source or self.name}: collectives: unknown kinds {bad}; "
                                          f"known kinds: {', '.join(FITTED_KINDS)}")
             object.__setattr__(self, "collectives", CollectiveFits(**fits))
+        if self.collective_points is None:
+            object.__setattr__(self, "collective_points", CollectivePoints())
         if self.compute_curve is None:
             object.__setattr__(self, "compute_curve", ())
         if self.executor is None:
@@ -1124,6 +1130,7 @@ class Cluster:
             "op_overhead_us": self.op_overhead_us,
             **({"collectives": {k: v.to_dict() for k, v in self.collectives.items()}}
                if self.collectives else {}),
+            **({"collective_points": self.collective_points.to_dict()} if self.collective_points else {}),
             **({"compute_curve": [list(p) for p in self.compute_curve]} if self.compute_curve else {}),
             **({"executor": self.executor.to_dict()} if self.executor else {}),
             **({"cores_per_node": self.cores_per_node} if self.cores_per_node else {}),
@@ -1166,6 +1173,9 @@ class Cluster:
                     emit(value, dotted + ".", indent + 1)
                 elif isinstance(value, list) and all(not isinstance(x, (list, tuple, dict)) for x in value):
                     lines.append((dotted, f"{pad}{key}: [{', '.join(_scalar(x) for x in value)}]"))
+                elif isinstance(value, list) and dotted.startswith("collective_points."):   # a curve: one line
+                    pairs = ", ".join(f"[{', '.join(_scalar(x) for x in item)}]" for item in value)
+                    lines.append((dotted, f"{pad}{key}: [{pairs}]"))
                 elif isinstance(value, list):            # compute_curve: one "- [x, y]" line per point
                     lines.append((dotted, f"{pad}{key}:"))
                     for i, item in enumerate(value):
@@ -1250,6 +1260,8 @@ class Cluster:
                 f"| op overhead {self.op_overhead_us:g} us"
                 + (f" | fitted collectives: {', '.join(k for k, _ in self.collectives.items())}"
                    if self.collectives else "")
+                + (f" | measured collective points: {len(self.collective_points.curves)} curves"
+                   if self.collective_points else "")
                 + (f" | compute curve: {len(self.compute_curve)} points" if self.compute_curve else "")
                 + (" | executor overheads: " + ", ".join(f"{k} {v:g}" for k, v in self.executor.scalars().items()
                                                          if v) if self.executor else "")

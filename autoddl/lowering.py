@@ -200,7 +200,7 @@ class _Lowering:
         if fields.get("stream") == COMPUTE and self.wait_for:     # prefetched copies the op waits for
             deps = tuple(dict.fromkeys(deps + tuple(self.wait_for)))
             self.wait_for = []
-        task = Task(id=len(self.prog.tasks), deps=deps, **fields)
+        task = Task(id=len(self.prog.tasks), deps=deps, host_waits=host, **fields)
         self.prog.tasks.append(task)
         if host:
             self.last = task.id

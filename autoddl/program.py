@@ -357,6 +357,8 @@ class Task:
     micro_step: int = 0              # which micro-step of the optimizer step (Training.micro_batches)
     pp_rank: int = 0                 # which pipeline rank runs it (autoddl/pipeline.py; 0 without stages)
     copy: str = ""                   # a host copy (autoddl/offload.py): "h2d" or "d2h" of ``nbytes``
+    host_waits: bool = True          # the host waits for it where it is issued; False: a collective launched
+                                     # asynchronously (gradient buckets, prefetched gathers, the loss's all-reduce)
 
     @property
     def is_collective(self) -> bool:

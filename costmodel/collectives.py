@@ -115,7 +115,7 @@ def collective_time_s(kind: CollectiveKind, nbytes: float, n_devices: int, link:
 
 
 def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: Sequence[int], axis: Group,
-                              cluster: Cluster) -> float:
+                              cluster: Cluster, blocking: bool = False) -> float:
     """Seconds for ``kind`` on mesh axis ``axis`` of ``mesh_shape`` on ``cluster``, or over the
     flattened group of a tuple of axes (one collective over all their ranks: ``n`` is the product
     of their sizes, and the link is that of the outermost, the slowest the group crosses).
@@ -139,14 +139,33 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
             raise ValueError(f"a send_recv is between two ranks along one mesh axis, got the group {axis!r}")
         next_s = math.prod(mesh[outer + 1:])             # row-major: the next rank along the axis
         return send_recv_time_s(nbytes, 0, next_s, cluster, mesh) if n > 1 else 0.0
+    fixed_s = cluster.executor.collective_us * 1e-6 if n > 1 else 0.0
+    curve = measured_curve(kind, n, mesh, cluster, blocking) if intra else None
+    if curve is not None:
+        return curve.time_s(nbytes) + fixed_s * cluster.comm_time_sharing(mesh)
     if intra:
         fit = cluster.collectives.get(kind) or cluster.collectives.get(carried_out_as(kind, cluster.backend))
         link = fit or cluster.intra_node
     else:
         link = node_link(cluster, mesh, tuple(axes))
-    fixed_s = cluster.executor.collective_us * 1e-6 if n > 1 else 0.0
     return (collective_time_s(kind, nbytes, n, link, cluster.backend, cluster.efficiency.network)
             + fixed_s) * cluster.comm_time_sharing(mesh)
+
+
+def measured_curve(kind: CollectiveKind, n: int, mesh: tuple[int, ...], cluster: Cluster,
+                   blocking: bool) -> CollectiveCurve | None:
+    """The curve pricing ``kind`` on a group of ``n`` ranks inside a node of ``mesh``, or None: only a
+    collective its ranks wait for at once (``blocking``) takes one, measured (``cluster.collective_points``)
+    with as many ranks busy on the node as ``mesh`` puts there, for ``kind`` or the kind the backend
+    carries it out as. `autoddl calibrate` times a collective back to back on every rank of the node,
+    as a blocking one runs: its ranks compute nothing beside it. An asynchronous one (a gradient bucket,
+    a prefetched gather) runs beside compute on the cores that compute uses, which the curve does not
+    see: it keeps the fit, slowed by the time-sharing."""
+    if not blocking or not cluster.collective_points:
+        return None
+    busy = min(math.prod(mesh), cluster.devices_per_node)
+    points = cluster.collective_points
+    return points.get(busy, n, kind) or points.get(busy, n, carried_out_as(kind, cluster.backend))
 
 
 def _group(mesh: tuple[int, ...], axis: Group, cluster: Cluster) -> tuple[tuple[int, ...], int, bool]:

@@ -145,7 +145,8 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
         peer = (task.pp_rank + (1 if task.phase == "forward" else -1)) % mesh[0]
         return send_recv_time_s(task.nbytes, stage_device(task.pp_rank, mesh), stage_device(peer, mesh), cluster, mesh)
     if task.is_collective:
-        return cluster_collective_time_s(task.collective, task.nbytes, mesh, task.axis, cluster)
+        return cluster_collective_time_s(task.collective, task.nbytes, mesh, task.axis, cluster,
+                                         blocking=task.host_waits)
     if task.is_copy:
         return host_copy_time_s(task.nbytes, cluster)
     if task.phase == "optimizer":
