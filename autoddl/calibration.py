@@ -228,7 +228,8 @@ def _header(meas: Measurements, comm: CommFits, command: str, notes: Sequence[st
              "Units are in the field names: *_gbps = GB/s (1e9 bytes/s, per device, one direction), "
              "*_us = microseconds."]
     if comm.fits or comm.failed:
-        lines.append(f"Collective fits ({s.backend}; t = formula of costmodel.collectives with latency a, bandwidth b):")
+        lines.append(f"Collective fits ({s.backend}; t = formula of costmodel.collectives with latency a, "
+                     "bandwidth b):")
     lines += [f"  {k}: {_fit_text(f, meas)}" for k, f in comm.fits.items()]
     lines += [f"  {k}: not fitted, left to links.intra_node: {why}" for k, why in comm.failed.items()]
     return "\n".join(lines + list(notes))
@@ -379,13 +380,15 @@ def timed_points(meas: Measurements) -> CollectivePoints:
 
 
 def _points_comments(meas: Measurements) -> dict[str, str]:
+    """The comment on the curves this calibration wrote (none when it timed no collective)."""
     s = meas.settings
     if not timed_points(meas):
         return {}
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return {f"collective_points.ranks_{s.nproc}": (
-        f"measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {_ranks_text(s, meas.launches)}, each group of a size "
-        f"running the collective at once, back to back; median of {s.repeats} repetitions of the slowest rank, in "
-        "microseconds by M bytes, made non-decreasing (autoddl/collective_points.py)")}
+        f"measured {when}: {_ranks_text(s, meas.launches)}, each group of a size running the collective at once, "
+        f"back to back; median of {s.repeats} repetitions of the slowest rank, in microseconds by M bytes, made "
+        "non-decreasing (autoddl/collective_points.py)")}
 
 
 # -- op families and recompute: what the executor's ops really cost ---------------------------------

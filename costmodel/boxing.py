@@ -69,7 +69,7 @@ def backward_boxing_collectives(meta: TensorMeta, src: NdSbp, dst: NdSbp, mesh_s
 def transitions_time_s(transitions: Sequence[Transition], mesh_shape: Sequence[int], cluster: Cluster) -> float:
     """Sum of the collectives' times, each on the link of its mesh axis (or group), as the backend runs it."""
     mesh = tuple(mesh_shape)
-    return sum(cluster_collective_time_s(kind, nbytes, mesh, axis, cluster, blocking=True)
+    return sum(cluster_collective_time_s(kind, nbytes, mesh, axis, cluster, host_waits=True)
                for kind, axis, nbytes in transitions)
 
 

@@ -28,10 +28,13 @@ linear in ``(a, 1/b)``: :func:`fit_collective` recovers ``a`` and ``b`` from
 timings by least squares, and :func:`cluster_collective_time_s` uses such a
 per-kind fit (``Cluster.collectives``) in place of the intra-node link, and adds
 the executor's fixed cost per collective (``Cluster.executor.collective_us``:
-DTensor's redistribute around the backend call), which is not part of ``a``; on a
+its host work around the backend call), which is not part of ``a``; on a
 CPU cluster whose nodes hold more of the mesh's ranks than ``cores_per_node`` the
 whole time is multiplied by ``Cluster.comm_time_sharing`` (the ranks time-share the cores,
-beyond the sharing the fits were measured under).
+beyond the sharing the fits were measured under). A collective the host waits for where it issues
+it is priced instead from the times measured by size (``Cluster.collective_points``,
+autoddl/collective_points.py) with as many ranks busy on the node as the mesh puts there, where the
+file has them (:func:`measured_curve`): on a CPU whose cores the ranks share, gloo follows no line.
 
 A point-to-point send (a pipeline stage's activations or gradients, a shard's transfer) is
 priced by :func:`send_recv_time_s` alone, from the two devices it joins, with the same rules.
@@ -55,6 +58,7 @@ import numpy as np
 
 from autoddl.boxing import Group, group_axes
 from autoddl.cluster import Backend, Cluster, LinkSpec
+from autoddl.collective_points import CollectiveCurve
 from autoddl.collective_kinds import BACKENDS, BackendCollectives, CollectiveKind, carried_out_as  # noqa: F401
 from autoddl.program import PHASES
 
@@ -115,7 +119,7 @@ def collective_time_s(kind: CollectiveKind, nbytes: float, n_devices: int, link:
 
 
 def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: Sequence[int], axis: Group,
-                              cluster: Cluster, blocking: bool = False) -> float:
+                              cluster: Cluster, host_waits: bool = False) -> float:
     """Seconds for ``kind`` on mesh axis ``axis`` of ``mesh_shape`` on ``cluster``, or over the
     flattened group of a tuple of axes (one collective over all their ranks: ``n`` is the product
     of their sizes, and the link is that of the outermost, the slowest the group crosses).
@@ -128,8 +132,11 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
     group of 4 as a ring of 4 with the fitted latency and bandwidth). A group across nodes takes
     :func:`node_link` (``links.inter_node``, per flow where the node's devices share it). Plus
     ``cluster.executor.collective_us`` when the group has more than one device; all of it
-    times ``cluster.comm_time_sharing(mesh_shape)``. A ``send_recv`` joins two devices, not an
-    axis: it is :func:`send_recv_time_s` from the first device to the next one along ``axis``.
+    times ``cluster.comm_time_sharing(mesh_shape)``. ``host_waits`` (the host waits for it where it is
+    issued) and a measured curve for the group inside a node (:func:`measured_curve`): the curve's time
+    at ``nbytes`` instead of the fit's, the sharing already in it, plus the executor's cost slowed. A
+    ``send_recv`` joins two devices, not an axis: it is :func:`send_recv_time_s` from the first device to
+    the next one along ``axis``.
     """
     mesh = tuple(mesh_shape)
     axes, n, intra = _group(mesh, axis, cluster)
@@ -140,7 +147,7 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
         next_s = math.prod(mesh[outer + 1:])             # row-major: the next rank along the axis
         return send_recv_time_s(nbytes, 0, next_s, cluster, mesh) if n > 1 else 0.0
     fixed_s = cluster.executor.collective_us * 1e-6 if n > 1 else 0.0
-    curve = measured_curve(kind, n, mesh, cluster, blocking) if intra else None
+    curve = measured_curve(kind, n, mesh, cluster, host_waits) if intra else None
     if curve is not None:
         return curve.time_s(nbytes) + fixed_s * cluster.comm_time_sharing(mesh)
     if intra:
@@ -153,15 +160,15 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
 
 
 def measured_curve(kind: CollectiveKind, n: int, mesh: tuple[int, ...], cluster: Cluster,
-                   blocking: bool) -> CollectiveCurve | None:
+                   host_waits: bool) -> CollectiveCurve | None:
     """The curve pricing ``kind`` on a group of ``n`` ranks inside a node of ``mesh``, or None: only a
-    collective its ranks wait for at once (``blocking``) takes one, measured (``cluster.collective_points``)
-    with as many ranks busy on the node as ``mesh`` puts there, for ``kind`` or the kind the backend
-    carries it out as. `autoddl calibrate` times a collective back to back on every rank of the node,
-    as a blocking one runs: its ranks compute nothing beside it. An asynchronous one (a gradient bucket,
-    a prefetched gather) runs beside compute on the cores that compute uses, which the curve does not
-    see: it keeps the fit, slowed by the time-sharing."""
-    if not blocking or not cluster.collective_points:
+    collective the host waits for where it issues it (``host_waits``: ``Task.host_waits``) takes one,
+    measured (``cluster.collective_points``) with as many ranks busy on the node as ``mesh`` puts there,
+    for ``kind`` or the kind the backend carries it out as. `autoddl calibrate` times a collective back
+    to back on every rank of the node, as a waited-for one runs: its ranks compute nothing beside it. An
+    asynchronous one (a gradient bucket, a prefetched gather) runs beside compute on the cores that
+    compute uses, which the curve does not see: it keeps the fit, slowed by the time-sharing."""
+    if not host_waits or not cluster.collective_points:
         return None
     busy = min(math.prod(mesh), cluster.devices_per_node)
     points = cluster.collective_points

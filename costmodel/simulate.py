@@ -14,8 +14,10 @@ activations: the bubble, priced as the schedule runs. Durations:
   recomputed in backward) or backward; an op of a checkpointed block also pays what the
   checkpoint adds per op (``costmodel.compute.recompute_overhead_s``);
 - collective: alpha-beta on the link of its mesh axis, as the backend carries it out
-  (costmodel.collectives); a pipeline send (``send_recv``, forward to the next pp rank, backward
-  to the previous one) on the link between the two stages (``send_recv_time_s``);
+  (costmodel.collectives), or, for one the host waits for (``Task.host_waits``), the time measured
+  at its size where the cluster file has it (``collective_points``); a pipeline send (``send_recv``,
+  forward to the next pp rank, backward to the previous one) on the link between the two stages
+  (``send_recv_time_s``);
 - optimizer: the memory-bound step over the local parameters (a pp rank's own), plus the
   executor's fixed per-step cost (``cluster.executor.step_us``); on the ``host`` stream (offload) at
   the host's memory bandwidth (costmodel/host.py); plus the step's passes over the masters and
@@ -146,7 +148,7 @@ def task_time_s(task: Task, graph: OpGraph, plan: Plan, cluster: Cluster, recomp
         return send_recv_time_s(task.nbytes, stage_device(task.pp_rank, mesh), stage_device(peer, mesh), cluster, mesh)
     if task.is_collective:
         return cluster_collective_time_s(task.collective, task.nbytes, mesh, task.axis, cluster,
-                                         blocking=task.host_waits)
+                                         host_waits=task.host_waits)
     if task.is_copy:
         return host_copy_time_s(task.nbytes, cluster)
     if task.phase == "optimizer":

@@ -97,20 +97,21 @@ def test_a_collective_the_host_waits_for_takes_the_curve_of_its_ranks_busy(kind)
     the executor's cost slowed 2x; gloo's reduce-scatter (an all-reduce) takes the all-reduce's curve. An
     asynchronous one, and any on a mesh of 2 (no ranks_2 curve), is the ring formula on the fit, plus the
     executor's cost, times the time-sharing."""
-    points = CollectivePoints((((4, 4, "all_reduce"), CURVE), ((4, 2, "all_reduce"), CollectiveCurve(((4096, 700.0),)))))
+    points = CollectivePoints((((4, 4, "all_reduce"), CURVE),
+                               ((4, 2, "all_reduce"), CollectiveCurve(((4096, 700.0),)))))
     cluster, m = cpu4(points), 10240
-    assert cluster_collective_time_s(kind, m, (4,), 0, cluster, blocking=True) == pytest.approx(
+    assert cluster_collective_time_s(kind, m, (4,), 0, cluster, host_waits=True) == pytest.approx(
         1500e-6 + 2 * FIXED_US * 1e-6)
-    assert cluster_collective_time_s(kind, m, (2, 2), 1, cluster, blocking=True) == pytest.approx(
+    assert cluster_collective_time_s(kind, m, (2, 2), 1, cluster, host_waits=True) == pytest.approx(
         700e-6 * m / 4096 + 2 * FIXED_US * 1e-6)              # two groups of 2, 4 ranks busy; scaled past its point
     fit = collective_time_s(kind, m, 4, FIT, cluster.backend)
     assert fit == pytest.approx(2 * 3 / 4 * m / 1e9 + 6 * 500e-6)              # the ring of 4, by hand
-    assert cluster_collective_time_s(kind, m, (4,), 0, cluster, blocking=False) == pytest.approx(
+    assert cluster_collective_time_s(kind, m, (4,), 0, cluster, host_waits=False) == pytest.approx(
         2 * (fit + FIXED_US * 1e-6))
     two = cluster.resized(2)
-    assert cluster_collective_time_s(kind, m, (2,), 0, two, blocking=True) == pytest.approx(
+    assert cluster_collective_time_s(kind, m, (2,), 0, two, host_waits=True) == pytest.approx(
         collective_time_s(kind, m, 2, FIT, cluster.backend) + FIXED_US * 1e-6)
-    assert cluster_collective_time_s(K.ALL_GATHER, m, (4,), 0, cluster, blocking=True) == pytest.approx(
+    assert cluster_collective_time_s(K.ALL_GATHER, m, (4,), 0, cluster, host_waits=True) == pytest.approx(
         2 * (collective_time_s(K.ALL_GATHER, m, 4, FIT, cluster.backend) + FIXED_US * 1e-6))   # no curve of its own
 
 
@@ -152,7 +153,7 @@ def test_the_timeline_prices_each_collective_by_whether_the_host_waits():
             for t in timeline.tasks:
                 if t.task.is_collective:
                     want = cluster_collective_time_s(t.task.collective, t.task.nbytes, plan_mesh, t.task.axis,
-                                                     cluster, blocking=t.task.host_waits)
+                                                     cluster, host_waits=t.task.host_waits)
                     assert t.duration_s == pytest.approx(want)
         waited = [t for t in programs[name].tasks if t.is_collective and t.host_waits]
         assert bool(waited) == (name == "tp")
