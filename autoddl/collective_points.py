@@ -3,9 +3,9 @@
 gloo on a CPU whose cores the ranks share does not follow a latency-bandwidth line. Timed by
 `autoddl calibrate` on the 2-core VM (2026-11-28 12:00 UTC, medians of 3 launches), an all-reduce on
 4 ranks took 5.3-5.7 ms at every size from 4 KB to 1 MB, then 9.8 ms at 4 MB and 61 ms at 32 MB;
-its fitted line (latency 706 us x 6 ring steps) said 4.2 ms for the small sizes, where a tensor
-parallel step's all-reduces live, and the 2-rank line scaled to a ring of 4 and doubled for the
-time-sharing said 10.3 ms. ``collective_points`` keeps what was measured, per
+a line fitted to such 4-rank points (an earlier run: latency 706 us x 6 ring steps) says 4.2 ms for
+the small sizes, where a tensor parallel step's all-reduces live, and the 2-rank line scaled to a
+ring of 4 and doubled for the time-sharing said 10.3 ms. ``collective_points`` keeps what was measured, per
 
 - the ranks the node ran at once while it was measured (``ranks_R``: a mesh that puts R ranks on
   a node is priced with them; the time-sharing of R ranks on the node's cores is in the numbers),
