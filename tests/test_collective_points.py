@@ -148,6 +148,7 @@ def test_the_timeline_prices_each_collective_by_whether_the_host_waits():
                                   for n in (2, 4) for k in ("all_reduce", "all_gather")))
     for name in ("tp", "dp"):
         plan_mesh = programs[name].mesh_shape
+        durations = []
         for cluster in (cpu4(CollectivePoints()), cpu4(flat)):
             timeline = simulate(programs[name], graph, plans[name], cluster)
             for t in timeline.tasks:
@@ -155,6 +156,9 @@ def test_the_timeline_prices_each_collective_by_whether_the_host_waits():
                     want = cluster_collective_time_s(t.task.collective, t.task.nbytes, plan_mesh, t.task.axis,
                                                      cluster, host_waits=t.task.host_waits)
                     assert t.duration_s == pytest.approx(want)
+            durations.append([(t.task.host_waits, t.duration_s) for t in timeline.tasks if t.task.is_collective])
+        for (waits, fitted_s), (_, curve_s) in zip(*durations):
+            assert curve_s < fitted_s if waits else curve_s == pytest.approx(fitted_s)
         waited = [t for t in programs[name].tasks if t.is_collective and t.host_waits]
         assert bool(waited) == (name == "tp")
 
