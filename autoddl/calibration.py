@@ -305,6 +305,7 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
     if base.device.kind == "cpu" and _total_memory_gb() > 0:
         memory_gb = _sig(_total_memory_gb() / dpn, 3)
     comm = CommFits.of(meas, backend, min_r2)
+    timed = timed_points(meas)
     if comm.link is None:
         raise ValueError("calibrate: no collective could be fitted (only " + ", ".join(comm.fits)
                          + "): the link needs one; run again when the machine is idle")
@@ -316,10 +317,11 @@ def calibrate_cluster(meas: Measurements, base: Cluster, devices_per_node: int |
         intra_node=link, inter_node=link if base.nodes == 1 else base.inter_node,
         efficiency=Efficiency(compute=_sig(min(1.0, comp.large_efficiency), 3), memory=1.0, network=1.0),
         op_overhead_us=_sig(meas.op_overhead_us, 3), collectives=CollectiveFits(**comm.per_kind),
-        collective_points=base.collective_points.merged(timed_points(meas)),
+        collective_points=base.collective_points.merged(timed),
         compute_curve=comp.curve, source="", **cpu_host(base, meas, _total_memory_gb() or memory_gb * dpn, mem_gbps, s.nproc),
         calibrated_on=this_machine() if base.device.kind == "cpu" else base.calibrated_on)
-    comments = {**_measured_comments(meas, base, comp, comm, dpn, memory_gb, mem_kind), **_points_comments(meas)}
+    comments = {**_measured_comments(meas, base, comp, comm, dpn, memory_gb, mem_kind),
+                **_points_comments(meas, timed)}
     if base.device.kind == "cpu":
         comments["calibrated_on"] = ("the machine measured (autoddl/machine.py); `autoddl run` and the benchmarks "
                                      "say so when they run on another")
@@ -341,33 +343,30 @@ def calibrate_fits(meas: Measurements, base: Cluster, devices_per_node: int | No
     """``autoddl calibrate --only KINDS``: ``base`` with the fits of the timed kinds written into
     ``collectives`` (replacing the base's entries for those kinds) and ``devices_per_node`` when given;
     every other field, the links included, is the base's (the command line keeps the base file's
-    header and comments: ``autoddl.cli.calibrate``)."""
+    header and comments: ``autoddl.cli.calibrate``); the timed medians go into ``collective_points``
+    under the ranks that ran. On more ranks than the base's ``cores_per_node`` (they time-shared the
+    cores) the fits are not taken: only the curves are written.
+    """
     s = meas.settings
     if Backend(s.backend) is not base.backend:
         raise ValueError(f"calibrate --only: timed on {s.backend} but the base cluster {base.source or base.name} "
                          f"uses {base.backend.value}; pass --backend {base.backend.value} or another --base")
-    points = base.collective_points.merged(timed_points(meas))
-    comments = _points_comments(meas)
-    if base.cores_per_node and s.nproc > base.cores_per_node:
-        fits: dict[str, CollectiveFit] = {}
-        comm = CommFits(fits, {}, None, [], {})
-        cluster = dataclasses.replace(base, collective_points=points, source="",
-                                      devices_per_node=devices_per_node or base.devices_per_node)
-        note = (f"Only {', '.join(s.kinds)} timed (--only), on {s.nproc} ranks, more than cores_per_node "
-                f"({base.cores_per_node}): their curves are in collective_points.ranks_{s.nproc} (what a mesh of "
-                f"{s.nproc} ranks on a node pays for a collective its ranks wait for); the fits and every other "
-                f"field are from {base.source or base.name}.")
-        return Calibration(cluster=cluster, comments=comments, header=_header(meas, comm, command, [note]),
-                           fits=fits, compute=None)
+    timed = timed_points(meas)
+    comments = _points_comments(meas, timed)
+    shared = bool(base.cores_per_node) and s.nproc > base.cores_per_node   # the ranks time-shared the cores
     failed: dict[str, str] = {}
-    fits = fit_collectives(meas.collectives, s.backend, failed, min_r2)
+    fits = {} if shared else fit_collectives(meas.collectives, s.backend, failed, min_r2)
     entries = {**dict(base.collectives.items()), **{k: _rounded_link(f.link) for k, f in fits.items()}}
-    cluster = dataclasses.replace(base, collectives=CollectiveFits(**entries), collective_points=points, source="",
+    cluster = dataclasses.replace(base, collectives=CollectiveFits(**entries),
+                                  collective_points=base.collective_points.merged(timed), source="",
                                   devices_per_node=devices_per_node or base.devices_per_node)
     comments.update({f"collectives.{k}": f"measured: {_fit_text(f, meas)}" for k, f in fits.items()})
     comm = CommFits(fits, failed, None, [], {})
-    note = (f"Only {', '.join(s.kinds)} timed (--only); every other field is from "
-            f"{base.source or base.name}.")
+    note = (f"Only {', '.join(s.kinds)} timed (--only), on {s.nproc} ranks, more than cores_per_node "
+            f"({base.cores_per_node}): their curves are in collective_points.ranks_{s.nproc} (what a mesh of "
+            f"{s.nproc} ranks on a node pays for a collective its ranks wait for); the fits and every other "
+            f"field are from {base.source or base.name}." if shared else
+            f"Only {', '.join(s.kinds)} timed (--only); every other field is from {base.source or base.name}.")
     return Calibration(cluster=cluster, comments=comments, header=_header(meas, comm, command, [note]),
                        fits=fits, compute=None)
 
@@ -379,10 +378,11 @@ def timed_points(meas: Measurements) -> CollectivePoints:
                            meas.settings.nproc, COLLECTIVE_KINDS)
 
 
-def _points_comments(meas: Measurements) -> dict[str, str]:
-    """The comment on the curves this calibration wrote (none when it timed no collective)."""
+def _points_comments(meas: Measurements, timed: CollectivePoints) -> dict[str, str]:
+    """The comment on the curves this calibration wrote (``timed``: :func:`timed_points`; none when it
+    timed no collective)."""
     s = meas.settings
-    if not timed_points(meas):
+    if not timed:
         return {}
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return {f"collective_points.ranks_{s.nproc}": (

@@ -1222,8 +1222,11 @@ class Cluster:
         ``cores_per_node`` (ranks fill nodes in order): ``max(1, ranks per node / cores_per_node)``."""
         if not self.cores_per_node:
             return 1.0
-        per_node = min(math.prod(mesh_shape), self.devices_per_node)
-        return max(1.0, per_node / self.cores_per_node)
+        return max(1.0, self.ranks_per_node(mesh_shape) / self.cores_per_node)
+
+    def ranks_per_node(self, mesh_shape: tuple[int, ...]) -> int:
+        """How many of a mesh's ranks a node runs (ranks fill nodes in order)."""
+        return min(math.prod(mesh_shape), self.devices_per_node)
 
     def comm_time_sharing(self, mesh_shape: tuple[int, ...]) -> float:
         """``time_sharing`` of the mesh relative to the sharing the links and collectives were measured

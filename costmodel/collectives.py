@@ -170,7 +170,7 @@ def measured_curve(kind: CollectiveKind, n: int, mesh: tuple[int, ...], cluster:
     compute uses, which the curve does not see: it keeps the fit, slowed by the time-sharing."""
     if not host_waits or not cluster.collective_points:
         return None
-    busy = min(math.prod(mesh), cluster.devices_per_node)
+    busy = cluster.ranks_per_node(mesh)
     points = cluster.collective_points
     return points.get(busy, n, kind) or points.get(busy, n, carried_out_as(kind, cluster.backend))
 

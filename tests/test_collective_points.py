@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 import autoddl
@@ -51,7 +52,7 @@ def _with_points(tmp_path, points):
     d = Cluster.from_yaml(CPU_CLUSTER_PATH).to_dict()
     d["collective_points"] = points
     path = tmp_path / "c.yaml"
-    path.write_text(__import__("yaml").safe_dump(d))
+    path.write_text(yaml.safe_dump(d))
     return path
 
 
