@@ -47,6 +47,20 @@ def group_axes(group: Group) -> tuple[int, ...]:
     return tuple(group) if isinstance(group, tuple) else (group,)
 
 
+def group_size(group: Group, mesh: Sequence[int]) -> int:
+    """How many ranks ``group`` has on ``mesh``: its axis' size, or the product over its flattened axes."""
+    return math.prod(mesh[a] for a in group_axes(group))
+
+
+def group_rank(group: Group, coord: Sequence[int], mesh: Sequence[int]) -> int:
+    """A rank's place in ``group`` from its mesh coordinate ``coord``: row-major over the group's axes
+    (as ``DeviceMesh._flatten`` numbers a flattened group), its coordinate for one axis."""
+    rank = 0
+    for a in group_axes(group):
+        rank = rank * mesh[a] + coord[a]
+    return rank
+
+
 def group_name(group: Group) -> str:
     """``"1"`` for axis 1, ``"0+1"`` for axes 0 and 1 flattened (stream and audit names)."""
     return "+".join(str(a) for a in group_axes(group))
@@ -228,6 +242,49 @@ def flatten_all_reduces(moves: Sequence[Move]) -> tuple[Move, ...]:
         else:
             out.append(m)
     return tuple(out)
+
+
+def flatten_nested_shards(moves: Sequence[Move], shape: Sequence[int], mesh: Sequence[int]) -> tuple[Move, ...]:
+    """``moves`` of a tensor of global ``shape`` with each run of consecutive reduce-scatters to one
+    dim ``d`` on ever later mesh axes (P -> S(d) on axis i, then on axis j > i) made one reduce-scatter
+    over the flattened group of those axes, and each run of all-gathers from ``d`` on ever earlier
+    axes (S(d) -> B on axis j, then on i < j) one all-gather over it, where ``d`` divides evenly
+    over every axis that splits it. A split of ``d`` on axis i with, nested inside it, one on axis
+    j puts rank (a_i, a_j)'s piece at a_i * n_j + a_j of ``d``: its rank in the flattened group
+    (row-major, as ``DeviceMesh._flatten`` orders it), so one collective over the n_i * n_j ranks
+    leaves every rank the same piece as the chain (with uneven pieces the nested split is not the
+    flat one: those chains stay). ZeRO / FSDP over two mesh axes so reduce-scatters each gradient
+    and gathers each parameter once, over all its ranks, as over a 1-D mesh of as many; what that
+    buys is that one collective can be bucketed with other gradients' (autoddl/lowering.py
+    ``pack_buckets``) and grouped with its layer's parameters (``plan_gathers``), where a chain runs
+    per parameter. The bytes are the same: a ring over n = n_i * n_j ranks moves (n-1)/n * M per
+    rank, the chain (n_i-1)/n_i * M + (n_j-1)/n_j * M/n_i (its latency steps are n - 1 against
+    (n_i-1) + (n_j-1), its fixed per-collective cost once instead of twice)."""
+    out: list[Move] = []
+    for m in moves:
+        prev = out[-1] if out else None
+        if prev is not None and _nests(prev, m, shape, mesh):
+            whole_m = prev.nbytes if m.kind is CollectiveKind.REDUCE_SCATTER else m.nbytes   # the whole tensor
+            out[-1] = Move(tuple(sorted(prev.axes + m.axes)), prev.before, m.after, m.kind, whole_m)
+        else:
+            out.append(m)
+    return tuple(out)
+
+
+def _nests(prev: Move, m: Move, shape: Sequence[int], mesh: Sequence[int]) -> bool:
+    """Whether ``m`` continues ``prev`` as one collective over their flattened axes (above)."""
+    if m.kind is not prev.kind or m.kind not in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER):
+        return False
+    scatter = m.kind is CollectiveKind.REDUCE_SCATTER
+    split = (lambda move: move.after[move.axis]) if scatter else (lambda move: move.before[move.axis])
+    d = split(prev).dim
+    if len(m.axes) != 1 or split(m).dim != d or (min(m.axes) <= max(prev.axes) if scatter
+                                                 else max(m.axes) >= min(prev.axes)):
+        return False
+    whole = m.after if scatter else prev.before        # the layout with every split of d in place
+    if any(s.is_split(d) for a, s in enumerate(whole) if a not in prev.axes + m.axes):
+        return False                                   # another axis splits d too: not a flat piece
+    return shape[d] % math.prod(mesh[a] for a in prev.axes + m.axes) == 0
 
 
 def collectives_of(moves: Sequence[Move]) -> list[tuple[CollectiveKind, Group, int]]:

@@ -59,7 +59,8 @@ import math
 from dataclasses import replace
 from typing import Sequence
 
-from autoddl.boxing import Group, Move, boxing_moves, gradient_moves, grad_ndsbp, needed_grad_ndsbp
+from autoddl.boxing import (Group, Move, boxing_moves, flatten_nested_shards, gradient_moves, grad_ndsbp, group_axes,
+                            needed_grad_ndsbp)
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
 from autoddl.offload import check_offload
@@ -258,7 +259,7 @@ class _Lowering:
     def plan_gathers(self, ops: list[OpNode]) -> None:
         """Group the parameter uses whose move is one all-gather by (layer group, mesh axis), in the
         order forward first needs them: each group becomes one all-gather of its flattened shards."""
-        groups: dict[tuple[str, int], int] = {}
+        groups: dict[tuple[str, Group, int], int] = {}
         for node in ops:
             sig = signature_of(self.plan, node)
             for slot, ref in enumerate(node.inputs):
@@ -266,10 +267,11 @@ class _Lowering:
                 if producer.kind is not NodeKind.PARAMETER:
                     continue
                 key = (producer.target, *self.input_layout(node, sig, slot), self.stage(node.name))
-                moves = boxing_moves(producer.outputs[0].nbytes, storage_of(self.plan, key[0]), key[1], self.mesh)
+                moves = self.param_moves(boxing_moves(producer.outputs[0].nbytes, storage_of(self.plan, key[0]),
+                                                      key[1], self.mesh), producer.outputs[0])
                 if key in self.gather_of or [m.kind for m in moves] != [CollectiveKind.ALL_GATHER]:
                     continue
-                group = (layer_group(key[0]), moves[0].axis, self.stage(node.name))
+                group = (layer_group(key[0]), moves[0].group, self.stage(node.name))
                 if group not in groups:
                     groups[group] = len(self.gather_specs)
                     self.gather_specs.append([group[0], group[1], 0, group[2]])
@@ -339,9 +341,9 @@ class _Lowering:
             gather = self.gather_of.get(key, -1)
             grad_nbytes = meta.numel * itemsize(self.plan.training.grad_reduce_dtype)
             use = ParamUse(len(self.prog.param_uses), fqn, meta, storage, dst, grad,
-                           boxing_moves(meta.nbytes, storage, dst, self.mesh),
-                           gradient_moves(grad_nbytes, grad, grad_storage_of(self.plan, fqn), self.mesh)
-                           if grad is not None else (),
+                           self.param_moves(boxing_moves(meta.nbytes, storage, dst, self.mesh), meta),
+                           self.param_moves(gradient_moves(grad_nbytes, grad, grad_storage_of(self.plan, fqn),
+                                                           self.mesh), meta) if grad is not None else (),
                            gather=gather)
             self._uses[key] = use.index
             self.prog.param_uses.append(use)
@@ -352,6 +354,11 @@ class _Lowering:
         if gather >= 0:
             self.gathered(gather, consumer)
         return self._uses[key]
+
+    def param_moves(self, moves: tuple[Move, ...], meta: TensorMeta) -> tuple[Move, ...]:
+        """A parameter's gather or gradient sync, chains over several axes made one collective over
+        their flattened group where they nest evenly (autoddl.boxing.flatten_nested_shards)."""
+        return flatten_nested_shards(moves, meta.shape, self.mesh)
 
     def loss_output(self) -> None:
         """Every rank reads the loss (the output node's last input: torch.export lists buffer
@@ -397,7 +404,7 @@ class _Lowering:
     # -- gradient sync buckets ----------------------------------------------------------------------
     def pack_buckets(self, ops: list[OpNode]) -> None:
         """Bucket the uses whose sync is one reduction (an all-reduce or reduce-scatter on one axis, or
-        an all-reduce over several axes' flattened group), in the order backward makes them ready
+        over several axes' flattened group), in the order backward makes them ready
         (the reverse of their first consumer's forward position); one open bucket per (kind, axis),
         closed at ``bucket_mb`` (the first at 1 MB, as DDP does). Buckets are numbered by when
         their last gradient is ready: the order every rank launches them in."""
@@ -571,26 +578,29 @@ def param_syncs(graph: OpGraph, plan: Plan, only: frozenset[str] | None = None) 
     optimizer storage is one all-gather away from their storage, gathered together in their working
     dtype after the optimizer (as DeepSpeed all-gathers the updated partitions). Any other pair of
     layouts is refused."""
-    by_axis: dict[int, list[tuple[str, int]]] = {}
+    by_axis: dict[Group, list[tuple[str, int]]] = {}
     for fqn, node in used_parameters(graph).items():
         if only is not None and fqn not in only:
             continue
         optimizer, storage = optimizer_storage_of(plan, fqn), storage_of(plan, fqn)
         if optimizer == storage:
             continue
-        moves = [m for m in boxing_moves(node.outputs[0].nbytes, optimizer, storage, plan.mesh.shape) if m.kind]
+        moves = [m for m in flatten_nested_shards(boxing_moves(node.outputs[0].nbytes, optimizer, storage,
+                                                               plan.mesh.shape), node.outputs[0].shape,
+                                                  plan.mesh.shape) if m.kind]
         if [m.kind for m in moves] != [CollectiveKind.ALL_GATHER]:
             raise ValueError(f"plan {plan.name!r}: parameter {fqn} is stored {storage} but its optimizer storage "
-                             f"is {optimizer}; ZeRO-1/2 need the optimizer storage to split one mesh axis the "
-                             "storage replicates (e.g. storage [B], optimizer [S(0)])")
-        by_axis.setdefault(moves[0].axis, []).append((fqn, moves[0].nbytes))
+                             f"is {optimizer}; ZeRO-1/2 need the optimizer storage to split one dim on mesh axes the "
+                             "storage replicates, evenly where more than one (e.g. storage [B], optimizer [S(0)])")
+        by_axis.setdefault(moves[0].group, []).append((fqn, moves[0].nbytes))
     return [ParamSync(axis, tuple(f for f, _ in items), sum(n for _, n in items))
-            for axis, items in sorted(by_axis.items())]
+            for axis, items in sorted(by_axis.items(), key=lambda item: group_axes(item[0]))]
 
 
 def _bucketable(sync: Sequence[Move]) -> bool:
-    """A gradient sync a bucket can carry: one reduction (all-reduce or reduce-scatter; an all-reduce
-    over several axes is one, over their flattened group: autoddl.boxing.flatten_all_reduces)."""
+    """A gradient sync a bucket can carry: one reduction (all-reduce or reduce-scatter; over several
+    axes it is one over their flattened group: autoddl.boxing's ``flatten_all_reduces`` and
+    ``flatten_nested_shards``)."""
     return len(sync) == 1 and sync[0].kind in BUCKETED_KINDS
 
 

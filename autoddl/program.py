@@ -7,7 +7,8 @@
   and the backward moves of its gradient), or a parameter use (a ``ParamUse``:
   storage -> use layout forward, gradient -> storage as the gradient sync);
 - the gradient-sync buckets: parameter uses whose sync is one collective of one
-  kind on one mesh axis (or one all-reduce over several axes' flattened group), packed
+  kind on one mesh axis (or over several axes' flattened group: data parallel's all-reduce,
+  ZeRO's reduce-scatter: autoddl.boxing), packed
   in the order their gradients become ready in backward, up to ``plan.training.bucket_mb``, launched asynchronously as each
   fills (as DistributedDataParallel's Reducer does);
 - the ordered ``tasks`` with dependencies, each on a stream (``compute``, or
@@ -294,7 +295,7 @@ class GatherGroup:
 
     index: int
     group: str                       # "transformer.h.3", or "root" for parameters outside any block
-    axis: int
+    axis: Group                      # a mesh axis, or ZeRO-3 over several: their flattened group
     uses: tuple[int, ...]            # ParamUse indices
     nbytes: int                      # M of the one all-gather: the gathered tensors' bytes added up
     last_consumer: str = ""          # the last op forward uses the group in
@@ -330,9 +331,10 @@ class Bucket:
 @dataclass(frozen=True)
 class ParamSync:
     """ZeRO-1/2: after the optimizer updated each rank's piece (``optimizer_storage``) of these
-    parameters, one all-gather on ``axis`` of the flattened pieces rebuilds them in their storage."""
+    parameters, one all-gather on ``axis`` (a mesh axis, or several axes' flattened group) of the
+    flattened pieces rebuilds them in their storage."""
 
-    axis: int
+    axis: Group
     fqns: tuple[str, ...]
     nbytes: int                      # M of the all-gather: the gathered parameters' bytes
     pp_rank: int = 0                 # with pipeline stages: the pp rank whose parameters these are

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from autoddl.boxing import group_size
 from autoddl.cluster import Cluster
 from autoddl.precision import MASTER_DTYPE
 from autoddl.program import ParamUse, StepProgram, syncs_every_micro_step
@@ -81,7 +82,7 @@ def gather_passes(program: StepProgram, training: Training, only: frozenset[str]
     for g in _gathers_of(program, only):
         uses = [program.param_uses[i] for i in g.uses]
         gathers = g.gathers_per_step(training.micro_batches, program.pipeline is not None)
-        n, shards = program.mesh_shape[g.axis], [_numel(u.storage, u, program.mesh_shape) for u in uses]
+        n, shards = group_size(g.axis, program.mesh_shape), [_numel(u.storage, u, program.mesh_shape) for u in uses]
         out.append(Pass("cat", work, work, sum(shards), gathers))
         out += [Pass("copy", work, work, shard * n, gathers + (training.micro_batches if g.reshard else 0))
                 for shard in shards]
@@ -94,7 +95,7 @@ def param_sync_passes(program: StepProgram, training: Training, only: frozenset[
     for sync in _syncs_of(program, only):
         uses = [program.uses_of(fqn)[0] for fqn in sync.fqns]
         wholes = [_numel(u.storage, u, program.mesh_shape) for u in uses]
-        out.append(Pass("cat", work, work, sum(wholes) // program.mesh_shape[sync.axis], 1))
+        out.append(Pass("cat", work, work, sum(wholes) // group_size(sync.axis, program.mesh_shape), 1))
         out += [Pass("copy", work, work, whole, 1) for whole in wholes]
     return out
 

@@ -26,6 +26,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.fx
 
 from autoddl import ops
+from autoddl.boxing import group_size
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorRef
 from autoddl.pipeline_program import StageIO
@@ -155,9 +156,9 @@ class LocalStep:
         """Each use's whole tensor: a use's pieces, one per rank, joined along the dim its storage splits."""
         g = self.program.gathers[group]
         uses = [self.program.param_uses[i] for i in g.uses]
-        return unflatten_gathered(flat, self.boxer.mesh_shape[g.axis],
+        return unflatten_gathered(flat, group_size(g.axis, self.boxer.mesh_shape),
                                   [(u.storage.local_shape(u.meta.shape, self.boxer.mesh_shape),
-                                    u.forward[0].before[g.axis].dim) for u in uses])
+                                    u.forward[0].before[u.forward[0].axis].dim) for u in uses])
 
     def box(self, x: torch.Tensor, edge: int) -> torch.Tensor:
         e = self.edges[edge]

@@ -18,7 +18,8 @@ DDP; 1.0x kept).
 
 A reduce-scatter bucket lays its gradients out as FSDP2 does: each gradient's
 scatter dim first, cut into one row per rank, the rows of all gradients side by
-side, so rank r's slice of the flat result is its piece of every gradient.
+side, so rank r's slice of the flat result is its piece of every gradient (over
+several mesh axes' flattened group, r is the rank's place in it: autoddl.boxing ``group_rank``).
 
 Mixed precision: gradients (of the working copies, in ``param_dtype``) cross the
 network in ``reduce_dtype`` and are added to the float32 masters' ``.grad``.
@@ -42,7 +43,7 @@ from typing import Callable
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from autoddl.boxing import Group
+from autoddl.boxing import Group, group_rank, group_size
 from autoddl.collective_kinds import CollectiveKind, carried_out_as
 from autoddl.program import Bucket, ParamUse, StepProgram, syncs_every_micro_step
 from autoddl.precision import torch_dtype
@@ -74,7 +75,7 @@ class GradSync:
         for i in bucket.uses:
             use = self.program.param_uses[i]
             first, last = use.grad_sync[0].after, use.grad_sync[-1].after
-            dim = first[bucket.axis].dim if bucket.kind is CollectiveKind.REDUCE_SCATTER else None
+            dim = first[bucket.axes[0]].dim if bucket.kind is CollectiveKind.REDUCE_SCATTER else None
             out.append((last.local_shape(use.meta.shape, self.boxer.mesh_shape), dim))
         return out
 
@@ -162,17 +163,18 @@ class GradSync:
         gradients, which ZeRO-2/3 exist not to keep). Where the backend carries a reduce-scatter out as an
         all-reduce of the whole input (gloo: autoddl.collective_kinds), the all-reduce runs in place and the
         rank keeps a copy of its row, which saves the clone gloo makes of the input."""
-        n = self.boxer.mesh_shape[bucket.axis]
+        n = group_size(bucket.axis, self.boxer.mesh_shape)   # one axis, or ZeRO over several: their flattened group
         rows = torch.empty(n, sum(g.numel() for g in grads) // n, dtype=self.reduce_dtype, device=grads[0].device)
         start = 0
         for u, g in zip(uses, grads):
-            piece = g.movedim(u.grad_sync[0].after[bucket.axis].dim, 0).unflatten(0, (n, -1))  # (n, rows/n, ...)
+            piece = g.movedim(u.grad_sync[0].after[bucket.axes[0]].dim, 0).unflatten(0, (n, -1))  # (n, rows/n, ...)
             width = piece[0].numel()
             rows[:, start:start + width].view(piece.shape).copy_(piece)
             start += width
         group = self.boxer.groups[bucket.axis]
         if carried_out_as(CollectiveKind.REDUCE_SCATTER, self.boxer.backend) is CollectiveKind.ALL_REDUCE:
-            return _RowOf(_all_reduce_in_place(rows, group), self.boxer.coord[bucket.axis])
+            return _RowOf(_all_reduce_in_place(rows, group),
+                          group_rank(bucket.axis, self.boxer.coord, self.boxer.mesh_shape))
         return funcol.reduce_scatter_tensor(rows.reshape(-1), "sum", 0, group)
 
     def _tell(self, kind: CollectiveKind, axis: Group, bucket: Bucket) -> None:
