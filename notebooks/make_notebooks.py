@@ -355,12 +355,13 @@ def nb01():
         above comes from.
         """),
         _code(r"""
+        from autoddl.boxing import group_name
         from costmodel.collectives import cluster_collective_time_s
 
         def collective_counts(plan, breakdown, cluster):
             agg = defaultdict(lambda: [0, 0.0, 0.0])
             for c in breakdown.collectives:
-                key = (c.phase, c.kind.value, c.axis)
+                key = (c.phase, c.kind.value, group_name(c.axis))   # "0", or "0+1" flattened
                 agg[key][0] += 1
                 agg[key][1] += c.bytes / 1e6
                 agg[key][2] += cluster_collective_time_s(c.kind, c.bytes, plan.mesh.shape, c.axis, cluster) * 1e3
@@ -809,6 +810,7 @@ def nb03():
         """),
         _code(r"""
         from autoddl.rebatch import at_batch
+        from autoddl.boxing import group_name
         from costmodel.collectives import cluster_collective_time_s
 
 
