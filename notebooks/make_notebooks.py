@@ -810,7 +810,6 @@ def nb03():
         """),
         _code(r"""
         from autoddl.rebatch import at_batch
-        from autoddl.boxing import group_name
         from costmodel.collectives import cluster_collective_time_s
 
 
