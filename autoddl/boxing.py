@@ -273,18 +273,20 @@ def flatten_nested_shards(moves: Sequence[Move], shape: Sequence[int], mesh: Seq
 
 def _nests(prev: Move, m: Move, shape: Sequence[int], mesh: Sequence[int]) -> bool:
     """Whether ``m`` continues ``prev`` as one collective over their flattened axes (above)."""
-    if m.kind is not prev.kind or m.kind not in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER):
+    if m.kind is not prev.kind or len(m.axes) != 1:
         return False
-    scatter = m.kind is CollectiveKind.REDUCE_SCATTER
-    split = (lambda move: move.after[move.axis]) if scatter else (lambda move: move.before[move.axis])
-    d = split(prev).dim
-    if len(m.axes) != 1 or split(m).dim != d or (min(m.axes) <= max(prev.axes) if scatter
-                                                 else max(m.axes) >= min(prev.axes)):
+    if m.kind is CollectiveKind.REDUCE_SCATTER:       # scattered outer axis first; ``whole``: every split of d
+        splits, in_order, whole = (prev.after[prev.axis], m.after[m.axis]), m.axis > max(prev.axes), m.after
+    elif m.kind is CollectiveKind.ALL_GATHER:         # gathered inner axis first
+        splits, in_order, whole = (prev.before[prev.axis], m.before[m.axis]), m.axis < min(prev.axes), prev.before
+    else:
         return False
-    whole = m.after if scatter else prev.before        # the layout with every split of d in place
-    if any(s.is_split(d) for a, s in enumerate(whole) if a not in prev.axes + m.axes):
-        return False                                   # another axis splits d too: not a flat piece
-    return shape[d] % math.prod(mesh[a] for a in prev.axes + m.axes) == 0
+    d, axes = splits[0].dim, prev.axes + m.axes
+    if splits[1].dim != d or not in_order:
+        return False
+    if any(s.is_split(d) for a, s in enumerate(whole) if a not in axes):
+        return False                                  # another axis splits d too: not a flat piece
+    return shape[d] % group_size(axes, mesh) == 0
 
 
 def collectives_of(moves: Sequence[Move]) -> list[tuple[CollectiveKind, Group, int]]:

@@ -362,11 +362,13 @@ def calibrate_fits(meas: Measurements, base: Cluster, devices_per_node: int | No
                                   devices_per_node=devices_per_node or base.devices_per_node)
     comments.update({f"collectives.{k}": f"measured: {_fit_text(f, meas)}" for k, f in fits.items()})
     comm = CommFits(fits, failed, None, [], {})
-    note = (f"Only {', '.join(s.kinds)} timed (--only), on {s.nproc} ranks, more than cores_per_node "
-            f"({base.cores_per_node}): their curves are in collective_points.ranks_{s.nproc} (what a mesh of "
-            f"{s.nproc} ranks on a node pays for a collective its ranks wait for); the fits and every other "
-            f"field are from {base.source or base.name}." if shared else
-            f"Only {', '.join(s.kinds)} timed (--only); every other field is from {base.source or base.name}.")
+    if not shared:
+        note = f"Only {', '.join(s.kinds)} timed (--only); every other field is from {base.source or base.name}."
+    else:
+        note = (f"Only {', '.join(s.kinds)} timed (--only), on {s.nproc} ranks, more than cores_per_node "
+                f"({base.cores_per_node}): their curves are in collective_points.ranks_{s.nproc} (what a mesh of "
+                f"{s.nproc} ranks on a node pays for a collective its ranks wait for); the fits and every other "
+                f"field are from {base.source or base.name}.")
     return Calibration(cluster=cluster, comments=comments, header=_header(meas, comm, command, [note]),
                        fits=fits, compute=None)
 

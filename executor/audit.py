@@ -21,7 +21,6 @@ input is its piece, M / n: costmodel/collectives.py).
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
@@ -30,7 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoddl.boxing import Group, group_axes, group_name
+from autoddl.boxing import Group, group_name, group_size
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 PHASES = ("setup", "forward", "recompute", "backward", "grad_sync", "optimizer")
@@ -98,7 +97,7 @@ class CommRecorder(TorchDispatchMode):
         self._axis_of_group = {name: axis for axis, name in groups.items()}
         backend = _backend_name(mesh.get_group(0)) if mesh.ndim else ""
         self._carried_as = {name: CARRIED_AS.get(backend, {}) for name in groups.values()}
-        self._axis_size = {axis: math.prod(mesh.size(a) for a in group_axes(axis)) for axis in groups}
+        self._axis_size = {axis: group_size(axis, tuple(mesh.shape)) for axis in groups}
 
     def note(self, kind: str, axis: int, nbytes: int, phase: str, tensor: str = "", dtype: str = "") -> None:
         """Record a communication the mode does not see: a pipeline stage's send (``send_recv``, issued
