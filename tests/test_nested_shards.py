@@ -2,15 +2,16 @@
 ``flatten_nested_shards``): the moves, the pieces each rank holds, the programs and their buckets."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from autoddl.boxing import (Move, boxing_moves, flatten_nested_shards, gradient_moves, group_rank, group_size)
+from autoddl.boxing import boxing_moves, flatten_nested_shards, gradient_moves, group_rank, group_size
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.sbp import NdSbp
 
-RS, AG, AR = CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER, CollectiveKind.ALL_REDUCE
+RS, AG = CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER
 P = NdSbp.parse
 
 
@@ -79,14 +80,13 @@ def test_flattened_chain_moves_the_same_bytes():
 
 @pytest.fixture(scope="module")
 def gpt_2x2():
-    """gpt tiny's baselines on the 2x2 mesh of local-cpu (the plans the fidelity study runs)."""
+    """gpt tiny's baselines on the 2x2 mesh of local-cpu."""
     from autoddl.cluster import Cluster
     from autoddl.loader import load_model_file
     from autoddl.trace import trace
     from clusters import cluster_path
     from search.planner import search
 
-    from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     mf = load_model_file(root / "examples" / "gpt.py", device="cpu", preset="tiny")
     graph = trace(mf.model, mf.example_inputs, mf.loss_fn, name="gpt")
