@@ -271,6 +271,14 @@ def flatten_nested_shards(moves: Sequence[Move], shape: Sequence[int], mesh: Seq
     return tuple(out)
 
 
+def parameter_moves(nbytes: int, src: NdSbp, dst: NdSbp, shape: Sequence[int], mesh: Sequence[int]) -> tuple[Move, ...]:
+    """:func:`boxing_moves` of a parameter of global ``shape`` between its storage and a use (its gather)
+    or from its gradient's layout to the storage's (its sync), chains over several axes made one
+    collective over their flattened group where they nest evenly (:func:`flatten_nested_shards`): what
+    the lowering runs and the search prices."""
+    return flatten_nested_shards(boxing_moves(nbytes, src, dst, mesh), shape, mesh)
+
+
 def _nests(prev: Move, m: Move, shape: Sequence[int], mesh: Sequence[int]) -> bool:
     """Whether ``m`` continues ``prev`` as one collective over their flattened axes (above)."""
     if m.kind is not prev.kind or len(m.axes) != 1:

@@ -59,8 +59,8 @@ import math
 from dataclasses import replace
 from typing import Sequence
 
-from autoddl.boxing import (Group, Move, boxing_moves, flatten_nested_shards, gradient_moves, grad_ndsbp, group_axes,
-                            needed_grad_ndsbp)
+from autoddl.boxing import (Group, Move, boxing_moves, gradient_moves, grad_ndsbp, group_axes, needed_grad_ndsbp,
+                            parameter_moves)
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorMeta, TensorRef
 from autoddl.offload import check_offload
@@ -267,8 +267,8 @@ class _Lowering:
                 if producer.kind is not NodeKind.PARAMETER:
                     continue
                 key = (producer.target, *self.input_layout(node, sig, slot), self.stage(node.name))
-                moves = self.param_moves(boxing_moves(producer.outputs[0].nbytes, storage_of(self.plan, key[0]),
-                                                      key[1], self.mesh), producer.outputs[0])
+                meta = producer.outputs[0]
+                moves = parameter_moves(meta.nbytes, storage_of(self.plan, key[0]), key[1], meta.shape, self.mesh)
                 if key in self.gather_of or [m.kind for m in moves] != [CollectiveKind.ALL_GATHER]:
                     continue
                 group = (layer_group(key[0]), moves[0].group, self.stage(node.name))
@@ -341,9 +341,9 @@ class _Lowering:
             gather = self.gather_of.get(key, -1)
             grad_nbytes = meta.numel * itemsize(self.plan.training.grad_reduce_dtype)
             use = ParamUse(len(self.prog.param_uses), fqn, meta, storage, dst, grad,
-                           self.param_moves(boxing_moves(meta.nbytes, storage, dst, self.mesh), meta),
-                           self.param_moves(gradient_moves(grad_nbytes, grad, grad_storage_of(self.plan, fqn),
-                                                           self.mesh), meta) if grad is not None else (),
+                           parameter_moves(meta.nbytes, storage, dst, meta.shape, self.mesh),
+                           parameter_moves(grad_nbytes, grad, needed_grad_ndsbp(grad_storage_of(self.plan, fqn)),
+                                           meta.shape, self.mesh) if grad is not None else (),
                            gather=gather)
             self._uses[key] = use.index
             self.prog.param_uses.append(use)
@@ -354,11 +354,6 @@ class _Lowering:
         if gather >= 0:
             self.gathered(gather, consumer)
         return self._uses[key]
-
-    def param_moves(self, moves: tuple[Move, ...], meta: TensorMeta) -> tuple[Move, ...]:
-        """A parameter's gather or gradient sync, chains over several axes made one collective over
-        their flattened group where they nest evenly (autoddl.boxing.flatten_nested_shards)."""
-        return flatten_nested_shards(moves, meta.shape, self.mesh)
 
     def loss_output(self) -> None:
         """Every rank reads the loss (the output node's last input: torch.export lists buffer
@@ -585,9 +580,8 @@ def param_syncs(graph: OpGraph, plan: Plan, only: frozenset[str] | None = None) 
         optimizer, storage = optimizer_storage_of(plan, fqn), storage_of(plan, fqn)
         if optimizer == storage:
             continue
-        moves = [m for m in flatten_nested_shards(boxing_moves(node.outputs[0].nbytes, optimizer, storage,
-                                                               plan.mesh.shape), node.outputs[0].shape,
-                                                  plan.mesh.shape) if m.kind]
+        meta = node.outputs[0]
+        moves = [m for m in parameter_moves(meta.nbytes, optimizer, storage, meta.shape, plan.mesh.shape) if m.kind]
         if [m.kind for m in moves] != [CollectiveKind.ALL_GATHER]:
             raise ValueError(f"plan {plan.name!r}: parameter {fqn} is stored {storage} but its optimizer storage "
                              f"is {optimizer}; ZeRO-1/2 need the optimizer storage to split one dim on mesh axes the "

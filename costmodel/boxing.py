@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from autoddl.boxing import (Group, boxing_moves, collectives_of, gradient_moves, grad_ndsbp, grad_sbp,  # noqa: F401
-                            needed_grad_ndsbp, needed_grad_sbp, transition_kind)
+                            needed_grad_ndsbp, needed_grad_sbp, parameter_moves, transition_kind)
 from autoddl.cluster import Cluster
 from autoddl.graph import TensorMeta
 from autoddl.sbp import NdSbp
@@ -36,6 +36,14 @@ def boxing_collectives(meta: TensorMeta, src: NdSbp, dst: NdSbp,
 def transitions_of(nbytes: int, src: NdSbp, dst: NdSbp, mesh: tuple[int, ...]) -> list[Transition]:
     """:func:`boxing_collectives` without the checks, for the search's inner loop (layouts known valid)."""
     return collectives_of(boxing_moves(nbytes, src, dst, mesh))
+
+
+def parameter_transitions_of(nbytes: int, src: NdSbp, dst: NdSbp, shape: Sequence[int],
+                             mesh: tuple[int, ...]) -> list[Transition]:
+    """:func:`transitions_of` a parameter's gather (storage -> use) or gradient sync (gradient -> what
+    the storage needs): a chain over several mesh axes is one collective over their flattened group
+    where the parameter's ``shape`` nests evenly, as the lowering runs it (autoddl.boxing.parameter_moves)."""
+    return collectives_of(parameter_moves(nbytes, src, dst, shape, mesh))
 
 
 def edge_backward_transitions(nbytes: int, src: NdSbp, dst: NdSbp, grad: NdSbp,

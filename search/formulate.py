@@ -53,8 +53,8 @@ from autoddl.precision import MASTER_ITEMSIZE, itemsize
 from autoddl.program import recomputed_ops, requires_grad
 from autoddl.sbp import NdSbp, Signature
 from autoddl.training import Training
-from costmodel.boxing import (Group, edge_backward_transitions, grad_ndsbp, needed_grad_ndsbp, transitions_of,
-                              transitions_time_s)
+from costmodel.boxing import (Group, edge_backward_transitions, grad_ndsbp, needed_grad_ndsbp, parameter_transitions_of,
+                              transitions_of, transitions_time_s)
 from costmodel.compute import op_compute_time_s, op_forward_time_s, optimizer_time_s
 from costmodel.memory import param_state_bytes
 from search.problem import SearchProblem
@@ -255,7 +255,9 @@ def _pair_pricer(mesh: tuple[int, ...], cluster: Cluster):
     memoised; the same transitions ``costmodel.plan_cost`` charges (an activation's gradient goes
     back through the executor's redistribute, a parameter's straight to its storage).
 
-    ``price(fwd_bytes, grad_bytes, src, dst, grad, is_param, k, fwd_times)``: ``k`` micro-steps;
+    ``price(fwd_bytes, grad_bytes, src, dst, grad, shape, k, fwd_times)``: ``shape`` a parameter's (None
+    for an activation: a parameter's gather and sync over several axes are one collective where its
+    shape nests evenly, autoddl.boxing.parameter_moves); ``k`` micro-steps;
     the forward boxing runs ``fwd_times`` times per micro-step (2 when a fully recomputed consumer
     boxes its input again). Every transition runs once per micro-step except a parameter
     gradient's all-reduce, once per step (the earlier micro-steps skip it, as DDP's ``no_sync``).
@@ -267,12 +269,14 @@ def _pair_pricer(mesh: tuple[int, ...], cluster: Cluster):
         return tuple((kind, axis, _PROBE_BYTES // nbytes) for kind, axis, nbytes in found)
 
     @lru_cache(maxsize=None)
-    def steps(src: NdSbp, dst: NdSbp, grad: NdSbp | None, is_param: bool) -> tuple[tuple, tuple]:
-        forward = probe(transitions_of(_PROBE_BYTES, src, dst, mesh))
-        backward = ()
-        if grad is not None:
-            backward = probe(transitions_of(_PROBE_BYTES, grad, needed_grad_ndsbp(src), mesh) if is_param
-                             else edge_backward_transitions(_PROBE_BYTES, src, dst, grad, mesh))
+    def steps(src: NdSbp, dst: NdSbp, grad: NdSbp | None, shape: tuple[int, ...] | None) -> tuple[tuple, tuple]:
+        if shape is None:                               # an activation
+            forward = probe(transitions_of(_PROBE_BYTES, src, dst, mesh))
+            backward = probe(edge_backward_transitions(_PROBE_BYTES, src, dst, grad, mesh)) if grad is not None else ()
+            return forward, backward
+        forward = probe(parameter_transitions_of(_PROBE_BYTES, src, dst, shape, mesh))
+        backward = probe(parameter_transitions_of(_PROBE_BYTES, grad, needed_grad_ndsbp(src), shape, mesh)) \
+            if grad is not None else ()
         return forward, backward
 
     @lru_cache(maxsize=None)
@@ -290,9 +294,10 @@ def _pair_pricer(mesh: tuple[int, ...], cluster: Cluster):
         return total
 
     @lru_cache(maxsize=None)
-    def price(fwd_bytes: int, grad_bytes: int, src: NdSbp, dst: NdSbp, grad: NdSbp | None, is_param: bool,
-              k: int = 1, fwd_times: int = 1) -> float:
-        forward, backward = steps(src, dst, grad, is_param)
+    def price(fwd_bytes: int, grad_bytes: int, src: NdSbp, dst: NdSbp, grad: NdSbp | None,
+              shape: tuple[int, ...] | None, k: int = 1, fwd_times: int = 1) -> float:
+        is_param = shape is not None
+        forward, backward = steps(src, dst, grad, shape)
         return (k * fwd_times * seconds(forward, fwd_bytes, False, 1)
                 + seconds(backward, grad_bytes, is_param, k))
     return price
@@ -316,7 +321,8 @@ def _edge_matrix(u: OpNode, v: OpNode, refs: tuple, cu: list[Signature], cv: lis
         su, si = _unique(srcs)
         du, di = _unique(dsts)
         times = 1 if is_param else fwd_times
-        table = np.array([[price(meta.nbytes, grad_bytes, s, d, g, is_param, k, times) for d, g in du] for s in su])
+        shape = tuple(meta.shape) if is_param else None
+        table = np.array([[price(meta.nbytes, grad_bytes, s, d, g, shape, k, times) for d, g in du] for s in su])
         total += table[np.ix_(si, di)]
     return total
 

@@ -165,7 +165,7 @@ def test_data_parallel_over_two_axes_is_one_all_reduce_over_the_flattened_group(
     from search.formulate import _pair_pricer
     bb, pp = NdSbp.parse("[B, B]"), NdSbp.parse("[P, P]")
     flat = 2 * 3 / 4 * total / b + 2 * 3 * a
-    assert _pair_pricer((2, 2), cluster)(0, total, bb, bb, pp, True) == pytest.approx(flat, rel=1e-9)
+    assert _pair_pricer((2, 2), cluster)(0, total, bb, bb, pp, (total // 4,)) == pytest.approx(flat, rel=1e-9)
 
 
 def test_data_parallel_sgd_optimizer_and_compute_split(a100):

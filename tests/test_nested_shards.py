@@ -131,3 +131,52 @@ def test_zero3_on_two_axes_gathers_layer_groups_over_both(gpt_2x2):
     assert all(u.bucket >= 0 for u in program.param_uses if u.grad is not None)
     per_param = [t for t in program.collectives() if t.tensor in {u.fqn for u in program.param_uses}]
     assert per_param == []
+
+
+@pytest.mark.parametrize("shape,flat", [((8, 6), True), ((6, 8), False)])
+def test_the_search_prices_a_parameter_as_the_lowering_runs_it(shape, flat):
+    """The search's per-edge price (search.formulate's pair pricer) of a ZeRO-3 parameter on 2x2
+    (stored [S(0), S(0)], used [B, B], its gradient [P, P]) is its gather and its gradient sync as the
+    lowering's ParamUse runs them: one all-gather and one reduce-scatter over (0, 1) where its rows
+    divide by 4 (8), two of each, one per axis, where they do not (6); priced by hand from the fit."""
+    from autoddl.cluster import Cluster
+    from clusters import cluster_path
+    from costmodel.boxing import parameter_transitions_of, transitions_time_s
+    from costmodel.collectives import cluster_collective_time_s
+    from search.formulate import _pair_pricer
+
+    cluster, mesh = Cluster.from_yaml(cluster_path("dgx-a100-8")).resized(4), (2, 2)
+    nbytes = math.prod(shape) * 4
+    storage, use, grad = P("[S(0), S(0)]"), P("[B, B]"), P("[P, P]")
+    gather = parameter_transitions_of(nbytes, storage, use, shape, mesh)
+    sync = parameter_transitions_of(nbytes, grad, storage, shape, mesh)
+    if flat:
+        assert gather == [(AG, (0, 1), nbytes)] and sync == [(RS, (0, 1), nbytes)]
+    else:
+        assert gather == [(AG, 1, nbytes // 2), (AG, 0, nbytes)] and sync == [(RS, 0, nbytes), (RS, 1, nbytes // 2)]
+    by_hand = sum(cluster_collective_time_s(kind, m, mesh, group, cluster, host_waits=True)
+                  for kind, group, m in gather + sync)
+    price = _pair_pricer(mesh, cluster)(nbytes, nbytes, storage, use, grad, shape)
+    assert price == pytest.approx(by_hand, rel=1e-9) == pytest.approx(transitions_time_s(gather + sync, mesh, cluster))
+
+
+def test_the_search_prices_every_zero3_use_of_gpt_as_its_program_runs_it(gpt_2x2):
+    """For every parameter use of gpt tiny's ZeRO-3 program on 2x2, the search's pair price equals
+    the collectives of the use's gather and gradient sync in the program (one over (0, 1) each)."""
+    from autoddl.boxing import collectives_of
+    from autoddl.cluster import Cluster
+    from autoddl.program import lower
+    from clusters import cluster_path
+    from costmodel.boxing import transitions_time_s
+    from search.formulate import _pair_pricer
+
+    graph, plans = gpt_2x2
+    cluster, mesh = Cluster.from_yaml(cluster_path("local-cpu")).resized(4), (2, 2)
+    price = _pair_pricer(mesh, cluster)
+    uses = [u for u in lower(graph, plans["zero3"]).param_uses if u.grad is not None]
+    assert uses
+    for u in uses:
+        ran = collectives_of(u.forward) + collectives_of(u.grad_sync)
+        assert [group for _, group, _ in ran] == [(0, 1), (0, 1)]
+        assert price(u.meta.nbytes, u.meta.nbytes, u.storage, u.dst, u.grad, tuple(u.meta.shape)) == \
+            pytest.approx(transitions_time_s(ran, mesh, cluster), rel=1e-9), u.fqn
