@@ -34,7 +34,8 @@ whole time is multiplied by ``Cluster.comm_time_sharing`` (the ranks time-share 
 beyond the sharing the fits were measured under). A collective the host waits for where it issues
 it is priced instead from the times measured by size (``Cluster.collective_points``,
 autoddl/collective_points.py) with as many ranks busy on the node as the mesh puts there, where the
-file has them (:func:`measured_curve`): on a CPU whose cores the ranks share, gloo follows no line.
+file has them (:func:`measured_curve`; a group larger than a node: timed across the nodes): on a CPU
+whose cores the ranks share, gloo follows no line.
 
 A point-to-point send (a pipeline stage's activations or gradients, a shard's transfer) is
 priced by :func:`send_recv_time_s` alone, from the two devices it joins, with the same rules.
@@ -147,7 +148,7 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
         next_s = math.prod(mesh[outer + 1:])             # row-major: the next rank along the axis
         return send_recv_time_s(nbytes, 0, next_s, cluster, mesh) if n > 1 else 0.0
     fixed_s = cluster.executor.collective_us * 1e-6 if n > 1 else 0.0
-    curve = measured_curve(kind, n, mesh, cluster, host_waits) if intra else None
+    curve = measured_curve(kind, n, mesh, cluster, host_waits) if intra or n > cluster.devices_per_node else None
     if curve is not None:
         return curve.time_s(nbytes) + fixed_s * cluster.comm_time_sharing(mesh)
     if intra:
@@ -161,10 +162,12 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
 
 def measured_curve(kind: CollectiveKind, n: int, mesh: tuple[int, ...], cluster: Cluster,
                    host_waits: bool) -> CollectiveCurve | None:
-    """The curve pricing ``kind`` on a group of ``n`` ranks inside a node of ``mesh``, or None: only a
-    collective the host waits for where it issues it (``host_waits``: ``Task.host_waits``) takes one,
-    measured (``cluster.collective_points``) with as many ranks busy on the node as ``mesh`` puts there,
-    for ``kind`` or the kind the backend carries it out as. `autoddl calibrate` times a collective back
+    """The curve pricing ``kind`` on a group of ``n`` ranks inside a node of ``mesh``, or across nodes
+    where ``n`` is more than a node holds (then it was timed across them: `autoddl calibrate
+    --across-hosts`; a group across nodes no larger than one, one rank per node, keeps its fit), or
+    None: only a collective the host waits for where it issues it (``host_waits``: ``Task.host_waits``)
+    takes one, measured (``cluster.collective_points``) with as many ranks busy on each node as ``mesh``
+    puts there, for ``kind`` or the kind the backend carries it out as. `autoddl calibrate` times a collective back
     to back on every rank of the node, as a waited-for one runs: its ranks compute nothing beside it. An
     asynchronous one (a gradient bucket, a prefetched gather) runs beside compute on the cores that
     compute uses, which the curve does not see: it keeps the fit, slowed by the time-sharing."""

@@ -25,7 +25,9 @@ HOST_PATHS = {
     "intra_host": "the ranks of each host, every host at once (a mesh axis inside a node)",
     "inter_host": "one rank per host, every such group at once, sharing the link (a mesh axis across nodes)",
     "inter_host_alone": "one rank per host, one group alone on the link (the link's own rate)",
+    "world": "every rank, one group across the hosts (several mesh axes flattened across nodes)",
 }
+CURVE_PATHS = ("intra_host", "world")   # timed with every rank busy: written as collective_points (below)
 ALONE_KINDS = ("all_reduce", "all_gather")
 CHECK_BYTES = 8_000_000             # the all-reduce compared with its alpha-beta prediction
 
@@ -78,7 +80,8 @@ def _host_paths_rank(b: "Bench", per_node: int) -> dict[str, Any]:
     alone = dist.new_group(inter[0])
     results: dict[tuple, list[float]] = {}
     how: dict[tuple, str] = {}
-    plan = [("intra_host", COLLECTIVE_KINDS, mine_intra, intra), ("inter_host", COLLECTIVE_KINDS, mine_inter, inter)]
+    plan = [("intra_host", COLLECTIVE_KINDS, mine_intra, intra), ("inter_host", COLLECTIVE_KINDS, mine_inter, inter),
+            ("world", COLLECTIVE_KINDS, None, [list(range(b.s.nproc))])]
     for path, kinds, group, sets in plan:
         ranks = tuple(next(s for s in sets if b.rank in s))
         for kind in kinds:
@@ -218,9 +221,22 @@ def two_hosts_cluster(ht: HostTimings, fits: dict[str, dict[str, Any]], base: An
     cluster = dataclasses.replace(base, name="two-hosts" if ht.nodes == 2 else f"{ht.nodes}-hosts",
                                   nodes=ht.nodes, devices_per_node=ht.per_node, intra_node=intra, inter_node=inter,
                                   collectives=CollectiveFits(**per_kind) if differ else CollectiveFits(),
+                                  collective_points=host_points(ht),
                                   cores_per_node=at_once, comm_measured_ranks_per_node=ht.per_node, source="")
     comments, header = _two_hosts_text(ht, fits, intra, inter, differ, cores, at_once, base, command)
     return cluster, comments, header
+
+
+def host_points(ht: HostTimings) -> Any:
+    """The curves of the paths timed with every rank of every host busy (:data:`CURVE_PATHS`), under
+    ``ranks_<per host>``: a host's own groups (``group_<per host>``, a mesh axis inside a node) and the group
+    of every rank across the hosts (``group_<world>``, axes flattened across nodes). Never the base file's:
+    those were timed on one host. The pairs across the link (``inter_host``) share their group size with
+    a host's own groups and keep their fit."""
+    from autoddl.collective_points import measured_points
+
+    timings = [(t.kind, t.n_devices, t.nbytes, t.time_s) for path in CURVE_PATHS for t in ht.paths.get(path, ())]
+    return measured_points(timings, ht.per_node, COLLECTIVE_KINDS)
 
 
 def _fit_line(f: Any) -> str:
@@ -254,6 +270,11 @@ def _two_hosts_text(ht: HostTimings, fits: dict[str, dict[str, Any]], intra: Any
         "comm_measured_ranks_per_node": (f"the links and collectives above were measured with all {ht.per_node} ranks "
                                          "of each host busy at once: their time-sharing is in the fits"),
     }
+    if any(ht.paths.get(path) for path in CURVE_PATHS):
+        comments[f"collective_points.ranks_{ht.per_node}"] = (
+            f"measured: all {s.nproc} ranks busy ({ht.per_node} per host); group_{ht.per_node}: each host's own ranks "
+            f"(intra_host), group_{s.nproc}: every rank, across the hosts (world); {span} of the slowest rank, "
+            "made non-decreasing (autoddl/collective_points.py); the collectives a rank waits for are priced from these")
     if inter.flow_bandwidth_gbps is not None:
         comments["links.inter_node.flow_bandwidth_gbps"] = (
             "fitted: inter_host_alone's all_reduce, one group alone on the link (one flow: what an all-reduce over "
@@ -274,14 +295,14 @@ def _two_hosts_text(ht: HostTimings, fits: dict[str, dict[str, Any]], intra: Any
              f"Collective fits (gloo; t = formula of costmodel.collectives with latency a, bandwidth b; {span}):"]
     for path, what in HOST_PATHS.items():
         lines.append(f" {path}: {what}")
-        lines += [f"  {k}: {_fit_line(f)}" for k, f in fits[path].items()]
+        lines += [f"  {k}: {_fit_line(f)}" for k, f in fits.get(path, {}).items()]
     lines.append(f"All-reduce of {CHECK_BYTES / 1e6:g} MB across the link, measured vs predicted:")
     lines += check_lines(ht, fits, inter)
     lines.append(f"Fields not under links / collectives / cores_per_node / nodes come from {src}.")
     return comments, "\n".join(lines)
 
 
-MEASURED_HERE = ("name", "nodes", "devices_per_node", "links", "collectives", "cores_per_node",
+MEASURED_HERE = ("name", "nodes", "devices_per_node", "links", "collectives", "collective_points", "cores_per_node",
                  "comm_measured_ranks_per_node")     # the fields (and their sub-fields) the testbed calibration writes
 
 

@@ -58,14 +58,14 @@ def _with_points(tmp_path, points):
 
 def test_schema_errors_name_the_field(tmp_path):
     bad = {"rank_4": {"group_2": {"all_reduce": [[4096, 10]]}},
-           "ranks_2": {"group_4": {"all_reduce": [[4096, 10]]},
+           "ranks_2": {"group_1": {"all_reduce": [[4096, 10]]},
                        "group_2": {"all_reduce": [[4096, 10], [16384, 9]], "allreduce": [[4096, 1]],
                                    "broadcast": [[4096, -1]]}}}
     with pytest.raises(ClusterConfigError) as err:
         Cluster.from_yaml(_with_points(tmp_path, bad))
     text = str(err.value)
     assert "collective_points.rank_4: expected a key ranks_R" in text
-    assert "collective_points.ranks_2.group_4: a group of 4 ranks on a node running 2" in text
+    assert "collective_points.ranks_2.group_1: a group of 1 rank: a collective's group has 2 ranks or more" in text
     assert "collective_points.ranks_2.group_2.all_reduce[1]: [16384, 9] after [4096, 10.0]" in text
     assert "collective_points.ranks_2.group_2.allreduce: unknown collective kind" in text
     assert "collective_points.ranks_2.group_2.broadcast[0]: expected a pair [M bytes > 0, microseconds > 0]" in text
@@ -114,6 +114,28 @@ def test_a_collective_the_host_waits_for_takes_the_curve_of_its_ranks_busy(kind)
         collective_time_s(kind, m, 2, FIT, cluster.backend) + FIXED_US * 1e-6)
     assert cluster_collective_time_s(K.ALL_GATHER, m, (4,), 0, cluster, host_waits=True) == pytest.approx(
         2 * (collective_time_s(K.ALL_GATHER, m, 4, FIT, cluster.backend) + FIXED_US * 1e-6))   # no curve of its own
+
+
+def test_a_group_across_nodes_larger_than_a_node_takes_the_curve_timed_across_them():
+    """Two hosts of 2 ranks (`calibrate --across-hosts` writes ranks_2 curves of a host's pairs and of all 4
+    ranks): on the 2x2 mesh a waited-for all-gather over both axes (4 ranks, across the hosts) is the
+    group_4 curve plus the executor's cost; over axis 1 (a host's own pair) the group_2 curve; over axis 0
+    (one rank per host: a group of 2 across the link, not the curve of a host's pair) and any asynchronous
+    one the fit."""
+    points = CollectivePoints((((2, 4, "all_gather"), CURVE), ((2, 2, "all_gather"), CollectiveCurve(((4096, 300.0),)))))
+    two = dataclasses.replace(cpu4(points), nodes=2, devices_per_node=2, cores_per_node=1,
+                              comm_measured_ranks_per_node=2)
+    m, mesh = 10240, (2, 2)
+    assert two.comm_time_sharing(mesh) == 1                        # measured with every rank busy
+    assert cluster_collective_time_s(K.ALL_GATHER, m, mesh, (0, 1), two, host_waits=True) == pytest.approx(
+        1500e-6 + FIXED_US * 1e-6)
+    assert cluster_collective_time_s(K.ALL_GATHER, m, mesh, 1, two, host_waits=True) == pytest.approx(
+        300e-6 * m / 4096 + FIXED_US * 1e-6)
+    across = cluster_collective_time_s(K.ALL_GATHER, m, mesh, 0, two, host_waits=True)
+    assert across == pytest.approx(cluster_collective_time_s(K.ALL_GATHER, m, mesh, 0, two, host_waits=False))
+    assert across != pytest.approx(300e-6 * m / 4096 + FIXED_US * 1e-6)
+    assert cluster_collective_time_s(K.ALL_GATHER, m, mesh, (0, 1), two, host_waits=False) != pytest.approx(
+        1500e-6 + FIXED_US * 1e-6)
 
 
 def _programs():

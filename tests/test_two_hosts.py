@@ -79,9 +79,11 @@ def test_host_groups_and_two_hosts_cluster_recover_both_links(tmp_path, monkeypa
     assert host_groups(6, 2) == ([[0, 1], [2, 3], [4, 5]], [[0, 2, 4], [1, 3, 5]])
     with pytest.raises(ValueError, match="not 2 or more whole hosts"):
         host_groups(4, 4)
-    links = {"intra_host": (400e-6, 0.5e9), "inter_host": (300e-6, 0.0625e9), "inter_host_alone": (80e-6, 0.125e9)}
+    links = {"intra_host": (400e-6, 0.5e9), "inter_host": (300e-6, 0.0625e9), "inter_host_alone": (80e-6, 0.125e9),
+             "world": (500e-6, 0.05e9)}
     settings = Settings.default(4, quick=True, threads=1)
-    paths = {p: tuple(CollectiveTiming(k, 2, m, _ring_s(k, m, 2, b, a), "synthetic") for k in
+    paths = {p: tuple(CollectiveTiming(k, 4 if p == "world" else 2, m,
+                                       _ring_s(k, m, 4 if p == "world" else 2, b, a), "synthetic") for k in
                       (("all_reduce", "all_gather") if p == "inter_host_alone" else
                        ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"))
                       for m in settings.message_bytes) for p, (a, b) in links.items()}
@@ -89,7 +91,10 @@ def test_host_groups_and_two_hosts_cluster_recover_both_links(tmp_path, monkeypa
     ht = HostTimings(settings, 2, 2, paths, measured, {"rate_mbit": 1000.0, "delay_ms": 0.0}, "test", 1.0)
     fits = fit_host_paths(ht, fit_collectives)
     assert set(fits) == set(HOST_PATHS) and set(fits["inter_host_alone"]) == {"all_reduce", "all_gather"}
-    cluster, comments, header = two_hosts_cluster(ht, fits, Cluster.from_yaml(CPU_CLUSTER_PATH))
+    from autoddl.collective_points import CollectiveCurve, CollectivePoints
+    one_host = CollectivePoints((((4, 4, "all_reduce"), CollectiveCurve(((4096, 5000.0),))),))   # timed on one host
+    base = dataclasses.replace(Cluster.from_yaml(CPU_CLUSTER_PATH), collective_points=one_host)
+    cluster, comments, header = two_hosts_cluster(ht, fits, base)
     assert (cluster.name, cluster.nodes, cluster.devices_per_node, cluster.num_devices) == ("two-hosts", 2, 2, 4)
     assert (cluster.intra_node.latency_us, cluster.intra_node.bandwidth_gbps) == pytest.approx((400, 0.5))
     assert (cluster.inter_node.latency_us, cluster.inter_node.bandwidth_gbps) == pytest.approx((300, 0.0625))
@@ -109,6 +114,17 @@ def test_host_groups_and_two_hosts_cluster_recover_both_links(tmp_path, monkeypa
     assert ("all 4 ranks (links.inter_node, n = 4, one ring: 1 flow of 2): measured 105.0 ms, alpha-beta 97.8 ms "
             "(-7%)") in header
     assert f"{CHECK_BYTES / 1e6:g} MB" in header and "tbf 1000 Mbit/s" in header and "R^2 1.0000" in header
+    # what every rank busy timed: each host's own pairs (group_2) and all 4 ranks across the hosts (group_4),
+    # under ranks_2 (per host), the synthetic times themselves; nothing inherited from the base's curves
+    points = cluster.collective_points
+    assert {k for k, _ in points.curves} == {(2, n, kind) for n in (2, 4) for kind in
+                                              ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")}
+    m = settings.message_bytes[1]
+    assert points.get(2, 4, "all_gather").time_s(m) == pytest.approx(_ring_s("all_gather", m, 4, 0.05e9, 500e-6),
+                                                                        abs=1e-7)
+    assert points.get(2, 2, "all_reduce").time_s(m) == pytest.approx(_ring_s("all_reduce", m, 2, 0.5e9, 400e-6),
+                                                                        abs=1e-7)
+    assert "group_4: every rank, across the hosts" in comments["collective_points.ranks_2"]
     cluster.to_yaml(tmp_path / "two.yaml", comments=comments, header=header)
     assert Cluster.from_yaml(tmp_path / "two.yaml") == cluster
     # the fields taken from the base keep the base's comments (their sources); the measured ones are the fit's
