@@ -4,11 +4,12 @@ A training step issues a collective after some compute, and each rank gets there
 microbenchmark issues them back to back. On a virtual machine the two differ: a rank that waits
 leaves its vCPU idle, the hypervisor deschedules it, and the message that should wake it may wait
 for the host's next scheduler tick. This times 128 KB all-reduces (the size of the study's tiny
-models' activations) on 2 gloo ranks, 1 thread each, after 0, 0.5 and 2 ms of matmuls on every rank,
+models' activations) on 2 gloo ranks, 1 thread each, after 0, 0.5, 2, 6 and 12 ms of matmuls on every rank
+(a step's phases between two collectives: 6-12 ms is resnet tiny's forward or backward here),
 in interleaved rounds, and writes per pattern the p10 / median / p90 / mean and the share of calls
 over 1 ms to results/collective_waits.csv (appended atomically, one row per pattern and run).
 
-    python benchmarks/collective_waits.py          # ~20 s; run it on an idle machine
+    python benchmarks/collective_waits.py          # ~90 s; run it on an idle machine
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torchrun_pair import is_rank, run_pair, write_times  # noqa: E402
 
 OUT = ROOT / "results" / "collective_waits.csv"
 MESSAGE_BYTES = 128 << 10
-GAPS_MS = (0.0, 0.5, 2.0)       # compute before each all-reduce, every rank the same
+GAPS_MS = (0.0, 0.5, 2.0, 6.0, 12.0)   # compute before each all-reduce, every rank the same
 CALLS = 60                       # per pattern and round (the first 5 of each untimed)
 ROUNDS = 3
 COLUMNS = ("time", "git_commit", "machine", "pattern", "message_bytes", "calls", "p10_us", "median_us", "p90_us",
