@@ -50,8 +50,8 @@ def with_zero(graph: OpGraph, plan: Plan, stage: int, name: str | None = None) -
         if not node.outputs[0].is_floating:
             continue
         local = storage.local_shape(node.outputs[0].shape, plan.mesh.shape)
-        for over in (axes, axes[:1]):       # every data-parallel axis, else the outermost one alone
-            shard = _zero_shard(storage, local, over, plan.mesh.shape)
+        for over in dict.fromkeys((tuple(axes), tuple(axes[:1]))):   # every data-parallel axis, else the outermost
+            shard = _zero_shard(storage, local, list(over), plan.mesh.shape)
             if shard is not None:
                 optimizer[fqn] = shard
                 break
