@@ -167,10 +167,11 @@ def measured_curve(kind: CollectiveKind, n: int, mesh: tuple[int, ...], cluster:
     --across-hosts`; a group across nodes no larger than one, one rank per node, keeps its fit), or
     None: only a collective the host waits for where it issues it (``host_waits``: ``Task.host_waits``)
     takes one, measured (``cluster.collective_points``) with as many ranks busy on each node as ``mesh``
-    puts there, for ``kind`` or the kind the backend carries it out as. `autoddl calibrate` times a collective back
-    to back on every rank of the node, as a waited-for one runs: its ranks compute nothing beside it. An
-    asynchronous one (a gradient bucket, a prefetched gather) runs beside compute on the cores that
-    compute uses, which the curve does not see: it keeps the fit, slowed by the time-sharing."""
+    puts there, for ``kind`` or the kind the backend carries it out as. `autoddl calibrate` times a
+    collective back to back on every rank of the node, as a waited-for one runs: its ranks compute
+    nothing beside it. An asynchronous one (a gradient bucket, a prefetched gather) runs beside compute
+    on the cores that compute uses, which the curve does not see: it keeps the fit, slowed by the
+    time-sharing."""
     if not host_waits or not cluster.collective_points:
         return None
     busy = cluster.ranks_per_node(mesh)

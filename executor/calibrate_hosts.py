@@ -274,7 +274,8 @@ def _two_hosts_text(ht: HostTimings, fits: dict[str, dict[str, Any]], intra: Any
         comments[f"collective_points.ranks_{ht.per_node}"] = (
             f"measured: all {s.nproc} ranks busy ({ht.per_node} per host); group_{ht.per_node}: each host's own ranks "
             f"(intra_host), group_{s.nproc}: every rank, across the hosts (world); {span} of the slowest rank, "
-            "made non-decreasing (autoddl/collective_points.py); the collectives a rank waits for are priced from these")
+            "made non-decreasing (autoddl/collective_points.py); the collectives a rank waits for are priced "
+            "from these")
     if inter.flow_bandwidth_gbps is not None:
         comments["links.inter_node.flow_bandwidth_gbps"] = (
             "fitted: inter_host_alone's all_reduce, one group alone on the link (one flow: what an all-reduce over "

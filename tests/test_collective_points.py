@@ -122,7 +122,8 @@ def test_a_group_across_nodes_larger_than_a_node_takes_the_curve_timed_across_th
     group_4 curve plus the executor's cost; over axis 1 (a host's own pair) the group_2 curve; over axis 0
     (one rank per host: a group of 2 across the link, not the curve of a host's pair) and any asynchronous
     one the fit."""
-    points = CollectivePoints((((2, 4, "all_gather"), CURVE), ((2, 2, "all_gather"), CollectiveCurve(((4096, 300.0),)))))
+    points = CollectivePoints((((2, 4, "all_gather"), CURVE),
+                               ((2, 2, "all_gather"), CollectiveCurve(((4096, 300.0),)))))
     two = dataclasses.replace(cpu4(points), nodes=2, devices_per_node=2, cores_per_node=1,
                               comm_measured_ranks_per_node=2)
     m, mesh = 10240, (2, 2)
