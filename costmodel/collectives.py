@@ -148,7 +148,7 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
         next_s = math.prod(mesh[outer + 1:])             # row-major: the next rank along the axis
         return send_recv_time_s(nbytes, 0, next_s, cluster, mesh) if n > 1 else 0.0
     fixed_s = cluster.executor.collective_us * 1e-6 if n > 1 else 0.0
-    curve = measured_curve(kind, n, mesh, cluster, host_waits) if intra or n > cluster.devices_per_node else None
+    curve = measured_curve(kind, n, mesh, cluster, host_waits, intra)
     if curve is not None:
         return curve.time_s(nbytes) + fixed_s * cluster.comm_time_sharing(mesh)
     if intra:
@@ -161,8 +161,8 @@ def cluster_collective_time_s(kind: CollectiveKind, nbytes: float, mesh_shape: S
 
 
 def measured_curve(kind: CollectiveKind, n: int, mesh: tuple[int, ...], cluster: Cluster,
-                   host_waits: bool) -> CollectiveCurve | None:
-    """The curve pricing ``kind`` on a group of ``n`` ranks inside a node of ``mesh``, or across nodes
+                   host_waits: bool, intra: bool) -> CollectiveCurve | None:
+    """The curve pricing ``kind`` on a group of ``n`` ranks inside a node of ``mesh`` (``intra``), or across nodes
     where ``n`` is more than a node holds (then it was timed across them: `autoddl calibrate
     --across-hosts`; a group across nodes no larger than one, one rank per node, keeps its fit), or
     None: only a collective the host waits for where it issues it (``host_waits``: ``Task.host_waits``)
@@ -172,7 +172,7 @@ def measured_curve(kind: CollectiveKind, n: int, mesh: tuple[int, ...], cluster:
     nothing beside it. An asynchronous one (a gradient bucket, a prefetched gather) runs beside compute
     on the cores that compute uses, which the curve does not see: it keeps the fit, slowed by the
     time-sharing."""
-    if not host_waits or not cluster.collective_points:
+    if not host_waits or not cluster.collective_points or not (intra or n > cluster.devices_per_node):
         return None
     busy = cluster.ranks_per_node(mesh)
     points = cluster.collective_points

@@ -16,8 +16,8 @@ they are.
 from __future__ import annotations
 
 import dataclasses
-import math
 
+from autoddl.boxing import group_size
 from autoddl.graph import OpGraph
 from autoddl.plan import Plan
 from autoddl.program import used_parameters
@@ -51,7 +51,7 @@ def with_zero(graph: OpGraph, plan: Plan, stage: int, name: str | None = None) -
             continue
         local = storage.local_shape(node.outputs[0].shape, plan.mesh.shape)
         for over in dict.fromkeys((tuple(axes), tuple(axes[:1]))):   # every data-parallel axis, else the outermost
-            shard = _zero_shard(storage, local, list(over), plan.mesh.shape)
+            shard = _zero_shard(storage, local, over, plan.mesh.shape)
             if shard is not None:
                 optimizer[fqn] = shard
                 break
@@ -62,12 +62,12 @@ def with_zero(graph: OpGraph, plan: Plan, stage: int, name: str | None = None) -
                                                          + (" and gradients" if stage == 2 else "") + " sharded"])
 
 
-def _zero_shard(storage: NdSbp, local: tuple[int, ...], axes: list[int], mesh: tuple[int, ...]) -> NdSbp | None:
+def _zero_shard(storage: NdSbp, local: tuple[int, ...], axes: tuple[int, ...], mesh: tuple[int, ...]) -> NdSbp | None:
     """``storage`` with the first dim of the ``local`` piece that no other axis splits and that
     ``axes`` (all replicated in ``storage``) divide evenly split on each of them, nested in mesh
     order: one reduce-scatter / all-gather over their flattened group (autoddl.boxing
     ``flatten_nested_shards``); None when there is no such dim."""
-    n = math.prod(mesh[a] for a in axes)
+    n = group_size(axes, mesh)
     if not all(storage[a].is_broadcast() for a in axes):
         return None
     dim = next((d for d, size in enumerate(local) if size % n == 0 and size >= n
