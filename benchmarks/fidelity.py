@@ -7,7 +7,8 @@ setting (``*-bf16-sel-4mb``: bf16 compute, selective recompute, 4 micro-steps of
 step) on 2 ranks and 2x2, every applicable baseline and the found plan are
 planned in-process (``autoddl.api.search_model``), then run by the executor: one torchrun
 launch per (model, rank count) runs all its plans in turn (``executor.worker --plans``),
-W warm-up steps each, then S measured steps in R rounds (each plan's share in turn, so that the
+W warm-up steps each, then S measured steps (more where S take under ``--min-time-s``, 2 s by
+default, at the plan's warm-up pace) in R rounds (each plan's share in turn, so that the
 machine's drift over a launch falls on every plan alike), 1 intra-op thread per rank. Each plan's row (the
 runs-table columns of ``executor.measure`` plus the study's) is appended atomically to
 ``results/fidelity.csv``; then, over the latest study in the CSV:
@@ -75,6 +76,9 @@ CONFIGS: dict[str, tuple[int, ...]] = {"2": (2,), "4": (4,), "2x2": (2, 2)}
 # studies up to 20261127-101337 took a step's time as the ranks' mean ("back to back"), since then as
 # that mean at the pace the job went, first start to last end (executor.measure.job_step_times)
 STEP_TIMING = "back to back, job's pace"
+# each plan's measured steps last at least this long (executor.measure.steps_for_min_time): studies up
+# to 20261128-182018 ran 12 steps whatever their length, 0.13 s of gpt tiny (their rows' steps column)
+MIN_TIME_S = 2.0
 MODEL_CONFIGS: dict[str, tuple[str, ...]] = {m: ("2", "2x2") for m in TRAINING}   # default: every config
 STUDY_COLUMNS = ("study", "scheme", "config", "same_as", "steps", "warmup", "omp_threads", "load_avg_1m", "error",
                  "rounds", "step_timing")
@@ -236,11 +240,13 @@ def wait_until_quiet(max_busy: float, timeout_s: float) -> float:
 
 
 def plans_worker_args(items: list[dict[str, Any]], out_dir: Path, model_py: Path, kwargs: dict[str, Any],
-                      steps: int, warmup: int, rounds: int) -> list[str]:
+                      steps: int, warmup: int, rounds: int, min_time_s: float = 0.0) -> list[str]:
     """``executor.worker`` arguments timing every plan of ``items`` in one launch (in ``rounds``
-    interleaved rounds: executor/worker.py ``run_many``), each result written to ``out_dir``."""
+    interleaved rounds: executor/worker.py ``run_many``; each plan at least ``steps`` steps and
+    ``min_time_s`` seconds), each result written to ``out_dir``."""
     args = ["--plans", *[str(it["path"]) for it in items], "--out-dir", str(out_dir), "--model", str(model_py),
-            "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds), "--quiet"]
+            "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds),
+            "--min-time-s", f"{min_time_s:g}", "--quiet"]
     return args + [a for k, v in kwargs.items() for a in ("--set", f"{k}={json.dumps(v)}")]
 
 
@@ -254,12 +260,13 @@ def worker_results(items: list[dict[str, Any]], out_dir: Path, error: str) -> di
 
 
 def run_plans(model: str, kwargs: dict[str, Any], nproc: int, items: list[dict[str, Any]], steps: int,
-              warmup: int, out_dir: Path, timeout_s: float, rounds: int = 1) -> dict[Path, dict[str, Any]]:
+              warmup: int, out_dir: Path, timeout_s: float, rounds: int = 1,
+              min_time_s: float = 0.0) -> dict[Path, dict[str, Any]]:
     """One torchrun launch of ``nproc`` ranks timing every plan of ``items`` (:func:`plans_worker_args`);
     plan path -> result."""
     from executor.launch import LaunchSpec, launch
 
-    worker_args = plans_worker_args(items, out_dir, model_file(model), kwargs, steps, warmup, rounds)
+    worker_args = plans_worker_args(items, out_dir, model_file(model), kwargs, steps, warmup, rounds, min_time_s)
     res = launch(LaunchSpec(nproc, omp_num_threads=1, timeout_s=timeout_s), worker_args)
     results = worker_results(items, out_dir, res.describe() if not res.ok else "no result written")
     if not res.ok:
@@ -285,7 +292,7 @@ def study_row(it: dict[str, Any], result: dict[str, Any], study: str, steps: int
               load: float) -> dict[str, Any]:
     plan = it["plan"]
     extra = {"study": study, "scheme": it["scheme"], "config": it["config"], "same_as": it["same_as"],
-             "steps": steps, "warmup": warmup, "rounds": result.get("rounds", 1), "step_timing": STEP_TIMING,
+             "steps": result.get("steps", steps), "warmup": warmup, "rounds": result.get("rounds", 1), "step_timing": STEP_TIMING,
              "omp_threads": result.get("omp_num_threads", 1),
              "load_avg_1m": f"{load:.2f}", "error": result.get("error", "")}
     row = result_row(it["model"], plan, it["nproc"], result)
@@ -423,7 +430,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     p.add_argument("--cluster", default=str(ROOT / "configs" / "local-cpu.yaml"))
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=12, help="measured steps of each plan, at least (default 12)")
+    p.add_argument("--min-time-s", type=float, default=MIN_TIME_S,
+                   help="and at least this many seconds of them, at the plan's warm-up pace "
+                        f"(executor.measure.steps_for_min_time; default {MIN_TIME_S:g})")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3,
                    help="the measured steps of a launch's plans in this many interleaved rounds (each plan's "
@@ -479,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 load = os.getloadavg()[0]
                 tl = time.monotonic()
                 results = run_plans(model, kwargs, nproc, group, args.steps, args.warmup, tmp / "results",
-                                    args.timeout_s, args.rounds)
+                                    args.timeout_s, args.rounds, args.min_time_s)
                 for it in group:
                     res = results[it["path"]]
                     append_row(csv_path, study_row(it, res, study, args.steps, args.warmup, load),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import datetime
 import io
+import math
 import os
 import resource
 import statistics
@@ -118,6 +119,20 @@ def time_steps(step: Callable[[], Any], steps: int, warmup: int, *, barrier: Cal
         progress("step", i + 1, steps, times[-1])
     barrier()
     return Share(start_s, tuple(times))
+
+
+def steps_for_min_time(steps: int, min_time_s: float, step_s: float) -> int:
+    """The measured steps of a plan: ``steps``, or as many more as take ``min_time_s`` at ``step_s`` a
+    step (its warm-up's pace), so that a fast plan's median is not taken over a few scheduler ticks:
+    12 steps of gpt tiny (11 ms each) last 0.13 s on the 2-core VMs, where one rank descheduled for
+    4 ms (results/collective_waits.csv) moves a step by a third; the same program measured twice in
+    one launch read 11.8 and 15.5 ms (study 20261128-182018). ``min_time_s`` 0 or an unknown pace
+    (``step_s`` <= 0): ``steps``."""
+    if steps < 1:
+        raise ValueError(f"steps_for_min_time: need steps >= 1, got {steps}")
+    if min_time_s <= 0 or step_s <= 0:
+        return steps
+    return max(steps, math.ceil(min_time_s / step_s))
 
 
 def job_step_times(shares_by_rank: Sequence[Sequence[Share]], one_clock: bool) -> list[float]:

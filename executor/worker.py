@@ -44,6 +44,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -58,7 +59,7 @@ from autoddl.plan import Plan
 from autoddl.precision import check_rtol
 from autoddl.trace import trace
 from executor.audit import summarize
-from executor.measure import PeakMemory, Share, job_step_times, time_steps
+from executor.measure import PeakMemory, Share, job_step_times, steps_for_min_time, time_steps
 from executor.references import REFERENCES, build_reference, reference_step
 from executor.runtime import (audit_records, audit_step, build_optimizer, close_process_group, distributed_model,
                               init_mesh, run_check, torch_optimizer, train_step)
@@ -85,6 +86,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="model file defining build_model / example_inputs")
     p.add_argument("--steps", type=int, default=1, help="timed training steps (default 1)")
     p.add_argument("--warmup", type=int, default=0, help="untimed steps before them (default 0)")
+    p.add_argument("--min-time-s", type=float, default=0.0, metavar="T",
+                   help="time more than --steps steps where they would take less than T seconds at the "
+                        "warm-up's pace (each plan and reference its own count; needs --warmup; default 0)")
     p.add_argument("--rounds", type=int, default=1,
                    help="with --plans or --reference: place and warm up every plan (and reference), then time "
                         "the steps in this many rounds, each one's share in turn (default 1: one after the other)")
@@ -123,6 +127,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--plans needs --out-dir and times plans only (no --check, --reference, --ddp)")
     if args.rounds < 1 or (args.rounds > 1 and not (args.plans or args.reference)) or args.rounds > args.steps:
         p.error(f"--rounds {args.rounds}: needs --plans or --reference and 1 <= rounds <= --steps ({args.steps})")
+    if args.min_time_s < 0 or (args.min_time_s and args.warmup < 1):
+        p.error(f"--min-time-s {args.min_time_s:g}: needs T >= 0 and --warmup >= 1 (the warm-up gives the pace)")
     if args.rounds > 1 and args.warmup < 1:
         p.error("--rounds > 1 needs --warmup >= 1 (each one's peak memory is taken over its warm-up)")
     return args
@@ -163,6 +169,7 @@ def _gather_timing(shares: list[Share], peak_mb: float, losses: list[float] | No
     hosts = [r["host"] for r in every]
     out = {"step_time_s": job_step_times([r["shares"] for r in every], one_clock=len(set(hosts)) == 1),
            "peak_memory_mb": [r["peak_mb"] for r in every], "hosts": hosts}
+    out["steps"] = len(out["step_time_s"])              # more than --steps under --min-time-s
     if losses is not None:
         out["losses"] = next((r["losses"] for r in every if not any(math.isnan(v) for v in r["losses"])), losses)
     return out
@@ -177,6 +184,7 @@ class _Timing:
     memory: PeakMemory
     shares: list[Share]                      # this rank's measured steps, one share per ``time`` call
     peak_mb: float | None
+    warm_step_s: float = 0.0                 # the median of this rank's warm-up steps (0: none run)
 
     def step(self) -> None:
         raise NotImplementedError
@@ -184,6 +192,22 @@ class _Timing:
     def _timed(self, steps: int, warmup: int, label: str) -> Share:
         return time_steps(self.step, steps, warmup, barrier=dist.barrier, sync=_sync_fn(self.args.device),
                           progress=_progress(self.rank, label, self.args.quiet))
+
+    def warm_up(self, label: str) -> None:
+        """``--warmup`` steps, their times thrown away but for their median, the pace ``measured_steps``
+        plans by."""
+        if self.args.warmup:
+            share = self._timed(self.args.warmup, 0, label)
+            self.warm_step_s = statistics.median(share.times_s)
+
+    def measured_steps(self) -> int:
+        """``--steps``, or more under ``--min-time-s`` (``steps_for_min_time``) at the slowest rank's
+        warm-up pace: a collective of its own, so every rank runs the same number of steps."""
+        if not self.args.min_time_s:
+            return self.args.steps
+        pace = torch.tensor([self.warm_step_s], dtype=torch.float64)
+        dist.all_reduce(pace, op=dist.ReduceOp.MAX)
+        return steps_for_min_time(self.args.steps, self.args.min_time_s, float(pace))
 
     def time(self, steps: int, warmup: int = 0) -> None:
         """``steps`` measured steps (after ``warmup`` more), one more share of ``shares``."""
@@ -212,8 +236,7 @@ class PlanTiming(_Timing):
         self.losses: list[float] = []
         self.shares: list[Share] = []
         _test_fail_hook(rank)
-        if args.warmup:                                 # the warm-up's steps, their times thrown away
-            self._timed(args.warmup, 0, f"{plan.name} warm-up")
+        self.warm_up(f"{plan.name} warm-up")
         self.peak_mb = self.memory.peak_mb() if memory_until_warm else None
 
     def step(self) -> None:
@@ -262,8 +285,7 @@ class ReferenceTiming(_Timing):
         self.loss_fn, self.training = mf.step_loss, training
         self.losses: list[float] = []                  # rank 0's loss (its batch shard for ddp / fsdp2)
         self.shares: list[Share] = []
-        if args.warmup:
-            self._timed(args.warmup, 0, f"{kind} warm-up")
+        self.warm_up(f"{kind} warm-up")
         self.peak_mb = self.memory.peak_mb() if memory_until_warm else None
 
     def step(self) -> None:
@@ -325,7 +347,7 @@ def _timed_in_turn(makers: list, args: argparse.Namespace):
     """(name, finished timing) of each, placed, timed and freed one after the other."""
     for name, make in makers:
         timing = make()
-        timing.time(args.steps)
+        timing.time(timing.measured_steps())
         yield name, timing.finish()
         del timing
         gc.collect()
@@ -335,10 +357,11 @@ def _timed_in_rounds(makers: list, args: argparse.Namespace):
     """(name, finished timing) of each, all placed and warmed up first, then the measured steps in
     ``--rounds`` rounds, each one's share in turn after one more warm-up step (as ``run_many``)."""
     placed = [(name, make()) for name, make in makers]
-    for steps in _round_steps(args.steps, args.rounds):
-        for _, timing in placed:
+    shares = [_round_steps(timing.measured_steps(), args.rounds) for _, timing in placed]
+    for r in range(args.rounds):
+        for (_, timing), steps in zip(placed, shares):
             gc.collect()                      # the others' garbage is not collected in this one's steps
-            timing.time(steps, warmup=1)
+            timing.time(steps[r], warmup=1)
     return [(name, timing.finish()) for name, timing in placed]
 
 
@@ -374,15 +397,16 @@ def run_many(args: argparse.Namespace) -> list[dict[str, Any]]:
                                                            memory_until_warm=args.rounds > 1))
         if args.rounds == 1:                        # one plan after the other: time it, then free it
             if timing is not None:
-                _attempt(result, rank, lambda: timing.time(args.steps))
+                _attempt(result, rank, lambda: timing.time(timing.measured_steps()))
             _finish(path, result, timing, args, rank)
             gc.collect()
         placed.append((path, result, timing))
     if args.rounds > 1:
-        for steps in _round_steps(args.steps, args.rounds):
-            for _, result, timing in placed:
-                if timing is not None and "error" not in result:
-                    _attempt(result, rank, lambda: timing.time(steps, warmup=1))
+        timed = [(result, timing, _round_steps(timing.measured_steps(), args.rounds)) for _, result, timing in placed
+                 if timing is not None and "error" not in result]
+        for r in range(args.rounds):
+            for result, timing, steps in timed:
+                _attempt(result, rank, lambda: timing.time(steps[r], warmup=1))
         for path, result, timing in placed:
             _finish(path, result, timing, args, rank)
     return [result for _, result, _ in placed]

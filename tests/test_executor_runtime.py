@@ -511,6 +511,40 @@ def test_worker_times_several_plans_in_interleaved_rounds(tmp_path):
 
 
 @pytest.mark.distributed
+def test_worker_times_a_fast_plan_for_min_time_s(tmp_path):
+    """``--steps 2 --min-time-s 0.3``: the mlp's steps take a few ms, so each plan runs more than 2
+    measured steps, as many on every rank (the pace is the slowest rank's: a count that differed
+    would leave a rank waiting in a collective until the launch times out), split over the rounds;
+    its JSON says how many, and they took about 0.3 s (at least a quarter of it: the warm-up's pace
+    and the measured one differ on a busy machine). Refused without a warm-up to take the pace from."""
+    import json
+
+    from autoddl.loader import load_model_file
+    from autoddl.trace import trace
+
+    model_py = tmp_path / "mlp.py"
+    model_py.write_text(MODEL_FILE)
+    mf = load_model_file(model_py, device="cpu")
+    graph = trace(mf.model, mf.example_inputs, mf.loss_fn)
+    for name in ("dp", "zero3"):
+        make_plan(graph, name).save(tmp_path / f"{name}.json")
+    codes = run_ranks(_worker_rank, 2, ["--plans", str(tmp_path / "dp.json"), str(tmp_path / "zero3.json"),
+                                        "--out-dir", str(tmp_path), "--model", str(model_py), "--steps", "2",
+                                        "--warmup", "3", "--rounds", "2", "--min-time-s", "0.3", "--quiet"],
+                      timeout_s=120)
+    assert codes == [0, 0]
+    for name in ("dp", "zero3"):
+        result = json.loads((tmp_path / f"{name}.json").read_text())
+        assert "error" not in result
+        assert result["steps"] == len(result["step_time_s"]) > 2
+        assert sum(result["step_time_s"]) >= 0.3 / 4
+        assert len(result["losses"]) == 3 + result["steps"] + 2   # warm-up, measured, one warm-up per round
+    with pytest.raises(SystemExit):
+        _worker_rank(["--plans", str(tmp_path / "dp.json"), "--out-dir", str(tmp_path), "--model", str(model_py),
+                      "--steps", "2", "--min-time-s", "1"])         # no warm-up
+
+
+@pytest.mark.distributed
 def test_worker_times_a_plan_and_its_reference_in_interleaved_rounds(tmp_path):
     """``--plan dp --reference ddp --rounds 2``: the plan and DDP are both placed and warmed up, then
     their 4 measured steps run in two rounds of 2 each: both have 4 step times, and DDP trained the

@@ -17,7 +17,7 @@ import torch
 
 from executor import measure
 from executor.measure import (RUN_COLUMNS, PeakMemory, StepStats, append_row, percentile, read_rows,
-                              Share, job_step_times, time_steps)
+                              Share, job_step_times, steps_for_min_time, time_steps)
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 10, 37])
@@ -92,6 +92,17 @@ def test_a_steps_time_is_the_ranks_mean_at_the_pace_the_job_went():
         job_step_times(_shares([(0.0, [1.0, 2.0])], [(0.0, [1.0])]), one_clock=True)
     with pytest.raises(ValueError, match="different numbers of shares"):
         job_step_times(_shares([(0.0, [1.0])], [(0.0, [1.0]), (5.0, [1.0])]), one_clock=True)
+
+
+def test_steps_for_min_time_adds_steps_to_a_fast_plan_only():
+    # gpt tiny at 11 ms a step: 2 s need ceil(181.8) = 182 steps; the 4-layer GPT at 250 ms keeps its 12
+    assert steps_for_min_time(12, 2.0, 0.011) == 182
+    assert steps_for_min_time(12, 2.0, 0.25) == 12
+    assert steps_for_min_time(12, 2.0, 2.0 / 12) == 12              # exactly enough already
+    assert steps_for_min_time(12, 0.0, 0.011) == 12                 # off
+    assert steps_for_min_time(12, 2.0, 0.0) == 12                   # no warm-up: no pace to plan by
+    with pytest.raises(ValueError, match="steps >= 1"):
+        steps_for_min_time(0, 2.0, 0.01)
 
 
 def test_peak_memory_sees_a_100mb_tensor():
