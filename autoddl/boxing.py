@@ -61,6 +61,17 @@ def group_rank(group: Group, coord: Sequence[int], mesh: Sequence[int]) -> int:
     return rank
 
 
+def group_split_dim(layout: NdSbp, group: Group) -> int:
+    """The tensor dim ``layout`` splits over ``group``'s ranks, the dim their pieces are joined along:
+    its first axis' split (a flattened group's nested split, S(d) on each of its axes, is one split of
+    dim d over all its ranks, row-major: :func:`flatten_nested_shards`)."""
+    sbp = layout[group_axes(group)[0]]
+    if not sbp.is_split():
+        raise ValueError(f"group_split_dim: layout {layout} does not split on mesh axis {group_axes(group)[0]} "
+                         f"(the first of group {group!r})")
+    return sbp.dim
+
+
 def group_name(group: Group) -> str:
     """``"1"`` for axis 1, ``"0+1"`` for axes 0 and 1 flattened (stream and audit names)."""
     return "+".join(str(a) for a in group_axes(group))

@@ -26,7 +26,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.fx
 
 from autoddl import ops
-from autoddl.boxing import group_size
+from autoddl.boxing import group_size, group_split_dim
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph, OpNode, TensorRef
 from autoddl.pipeline_program import StageIO
@@ -158,7 +158,7 @@ class LocalStep:
         uses = [self.program.param_uses[i] for i in g.uses]
         return unflatten_gathered(flat, group_size(g.axis, self.boxer.mesh_shape),
                                   [(u.storage.local_shape(u.meta.shape, self.boxer.mesh_shape),
-                                    u.forward[0].before[u.forward[0].axis].dim) for u in uses])
+                                    group_split_dim(u.forward[0].before, u.forward[0].group)) for u in uses])
 
     def box(self, x: torch.Tensor, edge: int) -> torch.Tensor:
         e = self.edges[edge]

@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from autoddl.boxing import Group, group_rank, group_size
+from autoddl.boxing import Group, group_rank, group_size, group_split_dim
 from autoddl.collective_kinds import CollectiveKind, carried_out_as
 from autoddl.program import Bucket, ParamUse, StepProgram, syncs_every_micro_step
 from autoddl.precision import torch_dtype
@@ -75,7 +75,7 @@ class GradSync:
         for i in bucket.uses:
             use = self.program.param_uses[i]
             first, last = use.grad_sync[0].after, use.grad_sync[-1].after
-            dim = first[bucket.axes[0]].dim if bucket.kind is CollectiveKind.REDUCE_SCATTER else None
+            dim = group_split_dim(first, bucket.axis) if bucket.kind is CollectiveKind.REDUCE_SCATTER else None
             out.append((last.local_shape(use.meta.shape, self.boxer.mesh_shape), dim))
         return out
 
@@ -167,7 +167,7 @@ class GradSync:
         rows = torch.empty(n, sum(g.numel() for g in grads) // n, dtype=self.reduce_dtype, device=grads[0].device)
         start = 0
         for u, g in zip(uses, grads):
-            piece = g.movedim(u.grad_sync[0].after[bucket.axes[0]].dim, 0).unflatten(0, (n, -1))  # (n, rows/n, ...)
+            piece = g.movedim(group_split_dim(u.grad_sync[0].after, bucket.axis), 0).unflatten(0, (n, -1))  # (n, rows/n, ...)
             width = piece[0].numel()
             rows[:, start:start + width].view(piece.shape).copy_(piece)
             start += width

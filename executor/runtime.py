@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from autoddl.boxing import Group, boxing_moves, group_axes, group_size
+from autoddl.boxing import Group, boxing_moves, group_size, group_split_dim
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.graph import NodeKind, OpGraph
 from autoddl.offload import check_runnable_offload
@@ -255,7 +255,7 @@ class DistributedModel(nn.Module):
                 self._on_collective(CollectiveKind.ALL_GATHER, sync.axis, sync.nbytes, f"param sync axis{sync.axis}")
                 gathered = wait(funcol.all_gather_single(flat, 0, self.boxer.groups[sync.axis]))
                 unflatten_gathered(gathered, group_size(sync.axis, self.plan.mesh.shape),   # into the parameters
-                                   [(tuple(t.shape), optimizer_storage_of(self.plan, f)[group_axes(sync.axis)[0]].dim)
+                                   [(tuple(t.shape), group_split_dim(optimizer_storage_of(self.plan, f), sync.axis))
                                     for f, t in zip(sync.fqns, shards)],
                                    out=[params[f]._autoddl_local for f in sync.fqns])
         self.host_copies.refresh()          # offload params: the host's updated working copies

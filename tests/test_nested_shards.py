@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from autoddl.boxing import boxing_moves, flatten_nested_shards, gradient_moves, group_rank, group_size
+from autoddl.boxing import (boxing_moves, flatten_nested_shards, gradient_moves, group_rank, group_size,
+                            group_split_dim)
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.sbp import NdSbp
 
@@ -34,6 +35,18 @@ def test_a_parameter_gathered_over_two_axes_is_one_all_gather_over_both():
     assert _collectives(chain) == [(AG, 1, nbytes // 2), (AG, 0, nbytes)]      # inner axis first
     flat = flatten_nested_shards(chain, shape, (2, 2))
     assert _collectives(flat) == [(AG, (0, 1), nbytes)]
+
+
+def test_the_dim_a_group_splits_is_its_first_axis_split():
+    # ZeRO over 2x2: S(0),S(0) is one split of rows over the flattened group (0, 1), as each of the
+    # executor's gather unpacking, reduce-scatter packing and parameter sync joins the pieces
+    assert group_split_dim(P("[S(0), S(0)]"), (0, 1)) == 0
+    assert group_split_dim(P("[B, S(1)]"), 1) == 1
+    move = flatten_nested_shards(boxing_moves(64 * 4, P("[S(0), S(0)]"), P("[B, B]"), (2, 2)),
+                                 (8, 8), (2, 2))[0]
+    assert move.group == (0, 1) and group_split_dim(move.before, move.group) == 0
+    with pytest.raises(ValueError, match="does not split on mesh axis 0"):
+        group_split_dim(P("[B, S(0)]"), (0, 1))
 
 
 def test_three_axes_flatten_into_one_group():
