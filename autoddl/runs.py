@@ -110,7 +110,7 @@ def predicted_collectives(plan: Plan, graph, cluster: Cluster | None):
 def worker_args(plan: Plan, plan_path: str, model_py: str, result_json: str | Path, *, steps: int, warmup: int,
                 optimizer: str, backend: str, pg_timeout_s: float, check: bool = False,
                 references: Sequence[str] = (), reference_only: bool = False, compile: bool = False,
-                profile: str = "", rounds: int = 1) -> list[str]:
+                profile: str = "", rounds: int = 1, min_time_s: float = 0.0) -> list[str]:
     """The ``executor.worker`` command line of one run (model sizes passed as ``--set KEY=<json>``)."""
     out = ["--plan", str(Path(plan_path).resolve()), "--model", str(Path(model_py).resolve()),
            "--steps", str(steps), "--warmup", str(warmup), "--optimizer", optimizer,
@@ -120,6 +120,7 @@ def worker_args(plan: Plan, plan_path: str, model_py: str, result_json: str | Pa
     out += [a for kind in references for a in ("--reference", kind)]
     out += ["--check"] * check + ["--reference-only"] * reference_only + ["--compile"] * compile
     out += ["--rounds", str(rounds)] * (rounds != 1)
+    out += ["--min-time-s", f"{min_time_s:g}"] * (min_time_s > 0)
     return out + (["--profile", profile] if profile else [])
 
 

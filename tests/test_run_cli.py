@@ -169,6 +169,25 @@ def test_rounds_need_a_reference_and_reach_the_worker(setup, tmp_path, capsys, m
     cli_main("run", paths["dp"], "--ddp", "--steps", 6, "--rounds", 3, "--out", tmp_path / "r.csv")
     args = launched[0]
     assert args[args.index("--rounds") + 1] == "3" and args[args.index("--reference") + 1] == "ddp"
+    assert "--min-time-s" not in args
+
+
+def test_min_time_s_needs_a_warm_up_and_reaches_the_worker(setup, tmp_path, capsys, monkeypatch):
+    """``--min-time-s T`` times more than --steps steps where they would take under T seconds at the
+    warm-up's pace: refused without a warm-up (nothing to take the pace from) or below 0, passed to
+    every rank's worker otherwise."""
+    from executor.launch import LaunchResult
+
+    _, _, paths = setup
+    assert cli_main("run", paths["dp"], "--min-time-s", 2, "--warmup", 0) == 2
+    assert "--min-time-s 2: needs T >= 0 and --warmup >= 1" in capsys.readouterr().err
+    assert cli_main("run", paths["dp"], "--min-time-s", -1) == 2
+    assert "needs T >= 0" in capsys.readouterr().err
+    launched = []
+    monkeypatch.setattr(runs, "launch", lambda spec, worker_args: launched.append(worker_args) or LaunchResult(1, 1.0))
+    cli_main("run", paths["dp"], "--min-time-s", 2.5, "--out", tmp_path / "r.csv")
+    args = launched[0]
+    assert args[args.index("--min-time-s") + 1] == "2.5"
 
 
 def test_collectives_table_groups_and_flags_mismatches():

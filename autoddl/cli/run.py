@@ -39,6 +39,9 @@ def add_run(subparsers) -> None:
     p.add_argument("--nproc", type=int, metavar="N", help="ranks per node (default: the plan's devices / --nnodes)")
     p.add_argument("--steps", type=int, default=10, metavar="S", help="measured steps (default 10)")
     p.add_argument("--warmup", type=int, default=2, metavar="W", help="warm-up steps before them (default 2)")
+    p.add_argument("--min-time-s", type=float, default=0.0, metavar="T",
+                   help="time more steps where --steps would take less than T seconds at the warm-up's pace "
+                        "(the plan and each reference its own count; default 0: exactly --steps)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                    help="gloo: CPU ranks; nccl: one GPU per rank (default: nccl where CUDA is available, else gloo)")
     p.add_argument("--check", action="store_true",
@@ -167,6 +170,9 @@ def run_run(args: argparse.Namespace) -> int:
         raise ValueError("--reference-only needs at least one --reference KIND (ddp, fsdp2, dtensor_tp)")
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"--steps {args.steps} / --warmup {args.warmup}: need steps >= 1 and warmup >= 0")
+    if args.min_time_s < 0 or (args.min_time_s and args.warmup < 1):
+        raise ValueError(f"--min-time-s {args.min_time_s:g}: needs T >= 0 and --warmup >= 1, the steps that give "
+                         f"the pace (got --warmup {args.warmup})")
     if args.rounds != 1 and not (references and 1 <= args.rounds <= args.steps and args.warmup >= 1):
         raise ValueError(f"--rounds {args.rounds}: needs a --reference, 1 <= rounds <= --steps ({args.steps}) "
                          f"and --warmup >= 1 (got {args.warmup})")
@@ -192,7 +198,7 @@ def run_run(args: argparse.Namespace) -> int:
     res, result = runs.launch_run(spec, plan, args.plan_json, model_py, steps=args.steps, warmup=args.warmup,
                                   optimizer=optimizer, backend=args.backend, pg_timeout_s=args.pg_timeout_s,
                                   check=args.check, references=references, reference_only=reference_only,
-                                  rounds=args.rounds,
+                                  rounds=args.rounds, min_time_s=args.min_time_s,
                                   compile=args.compile, profile=str(Path(args.profile).resolve()) if args.profile else "")
     if not res.ok:
         print(f"autoddl run: the run failed after {res.duration_s:.1f} s:\n{res.describe()}", file=sys.stderr)
