@@ -477,6 +477,22 @@ def test_worker_main_checks_and_audits(tmp_path):
         "count": 1, "bytes": sum(PARAM_NUMEL.values()) * F32}
 
 
+def _dp_and_zero3_plans(tmp_path) -> list[str]:
+    """The worker's ``--plans dp.json zero3.json --out-dir --model`` arguments for MODEL_FILE's mlp, written
+    to ``tmp_path``."""
+    from autoddl.loader import load_model_file
+    from autoddl.trace import trace
+
+    model_py = tmp_path / "mlp.py"
+    model_py.write_text(MODEL_FILE)
+    mf = load_model_file(model_py, device="cpu")
+    graph = trace(mf.model, mf.example_inputs, mf.loss_fn)
+    for name in ("dp", "zero3"):
+        make_plan(graph, name).save(tmp_path / f"{name}.json")
+    return ["--plans", str(tmp_path / "dp.json"), str(tmp_path / "zero3.json"), "--out-dir", str(tmp_path),
+            "--model", str(model_py)]
+
+
 @pytest.mark.distributed
 def test_worker_times_several_plans_in_interleaved_rounds(tmp_path):
     """``--plans A B --rounds 2``: both plans placed and warmed up first, then 5 measured steps each in
@@ -484,20 +500,12 @@ def test_worker_times_several_plans_in_interleaved_rounds(tmp_path):
     ranks' mean per step), its audit, and every loss it trained; the warm-up is 2 steps."""
     import json
 
-    from autoddl.loader import load_model_file
-    from autoddl.trace import trace
     from executor.worker import _round_steps
 
     assert _round_steps(5, 2) == [3, 2] and _round_steps(12, 3) == [4, 4, 4] and _round_steps(2, 2) == [1, 1]
-    model_py = tmp_path / "mlp.py"
-    model_py.write_text(MODEL_FILE)
-    mf = load_model_file(model_py, device="cpu")
-    graph = trace(mf.model, mf.example_inputs, mf.loss_fn)
-    for name in ("dp", "zero3"):
-        make_plan(graph, name).save(tmp_path / f"{name}.json")
-    codes = run_ranks(_worker_rank, 2, ["--plans", str(tmp_path / "dp.json"), str(tmp_path / "zero3.json"),
-                                        "--out-dir", str(tmp_path), "--model", str(model_py), "--steps", "5",
-                                        "--warmup", "2", "--rounds", "2", "--quiet"], timeout_s=60)
+    plans = _dp_and_zero3_plans(tmp_path)
+    codes = run_ranks(_worker_rank, 2, plans + ["--steps", "5", "--warmup", "2", "--rounds", "2", "--quiet"],
+                      timeout_s=60)
     assert codes == [0, 0]
     for name in ("dp", "zero3"):
         result = json.loads((tmp_path / f"{name}.json").read_text())
@@ -506,8 +514,7 @@ def test_worker_times_several_plans_in_interleaved_rounds(tmp_path):
         assert len(result["losses"]) == 2 + 5 + 2                 # warm-up, measured, one warm-up per round
         assert result["collectives_summary"]["grad_sync/all_reduce/axis0"]["count"] == 1
     with pytest.raises(SystemExit):
-        _worker_rank(["--plans", str(tmp_path / "dp.json"), "--out-dir", str(tmp_path), "--model", str(model_py),
-                      "--steps", "2", "--rounds", "3"])            # more rounds than steps
+        _worker_rank(plans + ["--steps", "2", "--rounds", "3"])            # more rounds than steps
 
 
 @pytest.mark.distributed
@@ -519,19 +526,9 @@ def test_worker_times_a_fast_plan_for_min_time_s(tmp_path):
     and the measured one differ on a busy machine). Refused without a warm-up to take the pace from."""
     import json
 
-    from autoddl.loader import load_model_file
-    from autoddl.trace import trace
-
-    model_py = tmp_path / "mlp.py"
-    model_py.write_text(MODEL_FILE)
-    mf = load_model_file(model_py, device="cpu")
-    graph = trace(mf.model, mf.example_inputs, mf.loss_fn)
-    for name in ("dp", "zero3"):
-        make_plan(graph, name).save(tmp_path / f"{name}.json")
-    codes = run_ranks(_worker_rank, 2, ["--plans", str(tmp_path / "dp.json"), str(tmp_path / "zero3.json"),
-                                        "--out-dir", str(tmp_path), "--model", str(model_py), "--steps", "2",
-                                        "--warmup", "3", "--rounds", "2", "--min-time-s", "0.3", "--quiet"],
-                      timeout_s=120)
+    plans = _dp_and_zero3_plans(tmp_path)
+    codes = run_ranks(_worker_rank, 2, plans + ["--steps", "2", "--warmup", "3", "--rounds", "2",
+                                                "--min-time-s", "0.3", "--quiet"], timeout_s=120)
     assert codes == [0, 0]
     for name in ("dp", "zero3"):
         result = json.loads((tmp_path / f"{name}.json").read_text())
@@ -540,8 +537,7 @@ def test_worker_times_a_fast_plan_for_min_time_s(tmp_path):
         assert sum(result["step_time_s"]) >= 0.3 / 4
         assert len(result["losses"]) == 3 + result["steps"] + 2   # warm-up, measured, one warm-up per round
     with pytest.raises(SystemExit):
-        _worker_rank(["--plans", str(tmp_path / "dp.json"), "--out-dir", str(tmp_path), "--model", str(model_py),
-                      "--steps", "2", "--min-time-s", "1"])         # no warm-up
+        _worker_rank(plans + ["--steps", "2", "--min-time-s", "1"])         # no warm-up
 
 
 @pytest.mark.distributed
