@@ -205,7 +205,8 @@ class _Timing:
         warm-up pace: a collective of its own, so every rank runs the same number of steps."""
         if not self.args.min_time_s:
             return self.args.steps
-        pace = torch.tensor([self.warm_step_s], dtype=torch.float64)
+        cuda = self.args.device == "cuda" and torch.cuda.is_available()      # nccl reduces device tensors only
+        pace = torch.tensor([self.warm_step_s], dtype=torch.float64, device="cuda" if cuda else "cpu")
         dist.all_reduce(pace, op=dist.ReduceOp.MAX)
         return steps_for_min_time(self.args.steps, self.args.min_time_s, float(pace))
 
