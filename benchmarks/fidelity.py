@@ -292,7 +292,8 @@ def study_row(it: dict[str, Any], result: dict[str, Any], study: str, steps: int
               load: float) -> dict[str, Any]:
     plan = it["plan"]
     extra = {"study": study, "scheme": it["scheme"], "config": it["config"], "same_as": it["same_as"],
-             "steps": result.get("steps", steps), "warmup": warmup, "rounds": result.get("rounds", 1), "step_timing": STEP_TIMING,
+             "steps": result.get("steps", steps), "warmup": warmup, "rounds": result.get("rounds", 1),
+             "step_timing": STEP_TIMING,
              "omp_threads": result.get("omp_num_threads", 1),
              "load_avg_1m": f"{load:.2f}", "error": result.get("error", "")}
     row = result_row(it["model"], plan, it["nproc"], result)

@@ -167,7 +167,8 @@ class GradSync:
         rows = torch.empty(n, sum(g.numel() for g in grads) // n, dtype=self.reduce_dtype, device=grads[0].device)
         start = 0
         for u, g in zip(uses, grads):
-            piece = g.movedim(group_split_dim(u.grad_sync[0].after, bucket.axis), 0).unflatten(0, (n, -1))  # (n, rows/n, ...)
+            dim = group_split_dim(u.grad_sync[0].after, bucket.axis)
+            piece = g.movedim(dim, 0).unflatten(0, (n, -1))                 # (n, rows/n, ...)
             width = piece[0].numel()
             rows[:, start:start + width].view(piece.shape).copy_(piece)
             start += width

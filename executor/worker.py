@@ -358,11 +358,9 @@ def _timed_in_rounds(makers: list, args: argparse.Namespace):
     """(name, finished timing) of each, all placed and warmed up first, then the measured steps in
     ``--rounds`` rounds, each one's share in turn after one more warm-up step (as ``run_many``)."""
     placed = [(name, make()) for name, make in makers]
-    shares = [_round_steps(timing.measured_steps(), args.rounds) for _, timing in placed]
-    for r in range(args.rounds):
-        for (_, timing), steps in zip(placed, shares):
-            gc.collect()                      # the others' garbage is not collected in this one's steps
-            timing.time(steps[r], warmup=1)
+    for i, steps in _round_schedule([timing.measured_steps() for _, timing in placed], args.rounds):
+        gc.collect()                          # the others' garbage is not collected in this one's steps
+        placed[i][1].time(steps, warmup=1)
     return [(name, timing.finish()) for name, timing in placed]
 
 
@@ -403,14 +401,21 @@ def run_many(args: argparse.Namespace) -> list[dict[str, Any]]:
             gc.collect()
         placed.append((path, result, timing))
     if args.rounds > 1:
-        timed = [(result, timing, _round_steps(timing.measured_steps(), args.rounds)) for _, result, timing in placed
-                 if timing is not None and "error" not in result]
-        for r in range(args.rounds):
-            for result, timing, steps in timed:
-                _attempt(result, rank, lambda: timing.time(steps[r], warmup=1))
+        timed = [(result, timing) for _, result, timing in placed if timing is not None and "error" not in result]
+        for i, steps in _round_schedule([timing.measured_steps() for _, timing in timed], args.rounds):
+            result, timing = timed[i]
+            if "error" not in result:               # a plan that failed in an earlier round is not run again
+                _attempt(result, rank, lambda: timing.time(steps, warmup=1))
         for path, result, timing in placed:
             _finish(path, result, timing, args, rank)
     return [result for _, result, _ in placed]
+
+
+def _round_schedule(counts: list[int], rounds: int) -> list[tuple[int, int]]:
+    """(index, steps) in running order: round by round, each of ``counts``' timings its share of its own
+    measured steps (:func:`_round_steps`) in turn."""
+    shares = [_round_steps(count, rounds) for count in counts]
+    return [(i, share[r]) for r in range(rounds) for i, share in enumerate(shares)]
 
 
 def _round_steps(steps: int, rounds: int) -> list[int]:

@@ -500,9 +500,10 @@ def test_worker_times_several_plans_in_interleaved_rounds(tmp_path):
     ranks' mean per step), its audit, and every loss it trained; the warm-up is 2 steps."""
     import json
 
-    from executor.worker import _round_steps
+    from executor.worker import _round_schedule, _round_steps
 
     assert _round_steps(5, 2) == [3, 2] and _round_steps(12, 3) == [4, 4, 4] and _round_steps(2, 2) == [1, 1]
+    assert _round_schedule([5, 2], 2) == [(0, 3), (1, 1), (0, 2), (1, 1)]      # round by round, each its share
     plans = _dp_and_zero3_plans(tmp_path)
     codes = run_ranks(_worker_rank, 2, plans + ["--steps", "5", "--warmup", "2", "--rounds", "2", "--quiet"],
                       timeout_s=60)
