@@ -43,6 +43,9 @@ def _rank_main(fn: Callable, args: tuple, rank: int, world_size: int, port: int,
     try:
         import torch
 
+        from executor.allocator import keep_freed_memory
+
+        keep_freed_memory()     # as the worker's ranks do: calibrated as the plans run (executor/allocator.py)
         torch.set_num_threads(threads)
         result = ("ok", fn(*args))
     except BaseException:  # report every failure, including SystemExit, to the parent

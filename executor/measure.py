@@ -11,7 +11,8 @@ The summary is ``StepStats`` (median, p10, p90). Peak memory per rank is
 on CUDA ``torch.cuda.max_memory_allocated`` after a reset; on CPU the growth of
 the process's peak resident set (``VmHWM``, reset through
 ``/proc/self/clear_refs`` when the kernel allows it, else ``ru_maxrss``) above
-the resident set at ``start()``.
+the resident set at ``start()``, taken once the free blocks the process kept
+(executor/allocator.py) have gone back to the kernel.
 
 ``append_row`` adds one row to a CSV atomically: it reads the table, writes
 the whole table plus the row to a temporary file in the same directory and
@@ -36,6 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from autoddl.atomic import write_csv_atomic
 from autoddl.machine import this_machine
+from executor.allocator import release_freed_memory
 
 RUN_COLUMNS = (
     "time", "git_commit", "model", "preset", "cluster", "plan", "mesh", "nproc", "backend",
@@ -212,6 +214,7 @@ class PeakMemory:
             cuda.reset_peak_memory_stats()
             self._base_kb = cuda.memory_allocated() // 1024
             return
+        release_freed_memory()      # what earlier work freed and the process kept (executor/allocator.py)
         self._hwm_reset = _reset_hwm() and _status_kb("VmHWM") is not None
         rss = _status_kb("VmRSS")
         self._base_kb = rss if (self._hwm_reset and rss is not None) else \

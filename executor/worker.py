@@ -58,6 +58,7 @@ from autoddl.loader import ModelFile, load_model_file
 from autoddl.plan import Plan
 from autoddl.precision import check_rtol
 from autoddl.trace import trace
+from executor.allocator import keep_freed_memory
 from executor.audit import summarize
 from executor.measure import PeakMemory, Share, job_step_times, steps_for_min_time, time_steps
 from executor.references import REFERENCES, build_reference, reference_step
@@ -460,6 +461,7 @@ def _report_failure(args: argparse.Namespace, exc: BaseException) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    keep_freed_memory()                     # each step's freed tensors serve the next (executor/allocator.py)
     try:
         if args.plans:
             run_many(args)
