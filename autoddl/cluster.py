@@ -414,6 +414,10 @@ class ExecutorOverheads:
     op_us: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)    # dtype -> family
     op_work: Mapping[str, Mapping[str, tuple[tuple[float, float, float], ...]]] = field(default_factory=dict)
     recompute: Mapping[str, RecomputeCost] = field(default_factory=dict)   # policy -> what checkpointing adds
+    # optimizer (sgd, adamw) -> ((numel, ns), ...): the optimizer's step as the executor runs it (torch's
+    # foreach) on float32 parameters, nanoseconds per element beyond its smallest timed size, by the local
+    # parameter count (:meth:`optimizer_ns_per_element`); empty: priced from memory_bandwidth_gbps
+    optimizer_ns: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def table(m: Any, row: Any) -> dict:
@@ -422,15 +426,18 @@ class ExecutorOverheads:
         object.__setattr__(self, "op_work", table(self.op_work, lambda v: tuple(tuple(float(x) for x in p) for p in v)))
         object.__setattr__(self, "recompute", {str(p): v if isinstance(v, RecomputeCost) else RecomputeCost(**v)
                                                for p, v in (self.recompute or {}).items()})
+        object.__setattr__(self, "optimizer_ns", {str(k): tuple(tuple(float(x) for x in p) for p in v)
+                                                  for k, v in (self.optimizer_ns or {}).items()})
 
     def __hash__(self) -> int:            # the tables are dicts: hash a frozen copy
         def frozen(table: Mapping) -> tuple:
             return tuple(sorted((k, frozen(v) if isinstance(v, Mapping) else v) for k, v in table.items()))
         return hash((tuple(self.scalars().items()), frozen(self.op_us), frozen(self.op_work),
-                     frozen(self.recompute)))
+                     frozen(self.recompute), frozen(self.optimizer_ns)))
 
     def __bool__(self) -> bool:
-        return any(bool(v) for v in self.scalars().values()) or bool(self.op_us or self.op_work or self.recompute)
+        return any(bool(v) for v in self.scalars().values()) or bool(self.op_us or self.op_work or self.recompute
+                                                                      or self.optimizer_ns)
 
     def scalars(self) -> dict[str, float]:
         """The scalar fields (the fallback per-op costs, per input, parameter use, collective, step, and
@@ -456,6 +463,22 @@ class ExecutorOverheads:
         fixed = self.op_us[dt][family]
         return OpCost(fixed[0], fixed[1], self.op_work.get(dt, {}).get(family, ()))
 
+    def optimizer_ns_per_element(self, optimizer: str, numel: float) -> float | None:
+        """Nanoseconds per float32 element of ``optimizer``'s step over ``numel`` local elements: the
+        measured curve, linear in log(numel) between its points and flat past its ends; None when not
+        measured."""
+        curve = self.optimizer_ns.get(optimizer)
+        if not curve:
+            return None
+        x = math.log(max(numel, 1.0))
+        xs = [math.log(n) for n, _ in curve]
+        if x <= xs[0]:
+            return curve[0][1]
+        for (x0, (_, y0)), (x1, (_, y1)) in zip(zip(xs, curve), zip(xs[1:], curve[1:])):
+            if x <= x1:
+                return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        return curve[-1][1]
+
     def recompute_cost(self, policy: str) -> RecomputeCost:
         """What checkpointing under ``policy`` adds (zeros when not measured, or policy none)."""
         return self.recompute.get(policy) or RecomputeCost()
@@ -470,6 +493,8 @@ class ExecutorOverheads:
             out["op_work"] = {dt: {f: [list(p) for p in v] for f, v in fams.items()} for dt, fams in self.op_work.items()}
         if self.recompute:
             out["recompute"] = {p: dataclasses.asdict(v) for p, v in self.recompute.items()}
+        if self.optimizer_ns:
+            out["optimizer_ns"] = {k: [list(p) for p in v] for k, v in self.optimizer_ns.items()}
         return out
 
 
@@ -888,6 +913,39 @@ def _work_curve(src: str, dotted: str, value: Any, errors: list[str]) -> tuple |
                               f"{parsed[0]!r} after {points[-1][0]!r}")
             points.append(parsed)
     return tuple(points) if len(errors) == n_before else None
+OPTIMIZER_KINDS = ("sgd", "adamw")     # as costmodel/compute.py's OPTIMIZERS names them
+
+
+def _optimizer_curves(src: str, value: Any, errors: list[str]) -> dict | None:
+    """``executor.optimizer_ns``: ``{optimizer: [[numel, ns_per_element], ...]}``, positive numbers,
+    numel strictly increasing (None on error)."""
+    expected = (f"a mapping from optimizer ({', '.join(OPTIMIZER_KINDS)}) to a list of [numel, ns_per_element] "
+                "points: local float32 parameters (strictly increasing) and nanoseconds per element of a step")
+    if not isinstance(value, dict):
+        errors.append(f"{src}: executor.optimizer_ns: expected {expected}, got {value!r}")
+        return None
+    n_before = len(errors)
+    out: dict[str, tuple] = {}
+    for kind, points in value.items():
+        if kind not in OPTIMIZER_KINDS:
+            errors.append(_unknown_key(src, "executor.optimizer_ns.", kind, OPTIMIZER_KINDS))
+            continue
+        if not isinstance(points, (list, tuple)) or not points:
+            errors.append(f"{src}: executor.optimizer_ns.{kind}: expected {expected}, got {points!r}")
+            continue
+        curve: list[tuple[float, ...]] = []
+        for i, p in enumerate(points):
+            parsed = _number_list(src, f"executor.optimizer_ns.{kind}[{i}]", p, ("numel", "ns_per_element"),
+                                  ("positive numbers", "a positive number"), "pos", errors)
+            if parsed is not None:
+                if curve and parsed[0] <= curve[-1][0]:
+                    errors.append(f"{src}: executor.optimizer_ns.{kind}[{i}][0]: numel must increase strictly "
+                                  f"along the curve, got {parsed[0]!r} after {curve[-1][0]!r}")
+                curve.append(parsed)
+        out[kind] = tuple(curve)
+    return out if len(errors) == n_before else None
+
+
 _RECOMPUTE_FIELDS = {k: (f"a non-negative number of microseconds {what}", "nonneg") for k, what in (
     ("op_forward_us", "per op of the block but matmul-like ones, forward"),
     ("op_backward_us", "per op of the block but matmul-like ones, backward (beyond running its forward again)"),
@@ -936,7 +994,7 @@ def _op_table(src: str, name: str, value: Any, errors: list[str]) -> dict | None
 
 def _executor(src: str, value: Any, errors: list[str]) -> ExecutorOverheads | None:
     """The ``executor`` section: scalar fields (default 0), the per-family tables and ``recompute``."""
-    tables = ("op_us", "op_work", "recompute")
+    tables = ("op_us", "op_work", "recompute", "optimizer_ns")
     if not isinstance(value, dict):
         errors.append(f"{src}: executor: expected a mapping with keys {', '.join(tuple(_EXECUTOR_FIELDS) + tables)}, "
                       f"got {value!r}")
@@ -955,6 +1013,8 @@ def _executor(src: str, value: Any, errors: list[str]) -> ExecutorOverheads | No
                 if fam not in (kw.get("op_us") or {}).get(dtype, {}):
                     errors.append(f"{src}: executor.op_work.{dtype}.{fam}: no executor.op_us.{dtype}.{fam} beside it; "
                                   "a family's work scale goes with its fixed cost (give both, or neither)")
+    if value.get("optimizer_ns") is not None:
+        kw["optimizer_ns"] = _optimizer_curves(src, value["optimizer_ns"], errors)
     rec = value.get("recompute")
     if rec is not None:
         if not isinstance(rec, dict):

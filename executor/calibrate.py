@@ -57,6 +57,7 @@ from typing import Any, Callable, Sequence
 from autoddl.cluster import COLLECTIVE_KINDS, FITTED_KINDS, PEAK_DTYPES, ExecutorOverheads, RecomputeCost
 from executor.calibrate_models import (CHAIN_KINDS, CHAIN_WIDTH, PROBE_SIZES, block_model, broadcast_plan, chain_loss,
                                        chain_model, probe_ops, zero1_plan, zero3_plan)
+from executor.calibrate_optimizer import OPTIMIZER_NUMELS, fit_optimizer_ns, time_optimizer_steps
 from executor.local_ranks import run_ranks
 
 SQUARE_SIZES = (64, 128, 256, 512, 1024, 2048)
@@ -407,6 +408,7 @@ class Measurements:
     dropped_dtypes: dict[str, str] = field(default_factory=dict)  # dtype -> why it got no peak (too slow)
     families: tuple[FamilyTiming, ...] = ()                      # each op family per dtype and size
     recompute: tuple[RecomputeTiming, ...] = ()                  # checkpointed blocks against plain ones
+    optimizer_s: dict[str, tuple[float, ...]] = field(default_factory=dict)   # kind -> a step at OPTIMIZER_NUMELS
     launches: int = 1                                            # launches each timing is the median of
 
     @property
@@ -574,13 +576,17 @@ def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measuremen
 
 
 def _combine_families(ranks: list[dict]) -> dict[str, Any]:
-    """Families: mean over ranks of each rank's median (as compute). Recompute blocks: max over ranks."""
+    """Families and optimizer steps: mean over ranks of each rank's median (as compute). Recompute blocks:
+    max over ranks."""
     mean = statistics.fmean
     out: dict[str, Any] = {}
     if "families" in ranks[0]:
         out["families"] = tuple(FamilyTiming(*f[:5], mean(r["families"][i][5] for r in ranks),
                                              mean(r["families"][i][6] for r in ranks))
                                 for i, f in enumerate(ranks[0]["families"]))
+    if "optimizer_s" in ranks[0]:
+        out["optimizer_s"] = {k: tuple(mean(r["optimizer_s"][k][i] for r in ranks) for i in range(len(v)))
+                              for k, v in ranks[0]["optimizer_s"].items()}
     if "recompute" in ranks[0]:
         out["recompute"] = tuple(RecomputeTiming(*c[:3], max(r["recompute"][i][3] for r in ranks),
                                                  max(r["recompute"][i][4] for r in ranks))
@@ -634,7 +640,8 @@ class Bench:
         out: dict[str, Any] = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                                           f"{os.cpu_count()} cores, torch {self.torch.__version__}"}
         benchmarks = (("overhead", self.overhead), ("executor", self.executor), ("families", self.families),
-                      ("recompute", self.recompute), ("memory", self.memory), ("matmul", self.matmuls),
+                      ("recompute", self.recompute), ("memory", self.memory), ("optimizer", self.optimizer),
+                      ("matmul", self.matmuls),
                       ("collectives", self.collectives))
         for name, fn in benchmarks[-1:] if self.s.comm_only else benchmarks:
             self.dist.barrier()
@@ -903,6 +910,14 @@ class Bench:
                  f"add {gbps['add']:.2f} GB/s (read + written, rank 0)")
         return {"memory_gbps": gbps}
 
+    def optimizer(self) -> dict[str, Any]:
+        """The optimizer's step by size (executor/calibrate_optimizer.py)."""
+        timed = time_optimizer_steps(self.torch, self.dist.barrier, self.s.repeats)
+        self.say("optimizer step over " + ", ".join(f"{n >> 10}K" for n in OPTIMIZER_NUMELS) + " elements: "
+                 + "; ".join(f"{k} " + ", ".join(f"{t * 1e3:.2f}" for t in v) + " ms" for k, v in timed.items())
+                 + " (rank 0)")
+        return {"optimizer_s": timed}
+
     def matmuls(self) -> dict[str, Any]:
         """Each shape in float32, then in each other dtype still timed (the same shapes, one after the other,
         so both see the same load). A dtype whose median on a shape is more than SLOW_DTYPE_FACTOR times
@@ -1046,6 +1061,9 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
         us = fit_us(meas.executor, per_copy_us)
         if us is not None:
             ex = dataclasses.replace(ex, **{field_name: _round3(us)})
+    if meas.optimizer_s:
+        ex = dataclasses.replace(ex, optimizer_ns={k: fit_optimizer_ns(OPTIMIZER_NUMELS, v)
+                                                   for k, v in meas.optimizer_s.items()})
     s = meas.settings
     chains = ", ".join(f"{c.kind} {c.ops} ops {c.step_s * 1e3:.1f} ms" for c in meas.executor.chains)
     diffs = ", ".join(f"{k} {meas.executor.move_us[k]:.0f} us vs {meas.executor.raw_us[k]:.0f} us"
@@ -1061,6 +1079,13 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
                                      "ms of matmuls on every rank, less the matmuls alone, mean over the calls of a "
                                      f"repetition, median of {s.repeats} interleaved repetitions: {diffs}; median "
                                      "over kinds")
+    if ex.optimizer_ns:
+        out["executor.optimizer_ns"] = (
+            f"measured: torch's foreach step (executor/runtime.py torch_optimizer) over one float32 parameter of "
+            + ", ".join(f"{n >> 10}K" for n in OPTIMIZER_NUMELS) + f" elements, {s.nproc} ranks at once, "
+            f"{s.threads} thread{'s' * (s.threads > 1)} each, median of {s.repeats} batches: "
+            + "; ".join(f"{k} " + ", ".join(f"{t * 1e3:.3g}" for t in v) + " ms" for k, v in meas.optimizer_s.items())
+            + "; ns per element beyond the smallest size (executor/calibrate_optimizer.py)")
     for field_name, _, timed, what in per_parameter:
         if getattr(ex, field_name) > 0:         # 0 is left out of the file (not priced), comment and all
             rows = ", ".join(f"{p} parameters {t:.0f} us vs {bare:.0f} us" for p, t, bare in timed)
