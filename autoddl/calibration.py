@@ -56,7 +56,8 @@ from autoddl.pipeline import stages_from_cuts
 from autoddl.shard_program import BACKWARD, TaskKey, param_homes
 from costmodel.collectives import CollectiveFit, CollectiveKind, fit_collective
 from executor.calibrate import (LARGE_MATMUL_FLOPS, CollectiveTiming, ComputeSummary, Measurements, Settings,
-                                compute_summary, executor_glue_us, measure_launches, with_executor_overheads)
+                                compute_summary, executor_glue_us, measure_launches, with_arrival_skew,
+                                with_executor_overheads)
 from executor.calibrate_models import CHAIN_WIDTH, PROBE_SIZES
 from executor.calibrate_shards import SHARD_CHAIN, ShardTaskSample, fit_shard_runner, measure_shard_tasks
 from executor.shard_chain import WIDTH
@@ -357,10 +358,12 @@ def calibrate_fits(meas: Measurements, base: Cluster, devices_per_node: int | No
     failed: dict[str, str] = {}
     fits = {} if shared else fit_collectives(meas.collectives, s.backend, failed, min_r2)
     entries = {**dict(base.collectives.items()), **{k: _rounded_link(f.link) for k, f in fits.items()}}
+    executor, skew_comments = with_arrival_skew(base.executor, base.executor, meas)
     cluster = dataclasses.replace(base, collectives=CollectiveFits(**entries),
                                   collective_points=base.collective_points.merged(timed), source="",
-                                  devices_per_node=devices_per_node or base.devices_per_node)
+                                  devices_per_node=devices_per_node or base.devices_per_node, executor=executor)
     comments.update({f"collectives.{k}": f"measured: {_fit_text(f, meas)}" for k, f in fits.items()})
+    comments.update(skew_comments)
     comm = CommFits(fits, failed, None, [], {})
     if not shared:
         note = f"Only {', '.join(s.kinds)} timed (--only); every other field is from {base.source or base.name}."

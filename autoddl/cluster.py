@@ -418,6 +418,10 @@ class ExecutorOverheads:
     # foreach) on float32 parameters, nanoseconds per element beyond its smallest timed size, by the local
     # parameter count (:meth:`optimizer_ns_per_element`); empty: priced from memory_bandwidth_gbps
     optimizer_ns: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    # ranks busy on a node -> microseconds per sqrt(ms): how much later than their compute says the ranks
+    # meet at a collective after C ms of compute apart, beyond what collective_us holds at 0.5 ms:
+    # k (sqrt(C) - sqrt(0.5)) (executor/calibrate_skew.py, costmodel/simulate.py); empty: not priced
+    arrival_skew_us: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def table(m: Any, row: Any) -> dict:
@@ -428,16 +432,18 @@ class ExecutorOverheads:
                                                for p, v in (self.recompute or {}).items()})
         object.__setattr__(self, "optimizer_ns", {str(k): tuple(tuple(float(x) for x in p) for p in v)
                                                   for k, v in (self.optimizer_ns or {}).items()})
+        object.__setattr__(self, "arrival_skew_us", {int(k): float(v) for k, v in
+                                                     sorted((self.arrival_skew_us or {}).items())})
 
     def __hash__(self) -> int:            # the tables are dicts: hash a frozen copy
         def frozen(table: Mapping) -> tuple:
             return tuple(sorted((k, frozen(v) if isinstance(v, Mapping) else v) for k, v in table.items()))
         return hash((tuple(self.scalars().items()), frozen(self.op_us), frozen(self.op_work),
-                     frozen(self.recompute), frozen(self.optimizer_ns)))
+                     frozen(self.recompute), frozen(self.optimizer_ns), frozen(self.arrival_skew_us)))
 
     def __bool__(self) -> bool:
         return any(bool(v) for v in self.scalars().values()) or bool(self.op_us or self.op_work or self.recompute
-                                                                      or self.optimizer_ns)
+                                                                      or self.optimizer_ns or self.arrival_skew_us)
 
     def scalars(self) -> dict[str, float]:
         """The scalar fields (the fallback per-op costs, per input, parameter use, collective, step, and
@@ -479,6 +485,13 @@ class ExecutorOverheads:
                 return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
         return curve[-1][1]
 
+    def arrival_skew_s(self, ranks_per_node: int, compute_s: float) -> float:
+        """How much later than their compute says ranks meet at a collective after ``compute_s`` apart:
+        k (sqrt(C ms) - sqrt(0.5)) (:func:`arrival_skew_x`), k the ``arrival_skew_us`` measured with
+        ``ranks_per_node`` ranks busy on a node, else with the most ranks measured below that; 0 when none."""
+        below = [r for r in self.arrival_skew_us if r <= ranks_per_node]
+        return self.arrival_skew_us[max(below)] * 1e-6 * arrival_skew_x(compute_s) if below else 0.0
+
     def recompute_cost(self, policy: str) -> RecomputeCost:
         """What checkpointing under ``policy`` adds (zeros when not measured, or policy none)."""
         return self.recompute.get(policy) or RecomputeCost()
@@ -495,6 +508,8 @@ class ExecutorOverheads:
             out["recompute"] = {p: dataclasses.asdict(v) for p, v in self.recompute.items()}
         if self.optimizer_ns:
             out["optimizer_ns"] = {k: [list(p) for p in v] for k, v in self.optimizer_ns.items()}
+        if self.arrival_skew_us:
+            out["arrival_skew_us"] = {f"ranks_{r}": v for r, v in self.arrival_skew_us.items()}
         return out
 
 
@@ -913,6 +928,14 @@ def _work_curve(src: str, dotted: str, value: Any, errors: list[str]) -> tuple |
                               f"{parsed[0]!r} after {points[-1][0]!r}")
             points.append(parsed)
     return tuple(points) if len(errors) == n_before else None
+SKEW_BASE_MS = 0.5     # the compute before a move when executor.collective_us is timed (executor/calibrate.py)
+
+
+def arrival_skew_x(compute_s: float) -> float:
+    """The arrival skew's variable: sqrt(C) - sqrt(0.5), C the compute in ms (0 at or below 0.5 ms)."""
+    return max(0.0, math.sqrt(max(compute_s, 0.0) * 1e3) - math.sqrt(SKEW_BASE_MS))
+
+
 OPTIMIZER_KINDS = ("sgd", "adamw")     # as costmodel/compute.py's OPTIMIZERS names them
 
 
@@ -943,6 +966,28 @@ def _optimizer_curves(src: str, value: Any, errors: list[str]) -> dict | None:
                                   f"along the curve, got {parsed[0]!r} after {curve[-1][0]!r}")
                 curve.append(parsed)
         out[kind] = tuple(curve)
+    return out if len(errors) == n_before else None
+
+
+def _arrival_skew(src: str, value: Any, errors: list[str]) -> dict | None:
+    """``executor.arrival_skew_us``: ``{ranks_N: microseconds per sqrt(ms)}`` (None on error)."""
+    expected = ("a mapping from ranks_N (the ranks busy on a node when it was measured) to a non-negative number "
+                "of microseconds per sqrt(ms) of compute")
+    if not isinstance(value, dict):
+        errors.append(f"{src}: executor.arrival_skew_us: expected {expected}, got {value!r}")
+        return None
+    n_before = len(errors)
+    out: dict[int, float] = {}
+    for key, v in value.items():
+        match = re.fullmatch(r"ranks_([1-9][0-9]*)", str(key))
+        if match is None:
+            errors.append(f"{src}: executor.arrival_skew_us.{key}: expected a key ranks_N (N ranks busy on a node, "
+                          "e.g. ranks_2)")
+            continue
+        number = _number(src, f"executor.arrival_skew_us.{key}", v, "a non-negative number of microseconds per "
+                         "sqrt(ms)", "nonneg", errors)
+        if number is not None:
+            out[int(match.group(1))] = number
     return out if len(errors) == n_before else None
 
 
@@ -994,7 +1039,7 @@ def _op_table(src: str, name: str, value: Any, errors: list[str]) -> dict | None
 
 def _executor(src: str, value: Any, errors: list[str]) -> ExecutorOverheads | None:
     """The ``executor`` section: scalar fields (default 0), the per-family tables and ``recompute``."""
-    tables = ("op_us", "op_work", "recompute", "optimizer_ns")
+    tables = ("op_us", "op_work", "recompute", "optimizer_ns", "arrival_skew_us")
     if not isinstance(value, dict):
         errors.append(f"{src}: executor: expected a mapping with keys {', '.join(tuple(_EXECUTOR_FIELDS) + tables)}, "
                       f"got {value!r}")
@@ -1015,6 +1060,8 @@ def _executor(src: str, value: Any, errors: list[str]) -> ExecutorOverheads | No
                                   "a family's work scale goes with its fixed cost (give both, or neither)")
     if value.get("optimizer_ns") is not None:
         kw["optimizer_ns"] = _optimizer_curves(src, value["optimizer_ns"], errors)
+    if value.get("arrival_skew_us") is not None:
+        kw["arrival_skew_us"] = _arrival_skew(src, value["arrival_skew_us"], errors)
     rec = value.get("recompute")
     if rec is not None:
         if not isinstance(rec, dict):

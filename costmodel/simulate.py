@@ -28,6 +28,11 @@ activations: the bubble, priced as the schedule runs. Durations:
   group gathers unpacks (``executor.param_gather_us``);
 - host copy (``copy`` stream, offload): latency + bytes / bandwidth of the host link (costmodel/host.py).
 
+Ranks that compute apart meet late: a collective starts no earlier than
+``executor.arrival_skew_s`` of the compute stream's time since the ranks last met (its compute waited
+for a collective) after it is issued (k (sqrt(C) - sqrt(0.5 ms)), measured by executor/calibrate_skew.py;
+0 when the cluster file has no ``executor.arrival_skew_us``).
+
 A collective also costs its ranks' compute stream ``f * d + c``: ``f * d``, ``f`` =
 ``cluster.executor.collective_compute_share`` of its duration ``d`` (NCCL's kernels on the SMs the
 compute kernels use), and ``c``, the host CPU its rank spends on the bytes it sends
@@ -205,6 +210,8 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
     mesh = tuple(plan.mesh.shape)
     shares: list[TimedTask] = []
     compute_costs: dict[tuple, float] = {}      # per collective task key: its cost to the compute stream
+    ranks = cluster.ranks_per_node(mesh)
+    met: dict[int, float] = {}                  # per pp rank: when its ranks last met (compute waited for them)
     for task in program.tasks:
         key = (task.phase, task.op, task.stream, task.collective, task.axis, task.nbytes, task.pp_rank, task.copy)
         if key not in memo:
@@ -212,6 +219,12 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
             memo[key] = task_time_s(task, graph, plan, cluster, recompute, params, op_times, program)
         stream = (task.pp_rank, task.stream)
         start = max([end[d] for d in task.deps] + [stream_free.get(stream, 0.0)])
+        if task.is_collective:                  # the ranks meet late after computing apart (module docstring)
+            issued = stream_free.get((task.pp_rank, COMPUTE), 0.0)
+            start = max(start, issued + cluster.executor.arrival_skew_s(ranks, issued - met.get(task.pp_rank, 0.0)))
+        elif task.stream == COMPUTE:            # compute that waits for a collective: the ranks met there
+            met[task.pp_rank] = max([met.get(task.pp_rank, 0.0)]
+                                    + [end[d] for d in task.deps if program.tasks[d].is_collective])
         finish = start + memo[key]
         end.append(finish)
         stream_free[stream] = finish

@@ -54,10 +54,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from autoddl.cluster import COLLECTIVE_KINDS, FITTED_KINDS, PEAK_DTYPES, ExecutorOverheads, RecomputeCost
+from autoddl.cluster import (COLLECTIVE_KINDS, FITTED_KINDS, PEAK_DTYPES, SKEW_BASE_MS, ExecutorOverheads,
+                             RecomputeCost)
 from executor.calibrate_models import (CHAIN_KINDS, CHAIN_WIDTH, PROBE_SIZES, block_model, broadcast_plan, chain_loss,
                                        chain_model, probe_ops, zero1_plan, zero3_plan)
 from executor.calibrate_optimizer import OPTIMIZER_NUMELS, fit_optimizer_ns, time_optimizer_steps
+from executor.calibrate_skew import SKEW_BYTES, SKEW_COMPUTE_MS, fit_skew_us, skew_points, time_arrival_skew
 from executor.local_ranks import run_ranks
 
 SQUARE_SIZES = (64, 128, 256, 512, 1024, 2048)
@@ -75,7 +77,7 @@ MESSAGES_PER_CALL = {"send_recv": 2}  # a timed send_recv call is a ping-pong: t
 # since the previous one (0.2-1 ms per layer in the fidelity study's tiny models), and each rank gets
 # there at its own time; the wait (the peer is late, or its waiting thread was descheduled, as a
 # virtual machine's idle vCPU is) is part of what a step pays per move, which back-to-back calls hide.
-STEP_GAP_S = 0.5e-3
+STEP_GAP_S = SKEW_BASE_MS * 1e-3
 
 
 
@@ -409,6 +411,7 @@ class Measurements:
     families: tuple[FamilyTiming, ...] = ()                      # each op family per dtype and size
     recompute: tuple[RecomputeTiming, ...] = ()                  # checkpointed blocks against plain ones
     optimizer_s: dict[str, tuple[float, ...]] = field(default_factory=dict)   # kind -> a step at OPTIMIZER_NUMELS
+    arrival_skew: tuple[tuple[float, float], ...] = ()          # (compute_s, extra_s) per SKEW_COMPUTE_MS
     launches: int = 1                                            # launches each timing is the median of
 
     @property
@@ -577,13 +580,15 @@ def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measuremen
 
 def _combine_families(ranks: list[dict]) -> dict[str, Any]:
     """Families and optimizer steps: mean over ranks of each rank's median (as compute). Recompute blocks:
-    max over ranks."""
+    max over ranks. Arrival skew: the slowest rank's, per repetition (``skew_points``)."""
     mean = statistics.fmean
     out: dict[str, Any] = {}
     if "families" in ranks[0]:
         out["families"] = tuple(FamilyTiming(*f[:5], mean(r["families"][i][5] for r in ranks),
                                              mean(r["families"][i][6] for r in ranks))
                                 for i, f in enumerate(ranks[0]["families"]))
+    if "arrival_skew" in ranks[0]:
+        out["arrival_skew"] = skew_points([r["arrival_skew"] for r in ranks])
     if "optimizer_s" in ranks[0]:
         out["optimizer_s"] = {k: tuple(mean(r["optimizer_s"][k][i] for r in ranks) for i in range(len(v)))
                               for k, v in ranks[0]["optimizer_s"].items()}
@@ -639,11 +644,12 @@ class Bench:
     def run(self) -> dict[str, Any]:
         out: dict[str, Any] = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                                           f"{os.cpu_count()} cores, torch {self.torch.__version__}"}
-        benchmarks = (("overhead", self.overhead), ("executor", self.executor), ("families", self.families),
-                      ("recompute", self.recompute), ("memory", self.memory), ("optimizer", self.optimizer),
-                      ("matmul", self.matmuls),
-                      ("collectives", self.collectives))
-        for name, fn in benchmarks[-1:] if self.s.comm_only else benchmarks:
+        compute = (("overhead", self.overhead), ("executor", self.executor), ("families", self.families),
+                   ("recompute", self.recompute), ("memory", self.memory), ("optimizer", self.optimizer),
+                   ("matmul", self.matmuls))
+        comm = (("collectives", self.collectives),) + (
+            (("arrival_skew", self.arrival_skew),) if "all_reduce" in self.s.kinds else ())
+        for name, fn in comm if self.s.comm_only else compute + comm:
             self.dist.barrier()
             t0 = time.perf_counter()
             out.update(fn())
@@ -918,6 +924,14 @@ class Bench:
                  + " (rank 0)")
         return {"optimizer_s": timed}
 
+    def arrival_skew(self) -> dict[str, Any]:
+        """All-reduces after computing apart (executor/calibrate_skew.py)."""
+        timed = time_arrival_skew(self.torch, self.dist, 3 * self.s.repeats)      # noisier than the rest
+        self.say("arrival skew: 4 KB all-reduce after " + ", ".join(
+            f"{c:g} ms: {statistics.median(t - x for x, t in rows) * 1e3:.2f} ms to its return"
+            for c, rows in zip(SKEW_COMPUTE_MS, timed["rows"])) + " (rank 0)")
+        return {"arrival_skew": timed}
+
     def matmuls(self) -> dict[str, Any]:
         """Each shape in float32, then in each other dtype still timed (the same shapes, one after the other,
         so both see the same load). A dtype whose median on a shape is more than SLOW_DTYPE_FACTOR times
@@ -1064,6 +1078,7 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
     if meas.optimizer_s:
         ex = dataclasses.replace(ex, optimizer_ns={k: fit_optimizer_ns(OPTIMIZER_NUMELS, v)
                                                    for k, v in meas.optimizer_s.items()})
+    ex, skew_comments = with_arrival_skew(ex, cluster.executor, meas)
     s = meas.settings
     chains = ", ".join(f"{c.kind} {c.ops} ops {c.step_s * 1e3:.1f} ms" for c in meas.executor.chains)
     diffs = ", ".join(f"{k} {meas.executor.move_us[k]:.0f} us vs {meas.executor.raw_us[k]:.0f} us"
@@ -1086,6 +1101,7 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
             f"{s.threads} thread{'s' * (s.threads > 1)} each, median of {s.repeats} batches: "
             + "; ".join(f"{k} " + ", ".join(f"{t * 1e3:.3g}" for t in v) + " ms" for k, v in meas.optimizer_s.items())
             + "; ns per element beyond the smallest size (executor/calibrate_optimizer.py)")
+    out.update(skew_comments)
     for field_name, _, timed, what in per_parameter:
         if getattr(ex, field_name) > 0:         # 0 is left out of the file (not priced), comment and all
             rows = ", ".join(f"{p} parameters {t:.0f} us vs {bare:.0f} us" for p, t, bare in timed)
@@ -1102,6 +1118,25 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
         at_once = None
     return dataclasses.replace(cluster, executor=ex, op_overhead_us=_round3(meas.tiny_op_us),
                                cores_per_node=at_once), out
+
+
+def with_arrival_skew(ex: ExecutorOverheads, base: ExecutorOverheads,
+                      meas: Measurements) -> tuple[ExecutorOverheads, dict[str, str]]:
+    """``ex`` with ``arrival_skew_us`` the base's, and for the ranks this calibration ran, the slope of
+    its arrival-skew points (executor/calibrate_skew.py); the comment to match. Unchanged when not timed."""
+    import dataclasses
+
+    if not meas.arrival_skew:
+        return dataclasses.replace(ex, arrival_skew_us=base.arrival_skew_us), {}
+    s = meas.settings
+    us = _round3(fit_skew_us(meas.arrival_skew))
+    ex = dataclasses.replace(ex, arrival_skew_us={**base.arrival_skew_us, s.nproc: us})
+    points = ", ".join(f"+{e * 1e3:.2f} ms after {c * 1e3:.1f} ms" for c, e in meas.arrival_skew)
+    return ex, {f"executor.arrival_skew_us.ranks_{s.nproc}": (
+        f"measured: a {SKEW_BYTES >> 10} KB all-reduce after each rank's matmuls, {s.nproc} ranks at once, "
+        f"{s.threads} thread{'s' * (s.threads > 1)} each: the slowest rank's time to its return less the slowest "
+        f"rank's compute, less the bare all-reduce, median of {3 * s.repeats} repetitions ({points}); slope against "
+        "sqrt(compute ms) - sqrt(0.5) (executor/calibrate_skew.py)")}
 
 
 def _round3(x: float) -> float:

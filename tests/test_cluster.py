@@ -478,7 +478,7 @@ def test_executor_section_round_trip_defaults_and_errors(tmp_path):
         f"{path}: executor.op_forwrd_us: unknown key; did you mean 'op_forward_us'? known keys: op_forward_us, "
         "op_backward_us, input_forward_us, input_backward_us, param_us, collective_us, step_us, param_sync_us, "
         "param_gather_us, shard_forward_us, shard_backward_us, shard_param_us, collective_compute_share, op_us, "
-        "op_work, recompute, optimizer_ns",
+        "op_work, recompute, optimizer_ns, arrival_skew_us",
         f"{path}: executor.param_us: expected a non-negative number of microseconds per parameter use (leaf, "
         "grad sync, optimizer), got -3",
         f"{path}: executor.collective_us: expected a non-negative number of microseconds per collective beyond "
@@ -487,7 +487,7 @@ def test_executor_section_round_trip_defaults_and_errors(tmp_path):
     assert errors[0].endswith("executor: expected a mapping with keys op_forward_us, op_backward_us, "
                               "input_forward_us, input_backward_us, param_us, collective_us, step_us, param_sync_us, "
                               "param_gather_us, shard_forward_us, shard_backward_us, shard_param_us, "
-                              "collective_compute_share, op_us, op_work, recompute, optimizer_ns, got [1, 2]")
+                              "collective_compute_share, op_us, op_work, recompute, optimizer_ns, arrival_skew_us, got [1, 2]")
 
 
 def test_executor_op_families_and_recompute_round_trip_and_look_up(tmp_path):
