@@ -29,8 +29,8 @@ activations: the bubble, priced as the schedule runs. Durations:
 - host copy (``copy`` stream, offload): latency + bytes / bandwidth of the host link (costmodel/host.py).
 
 Ranks that compute apart meet late: a collective starts no earlier than
-``executor.arrival_skew_s`` of the compute stream's time since the ranks last met (its compute waited
-for a collective) after it is issued (k (sqrt(C) - sqrt(0.5 ms)), measured by executor/calibrate_skew.py;
+``executor.arrival_skew_s`` of the time since the ranks last met (compute waited for a collective)
+after its inputs are ready (k (sqrt(C) - sqrt(0.5 ms)), measured by executor/calibrate_skew.py;
 0 when the cluster file has no ``executor.arrival_skew_us``).
 
 A collective also costs its ranks' compute stream ``f * d + c``: ``f * d``, ``f`` =
@@ -219,9 +219,9 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
             memo[key] = task_time_s(task, graph, plan, cluster, recompute, params, op_times, program)
         stream = (task.pp_rank, task.stream)
         start = max([end[d] for d in task.deps] + [stream_free.get(stream, 0.0)])
-        if task.is_collective:                  # the ranks meet late after computing apart (module docstring)
-            issued = stream_free.get((task.pp_rank, COMPUTE), 0.0)
-            start = max(start, issued + cluster.executor.arrival_skew_s(ranks, issued - met.get(task.pp_rank, 0.0)))
+        if task.is_collective and task.deps:    # the ranks meet late after computing apart (module docstring)
+            ready = max(end[d] for d in task.deps)
+            start = max(start, ready + cluster.executor.arrival_skew_s(ranks, ready - met.get(task.pp_rank, 0.0)))
         elif task.stream == COMPUTE:            # compute that waits for a collective: the ranks met there
             met[task.pp_rank] = max([met.get(task.pp_rank, 0.0)]
                                     + [end[d] for d in task.deps if program.tasks[d].is_collective])
