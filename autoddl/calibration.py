@@ -366,12 +366,17 @@ def calibrate_fits(meas: Measurements, base: Cluster, devices_per_node: int | No
     comments.update(skew_comments)
     comm = CommFits(fits, failed, None, [], {})
     if not shared:
-        note = f"Only {', '.join(s.kinds)} timed (--only); every other field is from {base.source or base.name}."
+        note = (f"Only {', '.join(s.kinds)} timed (--only)"
+                + (f" and the ranks' arrival skew (executor.arrival_skew_us.ranks_{s.nproc})"
+                   if meas.arrival_skew else "")
+                + f"; every other field is from {base.source or base.name}.")
     else:
         note = (f"Only {', '.join(s.kinds)} timed (--only), on {s.nproc} ranks, more than cores_per_node "
                 f"({base.cores_per_node}): their curves are in collective_points.ranks_{s.nproc} (what a mesh of "
-                f"{s.nproc} ranks on a node pays for a collective its ranks wait for); the fits and every other "
-                f"field are from {base.source or base.name}.")
+                f"{s.nproc} ranks on a node pays for a collective its ranks wait for)"
+                + (f", the ranks' arrival skew in executor.arrival_skew_us.ranks_{s.nproc}"
+                   if meas.arrival_skew else "")
+                + f"; the fits and every other field are from {base.source or base.name}.")
     return Calibration(cluster=cluster, comments=comments, header=_header(meas, comm, command, [note]),
                        fits=fits, compute=None)
 

@@ -928,6 +928,8 @@ def _work_curve(src: str, dotted: str, value: Any, errors: list[str]) -> tuple |
                               f"{parsed[0]!r} after {points[-1][0]!r}")
             points.append(parsed)
     return tuple(points) if len(errors) == n_before else None
+
+
 SKEW_BASE_MS = 0.5     # the compute before a move when executor.collective_us is timed (executor/calibrate.py)
 
 

@@ -12,13 +12,14 @@ one profiled step, `autoddl run --profile`): AdamW's step 4.3-6.0 ms of which th
 whose freed blocks had raised the threshold, and on 4 ranks 25.5 ms alone against 14-21 ms after
 others: the time of a step depended on the plans timed before it in the process.
 
-:func:`keep_freed_memory` sets the threshold (which also turns glibc's moving threshold off) to its
-largest, 32 MiB, and the trim threshold out of reach, so that a step's freed blocks serve the next
-step's. Tensors above 32 MiB are still mapped and unmapped each time. Every process that runs or
-measures a step calls it first (executor/worker.py, executor/local_ranks.py: the calibration ranks),
-so the cost model is calibrated as the plans run. The memory kept is free for the process to reuse,
-not lost; :func:`release_freed_memory` (``malloc_trim``) gives it back, as ``PeakMemory.start`` does
-before it takes the resident set a measurement starts from. Elsewhere than glibc both are no-ops.
+:func:`keep_freed_memory` sets the threshold (which also stops glibc from moving it) to 32 MiB, the
+ceiling glibc itself would raise it to, and the trim threshold out of reach, so that a step's freed
+blocks serve the next step's. Tensors above 32 MiB are still mapped and unmapped each time. Every
+process that runs or measures a step calls it first (executor/worker.py, executor/local_ranks.py: the
+calibration ranks), so the cost model is calibrated as the plans run. The memory kept is free for the
+process to reuse, not lost; :func:`release_freed_memory` (``malloc_trim``) gives it back, as
+``PeakMemory.start`` does before it takes the resident set a measurement starts from. Elsewhere than
+glibc both are no-ops. A user's own script with ``autoddl.parallelize`` may call it too.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import functools
 
 M_TRIM_THRESHOLD = -1              # glibc's malloc.h
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 32 << 20    # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit); larger is refused
+MMAP_THRESHOLD_BYTES = 32 << 20    # glibc's own ceiling for its moving threshold (64-bit)
 TRIM_THRESHOLD_BYTES = (1 << 31) - 1   # mallopt takes an int: never trim on its own
 
 
@@ -47,7 +48,7 @@ def _libc() -> ctypes.CDLL | None:
 
 def keep_freed_memory() -> bool:
     """Set glibc's thresholds so freed blocks stay in the process (module docstring); False where the
-    C library is not glibc or refused a value (then nothing changed that matters)."""
+    C library is not glibc or refused a value."""
     libc = _libc()
     if libc is None:
         return False

@@ -59,7 +59,8 @@ from autoddl.cluster import (COLLECTIVE_KINDS, FITTED_KINDS, PEAK_DTYPES, SKEW_B
 from executor.calibrate_models import (CHAIN_KINDS, CHAIN_WIDTH, PROBE_SIZES, block_model, broadcast_plan, chain_loss,
                                        chain_model, probe_ops, zero1_plan, zero3_plan)
 from executor.calibrate_optimizer import OPTIMIZER_NUMELS, fit_optimizer_ns, time_optimizer_steps
-from executor.calibrate_skew import SKEW_BYTES, SKEW_COMPUTE_MS, fit_skew_us, skew_points, time_arrival_skew
+from executor.calibrate_skew import (SKEW_BYTES, SKEW_COMPUTE_MS, SKEW_REPEAT_FACTOR, fit_skew_us, skew_points,
+                                    time_arrival_skew)
 from executor.local_ranks import run_ranks
 
 SQUARE_SIZES = (64, 128, 256, 512, 1024, 2048)
@@ -926,7 +927,7 @@ class Bench:
 
     def arrival_skew(self) -> dict[str, Any]:
         """All-reduces after computing apart (executor/calibrate_skew.py)."""
-        timed = time_arrival_skew(self.torch, self.dist, 3 * self.s.repeats)      # noisier than the rest
+        timed = time_arrival_skew(self.torch, self.dist, SKEW_REPEAT_FACTOR * self.s.repeats)
         self.say("arrival skew: 4 KB all-reduce after " + ", ".join(
             f"{c:g} ms: {statistics.median(t - x for x, t in rows) * 1e3:.2f} ms to its return"
             for c, rows in zip(SKEW_COMPUTE_MS, timed["rows"])) + " (rank 0)")
@@ -1135,8 +1136,8 @@ def with_arrival_skew(ex: ExecutorOverheads, base: ExecutorOverheads,
     return ex, {f"executor.arrival_skew_us.ranks_{s.nproc}": (
         f"measured: a {SKEW_BYTES >> 10} KB all-reduce after each rank's matmuls, {s.nproc} ranks at once, "
         f"{s.threads} thread{'s' * (s.threads > 1)} each: the slowest rank's time to its return less the slowest "
-        f"rank's compute, less the bare all-reduce, median of {3 * s.repeats} repetitions ({points}); slope against "
-        "sqrt(compute ms) - sqrt(0.5) (executor/calibrate_skew.py)")}
+        f"rank's compute, less the bare all-reduce, median of {SKEW_REPEAT_FACTOR * s.repeats} repetitions "
+        f"({points}); slope against sqrt(compute ms) - sqrt(0.5) (executor/calibrate_skew.py)")}
 
 
 def _round3(x: float) -> float:

@@ -26,6 +26,7 @@ from autoddl.cluster import SKEW_BASE_MS, arrival_skew_x
 
 SKEW_COMPUTE_MS = (SKEW_BASE_MS, 8.0, 32.0)   # compute before the all-reduce; the first: collective_us's gap
 SKEW_BYTES = 4096
+SKEW_REPEAT_FACTOR = 3      # repetitions per calibration repeat: the skew is noisier than a bare collective
 MATMUL_SIDE = 256
 
 
