@@ -912,22 +912,37 @@ _OP_TABLES = {   # executor table -> (numbers per family, what they are (all, on
 def _work_curve(src: str, dotted: str, value: Any, errors: list[str]) -> tuple | None:
     """``[[roofline_us, forward_work, backward_work], ...]``: positive numbers, roofline_us strictly
     increasing (None on error)."""
-    expected = ("a list of [roofline_us, forward_work, backward_work] points: the op's forward roofline time in "
-                "microseconds (strictly increasing) and the multiples of the roofline its forward and backward take")
+    return _curve(src, dotted, value, ("roofline_us", "forward_work", "backward_work"),
+                  "a list of [roofline_us, forward_work, backward_work] points: the op's forward roofline time in "
+                  "microseconds (strictly increasing) and the multiples of the roofline its forward and backward "
+                  "take", errors)
+
+
+def _curve(src: str, dotted: str, value: Any, names: tuple[str, ...], expected: str,
+           errors: list[str]) -> tuple | None:
+    """A non-empty list of points of positive numbers, one per name in ``names``, the first strictly
+    increasing along the list (None on error)."""
     if not isinstance(value, (list, tuple)) or not value:
         errors.append(f"{src}: {dotted}: expected {expected}, got {value!r}")
         return None
     n_before = len(errors)
     points: list[tuple[float, ...]] = []
     for i, p in enumerate(value):
-        parsed = _number_list(src, f"{dotted}[{i}]", p, ("roofline_us", "forward_work", "backward_work"),
-                              ("positive numbers", "a positive number"), "pos", errors)
+        parsed = _number_list(src, f"{dotted}[{i}]", p, names, ("positive numbers", "a positive number"), "pos",
+                              errors)
         if parsed is not None:
             if points and parsed[0] <= points[-1][0]:
-                errors.append(f"{src}: {dotted}[{i}][0]: roofline_us must increase strictly along the curve, got "
+                errors.append(f"{src}: {dotted}[{i}][0]: {names[0]} must increase strictly along the curve, got "
                               f"{parsed[0]!r} after {points[-1][0]!r}")
             points.append(parsed)
     return tuple(points) if len(errors) == n_before else None
+
+
+def _is_mapping(src: str, dotted: str, value: Any, expected: str, errors: list[str]) -> bool:
+    """Whether ``value`` is a mapping; if not, an error saying what ``dotted`` expected."""
+    if not isinstance(value, dict):
+        errors.append(f"{src}: {dotted}: expected {expected}, got {value!r}")
+    return isinstance(value, dict)
 
 
 SKEW_BASE_MS = 0.5     # the compute before a move when executor.collective_us is timed (executor/calibrate.py)
@@ -946,8 +961,7 @@ def _optimizer_curves(src: str, value: Any, errors: list[str]) -> dict | None:
     numel strictly increasing (None on error)."""
     expected = (f"a mapping from optimizer ({', '.join(OPTIMIZER_KINDS)}) to a list of [numel, ns_per_element] "
                 "points: local float32 parameters (strictly increasing) and nanoseconds per element of a step")
-    if not isinstance(value, dict):
-        errors.append(f"{src}: executor.optimizer_ns: expected {expected}, got {value!r}")
+    if not _is_mapping(src, "executor.optimizer_ns", value, expected, errors):
         return None
     n_before = len(errors)
     out: dict[str, tuple] = {}
@@ -955,19 +969,8 @@ def _optimizer_curves(src: str, value: Any, errors: list[str]) -> dict | None:
         if kind not in OPTIMIZER_KINDS:
             errors.append(_unknown_key(src, "executor.optimizer_ns.", kind, OPTIMIZER_KINDS))
             continue
-        if not isinstance(points, (list, tuple)) or not points:
-            errors.append(f"{src}: executor.optimizer_ns.{kind}: expected {expected}, got {points!r}")
-            continue
-        curve: list[tuple[float, ...]] = []
-        for i, p in enumerate(points):
-            parsed = _number_list(src, f"executor.optimizer_ns.{kind}[{i}]", p, ("numel", "ns_per_element"),
-                                  ("positive numbers", "a positive number"), "pos", errors)
-            if parsed is not None:
-                if curve and parsed[0] <= curve[-1][0]:
-                    errors.append(f"{src}: executor.optimizer_ns.{kind}[{i}][0]: numel must increase strictly "
-                                  f"along the curve, got {parsed[0]!r} after {curve[-1][0]!r}")
-                curve.append(parsed)
-        out[kind] = tuple(curve)
+        out[kind] = _curve(src, f"executor.optimizer_ns.{kind}", points, ("numel", "ns_per_element"), expected,
+                           errors)
     return out if len(errors) == n_before else None
 
 
@@ -975,8 +978,7 @@ def _arrival_skew(src: str, value: Any, errors: list[str]) -> dict | None:
     """``executor.arrival_skew_us``: ``{ranks_N: microseconds per sqrt(ms)}`` (None on error)."""
     expected = ("a mapping from ranks_N (the ranks busy on a node when it was measured) to a non-negative number "
                 "of microseconds per sqrt(ms) of compute")
-    if not isinstance(value, dict):
-        errors.append(f"{src}: executor.arrival_skew_us: expected {expected}, got {value!r}")
+    if not _is_mapping(src, "executor.arrival_skew_us", value, expected, errors):
         return None
     n_before = len(errors)
     out: dict[int, float] = {}
