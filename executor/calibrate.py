@@ -919,7 +919,8 @@ class Bench:
 
     def optimizer(self) -> dict[str, Any]:
         """The optimizer's step by size (executor/calibrate_optimizer.py)."""
-        timed = time_optimizer_steps(self.torch, self.dist.barrier, self.s.repeats)
+        timed = time_optimizer_steps(self.torch, self.dist.barrier, self.s.repeats, device=self.device,
+                                     sync=self.sync)
         self.say("optimizer step over " + ", ".join(f"{n >> 10}K" for n in OPTIMIZER_NUMELS) + " elements: "
                  + "; ".join(f"{k} " + ", ".join(f"{t * 1e3:.2f}" for t in v) + " ms" for k, v in timed.items())
                  + " (rank 0)")
@@ -927,7 +928,8 @@ class Bench:
 
     def arrival_skew(self) -> dict[str, Any]:
         """All-reduces after computing apart (executor/calibrate_skew.py)."""
-        timed = time_arrival_skew(self.torch, self.dist, SKEW_REPEAT_FACTOR * self.s.repeats)
+        timed = time_arrival_skew(self.torch, self.dist, SKEW_REPEAT_FACTOR * self.s.repeats, self.device,
+                                  self.sync)
         self.say("arrival skew: 4 KB all-reduce after " + ", ".join(
             f"{c:g} ms: {statistics.median(t - x for x, t in rows) * 1e3:.2f} ms to its return"
             for c, rows in zip(SKEW_COMPUTE_MS, timed["rows"])) + " (rank 0)")

@@ -25,28 +25,32 @@ BATCH_NUMEL = 1 << 20               # a timed batch of steps covers at least thi
 
 
 def time_optimizer_steps(torch: Any, barrier: Callable[[], None], repeats: int,
-                         numels: Sequence[int] = OPTIMIZER_NUMELS) -> dict[str, list[float]]:
+                         numels: Sequence[int] = OPTIMIZER_NUMELS, device: Any = "cpu",
+                         sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
     """Per optimizer kind, the seconds of one step over one float32 parameter of each of ``numels``
-    elements (its gradient set; 3 untimed steps first, so the states exist): the median of ``repeats``
-    batches of back-to-back steps, the ranks started together by ``barrier``."""
+    elements on ``device`` (its gradient set; 3 untimed steps first, so the states exist): the median
+    of ``repeats`` batches of back-to-back steps (``sync`` after each batch), the ranks started together
+    by ``barrier``."""
     from executor.runtime import torch_optimizer
 
     out: dict[str, list[float]] = {}
     for kind in OPTIMIZER_KINDS:
         out[kind] = []
         for numel in numels:
-            param = torch.randn(numel, requires_grad=True)
-            param.grad = torch.randn(numel)
+            param = torch.randn(numel, device=device, requires_grad=True)
+            param.grad = torch.randn(numel, device=device)
             optimizer = torch_optimizer(kind, [param], 1e-3, foreach=True)
             for _ in range(3):
                 optimizer.step()
             calls = max(1, BATCH_NUMEL // numel)
+            sync()
             barrier()
             batches = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     optimizer.step()
+                sync()
                 batches.append((time.perf_counter() - t0) / calls)
             out[kind].append(statistics.median(batches))
     return out

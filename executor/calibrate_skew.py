@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from autoddl.cluster import SKEW_BASE_MS, arrival_skew_x
 
@@ -30,25 +30,31 @@ SKEW_REPEAT_FACTOR = 3      # repetitions per calibration repeat: the skew is no
 MATMUL_SIDE = 256
 
 
-def time_arrival_skew(torch: Any, dist: Any, repeats: int) -> dict[str, Any]:
+def time_arrival_skew(torch: Any, dist: Any, repeats: int, device: Any = "cpu",
+                      sync: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """This rank's timings: ``bare`` (seconds of each bare all-reduce) and ``rows`` (per compute time
-    of ``SKEW_COMPUTE_MS``, ``(compute_s, to_return_s)`` per repetition)."""
-    a, b = torch.randn(MATMUL_SIDE, MATMUL_SIDE), torch.randn(MATMUL_SIDE, MATMUL_SIDE)
-    out = torch.empty(MATMUL_SIDE, MATMUL_SIDE)
+    of ``SKEW_COMPUTE_MS``, ``(compute_s, to_return_s)`` per repetition), on ``device`` (``sync``: e.g.
+    ``torch.cuda.synchronize``, before each time is read)."""
+    a, b = (torch.randn(MATMUL_SIDE, MATMUL_SIDE, device=device) for _ in range(2))
+    out = torch.empty(MATMUL_SIDE, MATMUL_SIDE, device=device)
     for _ in range(5):
         torch.mm(a, b, out=out)
+    sync()
     t0 = time.perf_counter()
     for _ in range(20):
         torch.mm(a, b, out=out)
-    unit = torch.tensor([(time.perf_counter() - t0) / 20], dtype=torch.float64)
+    sync()
+    unit = torch.tensor([(time.perf_counter() - t0) / 20], dtype=torch.float64, device=device)
     dist.all_reduce(unit, op=dist.ReduceOp.MAX)         # every rank runs as many matmuls
-    buf = torch.zeros(SKEW_BYTES // 4)
+    buf = torch.zeros(SKEW_BYTES // 4, device=device)
     dist.all_reduce(buf)
+    sync()
     bare = []
     for _ in range(repeats):
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(buf)
+        sync()
         bare.append(time.perf_counter() - t0)
     rows = []
     for c_ms in SKEW_COMPUTE_MS:
@@ -59,8 +65,10 @@ def time_arrival_skew(torch: Any, dist: Any, repeats: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             for _ in range(calls):
                 torch.mm(a, b, out=out)
+            sync()
             compute = time.perf_counter() - t0
             dist.all_reduce(buf)
+            sync()
             reps.append((compute, time.perf_counter() - t0))
         rows.append(reps)
     return {"bare": bare, "rows": rows}
