@@ -704,9 +704,9 @@ def _peaks(src: str, dotted: str, value: Any, expected: str, errors: list[str]) 
 
 def _collectives(src: str, value: Any, errors: list[str]) -> CollectiveFits | None:
     """``collectives: {kind: {latency_us, bandwidth_gbps}, ...}`` -> CollectiveFits (None on error)."""
-    if not isinstance(value, dict):
-        errors.append(f"{src}: collectives: expected a mapping from collective kind ({', '.join(FITTED_KINDS)}) "
-                      f"to {{latency_us: microseconds, bandwidth_gbps: GB/s}}, got {value!r}")
+    expected = (f"a mapping from collective kind ({', '.join(FITTED_KINDS)}) to "
+                "{latency_us: microseconds, bandwidth_gbps: GB/s}")
+    if not _is_mapping(src, "collectives", value, expected, errors):
         return None
     n_before = len(errors)
     fits: dict[str, LinkSpec] = {}

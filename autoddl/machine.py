@@ -50,12 +50,16 @@ def fingerprint(cpuinfo: dict[str, str], cores: int, torch_version: str) -> str:
     return f"{name}{f' ({detail})' if detail else ''}, {cores} core{'s' * (cores != 1)}, torch {torch_version}"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def this_machine() -> str:
     """This machine's :func:`fingerprint`."""
     import torch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return fingerprint(_cpuinfo(), cores, torch.__version__)
+    return fingerprint(_cpuinfo(), usable_cores(), torch.__version__)
 
 
 def calibrated_elsewhere(cluster: Any, here: str | None = None) -> str | None:

@@ -75,6 +75,14 @@ OPTIMIZERS = OPTIMIZER_KINDS
 _OPTIMIZER_ALIASES = {"sgd": "sgd", "adamw": "adamw", "adam": "adamw"}
 
 
+def optimizer_kind(optimizer: str) -> str:
+    """The optimizer family ``optimizer`` names (``OPTIMIZERS``; "adam" reads as "adamw"), case-blind."""
+    kind = _OPTIMIZER_ALIASES.get(str(optimizer).lower())
+    if kind is None:
+        raise ValueError(f"unknown optimizer {optimizer!r} (Plan.optimizer); choose one of {OPTIMIZERS}")
+    return kind
+
+
 def backward_factor(op_name: str) -> float:
     """Backward work as a multiple of the forward work: 2 matmul-like, 0 views, 1 otherwise."""
     if op_name in ZERO_COST:
@@ -294,9 +302,7 @@ def optimizer_bytes(param_bytes_local: float, param_numel_local: float, optimize
     ``div_`` and ``add_`` (eps) read and write, ``addcdiv_`` reads: 6 x 4. In all 6 x param bytes +
     56 x numel (80 bytes per fp32 element, against 28 for a fused single pass).
     """
-    kind = _OPTIMIZER_ALIASES.get(str(optimizer).lower())
-    if kind is None:
-        raise ValueError(f"unknown optimizer {optimizer!r} (Plan.optimizer); choose one of {OPTIMIZERS}")
+    kind = optimizer_kind(optimizer)
     if kind == "sgd":
         return 3.0 * param_bytes_local
     return 6.0 * param_bytes_local + 56.0 * param_numel_local
@@ -304,9 +310,7 @@ def optimizer_bytes(param_bytes_local: float, param_numel_local: float, optimize
 
 def optimizer_state_bytes(param_numel_local: float, optimizer: str) -> float:
     """Optimizer state kept per device: AdamW 2 fp32 states per element, SGD none."""
-    kind = _OPTIMIZER_ALIASES.get(str(optimizer).lower())
-    if kind is None:
-        raise ValueError(f"unknown optimizer {optimizer!r} (Plan.optimizer); choose one of {OPTIMIZERS}")
+    kind = optimizer_kind(optimizer)
     return 8.0 * param_numel_local if kind == "adamw" else 0.0
 
 
@@ -322,7 +326,7 @@ def optimizer_time_s(param_bytes_local: float, param_numel_local: float, optimiz
     VM: 2.8 ms, 29 GB/s of :func:`optimizer_bytes`' 84 MB, against 15.8 GB/s measured over 128 MB arrays)."""
     share = cluster.time_sharing(tuple(mesh_shape)) if mesh_shape is not None else 1.0
     nbytes = optimizer_bytes(param_bytes_local, param_numel_local, optimizer)
-    ns = cluster.executor.optimizer_ns_per_element(_OPTIMIZER_ALIASES[str(optimizer).lower()], param_numel_local)
+    ns = cluster.executor.optimizer_ns_per_element(optimizer_kind(optimizer), param_numel_local)
     if ns is not None:
         fp32_bytes = optimizer_bytes(4.0 * param_numel_local, param_numel_local, optimizer)
         return share * param_numel_local * ns * 1e-9 * (nbytes / fp32_bytes if fp32_bytes else 1.0)

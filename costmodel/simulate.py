@@ -211,6 +211,7 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
     shares: list[TimedTask] = []
     compute_costs: dict[tuple, float] = {}      # per collective task key: its cost to the compute stream
     ranks = cluster.ranks_per_node(mesh)
+    skewed = bool(cluster.executor.arrival_skew_us)  # whether the cluster prices the ranks' late arrival
     met: dict[int, float] = {}                  # per pp rank: when its ranks last met (compute waited for them)
     for task in program.tasks:
         key = (task.phase, task.op, task.stream, task.collective, task.axis, task.nbytes, task.pp_rank, task.copy)
@@ -219,10 +220,10 @@ def simulate(program: StepProgram, graph: OpGraph, plan: Plan, cluster: Cluster)
             memo[key] = task_time_s(task, graph, plan, cluster, recompute, params, op_times, program)
         stream = (task.pp_rank, task.stream)
         start = max([end[d] for d in task.deps] + [stream_free.get(stream, 0.0)])
-        if task.is_collective and task.deps:    # the ranks meet late after computing apart (module docstring)
+        if skewed and task.is_collective and task.deps:  # the ranks meet late after computing apart (docstring)
             ready = max(end[d] for d in task.deps)
             start = max(start, ready + cluster.executor.arrival_skew_s(ranks, ready - met.get(task.pp_rank, 0.0)))
-        elif task.stream == COMPUTE:            # compute that waits for a collective: the ranks met there
+        elif skewed and task.stream == COMPUTE:          # compute that waits for a collective: the ranks met there
             met[task.pp_rank] = max([met.get(task.pp_rank, 0.0)]
                                     + [end[d] for d in task.deps if program.tasks[d].is_collective])
         finish = start + memo[key]

@@ -56,6 +56,7 @@ from typing import Any, Callable, Sequence
 
 from autoddl.cluster import (COLLECTIVE_KINDS, FITTED_KINDS, PEAK_DTYPES, SKEW_BASE_MS, ExecutorOverheads,
                              RecomputeCost)
+from autoddl.machine import usable_cores
 from executor.calibrate_models import (CHAIN_KINDS, CHAIN_WIDTH, PROBE_SIZES, block_model, broadcast_plan, chain_loss,
                                        chain_model, probe_ops, zero1_plan, zero3_plan)
 from executor.calibrate_optimizer import OPTIMIZER_NUMELS, fit_optimizer_ns, time_optimizer_steps
@@ -85,8 +86,15 @@ STEP_GAP_S = SKEW_BASE_MS * 1e-3
 
 def default_threads(nproc: int) -> int:
     """One rank's share of the cores this process may use (the executor's OMP_NUM_THREADS)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, nproc))
+    return max(1, usable_cores() // max(1, nproc))
+
+
+def ranks_per_core(settings: "Settings") -> float:
+    """How many of the calibration's ranks share a core: ranks x threads / cores for gloo ranks on this
+    machine's CPU (``Cluster.time_sharing`` of the cluster file it writes), 1 on accelerators."""
+    if settings.backend != "gloo":
+        return 1.0
+    return max(1.0, settings.nproc * settings.threads / usable_cores())
 
 
 def axis_sizes(nproc: int) -> tuple[int, ...]:
@@ -576,12 +584,13 @@ def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measuremen
         memory_gbps={k: mean(r["memory_gbps"][k] for r in ranks) for k in ranks[0].get("memory_gbps", {})},
         dispatch_us=mean(r.get("dispatch_us", 0.0) for r in ranks), tiny_op_us=mean(r.get("tiny_op_us", 0.0) for r in ranks),
         collectives=tuple(colls), seconds=seconds, machine=ranks[0]["machine"], executor=executor,
-        dtype_matmuls=dtype_matmuls, dropped_dtypes=dropped, **_combine_families(ranks))
+        dtype_matmuls=dtype_matmuls, dropped_dtypes=dropped, **_combine_families(ranks, ranks_per_core(settings)))
 
 
-def _combine_families(ranks: list[dict]) -> dict[str, Any]:
+def _combine_families(ranks: list[dict], sharing: float) -> dict[str, Any]:
     """Families and optimizer steps: mean over ranks of each rank's median (as compute). Recompute blocks:
-    max over ranks. Arrival skew: the slowest rank's, per repetition (``skew_points``)."""
+    max over ranks. Arrival skew: the slowest rank's, per repetition, beyond the compute as priced at
+    ``sharing`` ranks per core (``skew_points``)."""
     mean = statistics.fmean
     out: dict[str, Any] = {}
     if "families" in ranks[0]:
@@ -589,7 +598,7 @@ def _combine_families(ranks: list[dict]) -> dict[str, Any]:
                                              mean(r["families"][i][6] for r in ranks))
                                 for i, f in enumerate(ranks[0]["families"]))
     if "arrival_skew" in ranks[0]:
-        out["arrival_skew"] = skew_points([r["arrival_skew"] for r in ranks])
+        out["arrival_skew"] = skew_points([r["arrival_skew"] for r in ranks], sharing)
     if "optimizer_s" in ranks[0]:
         out["optimizer_s"] = {k: tuple(mean(r["optimizer_s"][k][i] for r in ranks) for i in range(len(v)))
                               for k, v in ranks[0]["optimizer_s"].items()}
@@ -1112,7 +1121,7 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
                 f"measured: {what} of chains of {CHAIN_WIDTH}x{CHAIN_WIDTH} parameters against the bare all-gather "
                 f"of its buffer, median of {s.repeats} interleaved repetitions ({rows}); per parameter, the slope "
                 f"of the difference less a copy pass's fixed cost ({per_copy_us:.1f} us)")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     at_once = max(1, cores // s.threads)
     if s.backend == "gloo" and cluster.device.kind == "cpu":
         out["cores_per_node"] = (f"this machine's {cores} cores / {s.threads} thread{'s' * (s.threads > 1)} per rank: "
@@ -1137,8 +1146,9 @@ def with_arrival_skew(ex: ExecutorOverheads, base: ExecutorOverheads,
     points = ", ".join(f"+{e * 1e3:.2f} ms after {c * 1e3:.1f} ms" for c, e in meas.arrival_skew)
     return ex, {f"executor.arrival_skew_us.ranks_{s.nproc}": (
         f"measured: a {SKEW_BYTES >> 10} KB all-reduce after each rank's matmuls, {s.nproc} ranks at once, "
-        f"{s.threads} thread{'s' * (s.threads > 1)} each: the slowest rank's time to its return less the slowest "
-        f"rank's compute, less the bare all-reduce, median of {SKEW_REPEAT_FACTOR * s.repeats} repetitions "
+        f"{s.threads} thread{'s' * (s.threads > 1)} each: the slowest rank's time to its return less the compute as "
+        f"priced (the ranks' median CPU time x {ranks_per_core(s):g} ranks per core), less the bare all-reduce, "
+        f"median of {SKEW_REPEAT_FACTOR * s.repeats} interleaved repetitions "
         f"({points}); slope against sqrt(compute ms) - sqrt(0.5) (executor/calibrate_skew.py)")}
 
 

@@ -15,19 +15,33 @@ from autoddl.collective_kinds import CollectiveKind
 from autoddl.program import COMPUTE, StepProgram, Task, comm_stream
 from costmodel.compute import op_forward_time_s
 from costmodel.simulate import simulate
+from autoddl.machine import usable_cores
+from executor.calibrate import Settings, ranks_per_core
 from executor.calibrate_skew import fit_skew_us, skew_points
 from test_collective_cpu import NBYTES, _all_reduce_s, cpu2, one_matmul
 from clusters import CPU_CLUSTER_PATH
 
 
-def test_points_are_the_slowest_ranks_wait_beyond_compute_less_the_bare_all_reduce():
-    # two ranks, two repetitions of one compute time; rank 1 computes longer, rank 0 returns later
+def test_points_are_the_slowest_ranks_return_beyond_the_priced_compute_less_the_bare_all_reduce():
+    # two ranks, two repetitions of one compute time; each rank's compute is its CPU time (no pauses)
     ranks = [{"bare": [1e-3, 3e-3], "rows": [[(0.010, 0.013), (0.010, 0.016)]]},
              {"bare": [2e-3, 1e-3], "rows": [[(0.011, 0.012), (0.012, 0.014)]]}]
-    # bare: max per repetition 2 and 3 ms, median 2.5 ms; compute: max 11 and 12 ms, median 11.5;
-    # to the return: max 13 and 16 ms; beyond compute 2 and 4 ms, median 3; less the bare: 0.5 ms
+    # bare: max per repetition 2 and 3 ms, median 2.5 ms; compute as priced: the median of 10, 10, 11,
+    # 12 ms = 10.5; to the return: max 13 and 16 ms, median 14.5; less 10.5 and 2.5: 1.5 ms
     ((compute, extra),) = skew_points(ranks)
-    assert compute == pytest.approx(0.0115) and extra == pytest.approx(0.5e-3)
+    assert compute == pytest.approx(0.0105) and extra == pytest.approx(1.5e-3)
+    # 4 ranks on 2 cores: each rank's work takes twice its CPU time as priced (Cluster.time_sharing)
+    ranks4 = [{"bare": [1e-3], "rows": [[(0.005, 0.013)]]} for _ in range(4)]
+    ((compute, extra),) = skew_points(ranks4, ranks_per_core=2.0)
+    assert compute == pytest.approx(0.010) and extra == pytest.approx(0.013 - 0.010 - 0.001)
+    assert skew_points(ranks4, ranks_per_core=0.5) == skew_points(ranks4)     # fewer ranks than cores: x1
+
+
+def test_the_calibrations_ranks_per_core():
+    two = Settings.default(2, "gloo", quick=True, threads=1)
+    assert ranks_per_core(two) == max(1.0, 2 / usable_cores())
+    assert ranks_per_core(Settings.default(4, "gloo", quick=True, threads=1)) == max(1.0, 4 / usable_cores())
+    assert ranks_per_core(dataclasses.replace(two, backend="nccl")) == 1.0
 
 
 def test_fit_is_the_slope_against_sqrt_compute_with_the_intercept_taken_out():
