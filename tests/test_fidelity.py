@@ -72,6 +72,9 @@ def test_summarize_and_markdown(fid, tmp_path):
     assert s["per_model"]["m"]["spearman_min"] == pytest.approx(-1.0)
     assert s["per_model"]["m"]["verdicts"] == {"2": "fastest", "4": "slower"}
     assert s["mape"] == pytest.approx((0.5 + 0.2 + 0.0 + 0.5 + 0.8) / 5)
+    assert math.isnan(s["mape_against_mean"])              # rows from before the mean was recorded
+    rows[0]["mean"] = 0.0125                               # predicted 0.010: 20% off the mean, 50% off the median
+    assert fid.summarize(rows)["mape_against_mean"] == pytest.approx(0.2)
     text = fid.markdown("S1", rows, s, "python benchmarks/fidelity.py")
     assert "| m | 5 | 40.0% | -0.25 (-1.00) | 2: fastest / 4: slower |" in text
     fid.plot(rows, tmp_path / "f.png", "t")
@@ -96,6 +99,9 @@ def test_study_csv_round_trip(fid, tmp_path):
     assert study == "B" and len(rows) == 1 and rows[0]["median"] == 0.04 and rows[0]["predicted"] == 0.03
     assert fid.load_study(csv_path, "A")[1][0]["median"] == 0.02
     assert fid.load_study(csv_path, "two-hosts-C")[1][0]["median"] == 0.06     # by name
+    assert math.isnan(rows[0]["mean"])
+    assert float(fid._mean_step({"step_time_s": [0.01, 0.02, 0.06]})) == pytest.approx(0.03)    # median 0.02
+    assert fid._mean_step({"error": "RuntimeError: boom"}) == ""
 
 
 @pytest.fixture(scope="module")
