@@ -1143,7 +1143,7 @@ def with_arrival_skew(ex: ExecutorOverheads, base: ExecutorOverheads,
     s = meas.settings
     us = _round3(fit_skew_us(meas.arrival_skew))
     ex = dataclasses.replace(ex, arrival_skew_us={**base.arrival_skew_us, s.nproc: us})
-    points = ", ".join(f"+{e * 1e3:.2f} ms after {c * 1e3:.1f} ms" for c, e in meas.arrival_skew)
+    points = ", ".join(f"{e * 1e3:+.2f} ms after {c * 1e3:.1f} ms" for c, e in meas.arrival_skew)
     return ex, {f"executor.arrival_skew_us.ranks_{s.nproc}": (
         f"measured: a {SKEW_BYTES >> 10} KB all-reduce after each rank's matmuls, {s.nproc} ranks at once, "
         f"{s.threads} thread{'s' * (s.threads > 1)} each: the slowest rank's time to its return less the compute as "
