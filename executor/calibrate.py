@@ -940,7 +940,7 @@ class Bench:
         timed = time_arrival_skew(self.torch, self.dist, SKEW_REPEAT_FACTOR * self.s.repeats, self.device,
                                   self.sync)
         self.say("arrival skew: 4 KB all-reduce after " + ", ".join(
-            f"{c:g} ms: {statistics.median(t - x for x, t in rows) * 1e3:.2f} ms to its return"
+            f"{c:g} ms: its return {statistics.median(t - x for x, t in rows) * 1e3:.2f} ms after its compute time"
             for c, rows in zip(SKEW_COMPUTE_MS, timed["rows"])) + " (rank 0)")
         return {"arrival_skew": timed}
 

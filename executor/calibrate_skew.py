@@ -32,7 +32,8 @@ from typing import Any, Callable, Sequence
 
 from autoddl.cluster import SKEW_BASE_MS, arrival_skew_x
 
-SKEW_COMPUTE_MS = (SKEW_BASE_MS, 2.0, 4.0, 8.0, 16.0, 32.0)   # compute before the all-reduce; the first: collective_us's gap
+# compute before the all-reduce, ms; the first: the gap executor.collective_us is timed after
+SKEW_COMPUTE_MS = (SKEW_BASE_MS, 2.0, 4.0, 8.0, 16.0, 32.0)
 SKEW_BYTES = 4096
 SKEW_REPEAT_FACTOR = 10     # repetitions per calibration repeat: a pause is rare, its median needs many
 MATMUL_SIDE = 256

@@ -12,10 +12,10 @@ import yaml
 
 from autoddl.cluster import Cluster, ClusterConfigError, ExecutorOverheads, arrival_skew_x
 from autoddl.collective_kinds import CollectiveKind
+from autoddl.machine import usable_cores
 from autoddl.program import COMPUTE, StepProgram, Task, comm_stream
 from costmodel.compute import op_forward_time_s
 from costmodel.simulate import simulate
-from autoddl.machine import usable_cores
 from executor.calibrate import Settings, ranks_per_core
 from executor.calibrate_skew import fit_skew_us, skew_points
 from test_collective_cpu import NBYTES, _all_reduce_s, cpu2, one_matmul
