@@ -216,7 +216,8 @@ def two_hosts_cluster(ht: HostTimings, fits: dict[str, dict[str, Any]], base: An
                 for k, f in fits["intra_host"].items()}
     differ = [k for k, v in per_kind.items() if abs(v.bandwidth_gbps / intra.bandwidth_gbps - 1) > 0.2
               or abs(v.latency_us - intra.latency_us) / max(intra.latency_us, 5.0) > 0.2]
-    at_once = max(1, usable_cores() // ht.settings.threads // ht.nodes)
+    cores = usable_cores()
+    at_once = max(1, cores // ht.settings.threads // ht.nodes)
     cluster = dataclasses.replace(base, name="two-hosts" if ht.nodes == 2 else f"{ht.nodes}-hosts",
                                   nodes=ht.nodes, devices_per_node=ht.per_node, intra_node=intra, inter_node=inter,
                                   collectives=CollectiveFits(**per_kind) if differ else CollectiveFits(),
