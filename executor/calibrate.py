@@ -89,12 +89,19 @@ def default_threads(nproc: int) -> int:
     return max(1, usable_cores() // max(1, nproc))
 
 
+def ranks_at_once(threads: int) -> int:
+    """How many ranks of ``threads`` intra-op threads this machine's cores run at once: the
+    ``cores_per_node`` a CPU calibration writes."""
+    return max(1, usable_cores() // threads)
+
+
 def ranks_per_core(settings: "Settings") -> float:
-    """How many of the calibration's ranks share a core: ranks x threads / cores for gloo ranks on this
-    machine's CPU (``Cluster.time_sharing`` of the cluster file it writes), 1 on accelerators."""
+    """How many of the calibration's ranks share a core: for gloo ranks on this machine's CPU,
+    ``Cluster.time_sharing`` of the cluster file it writes (ranks / :func:`ranks_at_once`); 1 on
+    accelerators."""
     if settings.backend != "gloo":
         return 1.0
-    return max(1.0, settings.nproc * settings.threads / usable_cores())
+    return max(1.0, settings.nproc / ranks_at_once(settings.threads))
 
 
 def axis_sizes(nproc: int) -> tuple[int, ...]:
@@ -1121,10 +1128,9 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
                 f"measured: {what} of chains of {CHAIN_WIDTH}x{CHAIN_WIDTH} parameters against the bare all-gather "
                 f"of its buffer, median of {s.repeats} interleaved repetitions ({rows}); per parameter, the slope "
                 f"of the difference less a copy pass's fixed cost ({per_copy_us:.1f} us)")
-    cores = usable_cores()
-    at_once = max(1, cores // s.threads)
+    at_once = ranks_at_once(s.threads)
     if s.backend == "gloo" and cluster.device.kind == "cpu":
-        out["cores_per_node"] = (f"this machine's {cores} cores / {s.threads} thread{'s' * (s.threads > 1)} per rank: "
+        out["cores_per_node"] = (f"this machine's {usable_cores()} cores / {s.threads} thread{'s' * (s.threads > 1)} per rank: "
                                  f"more ranks than {at_once} time-share the cores")
     else:
         at_once = None
