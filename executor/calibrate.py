@@ -1130,7 +1130,8 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
                 f"of the difference less a copy pass's fixed cost ({per_copy_us:.1f} us)")
     at_once = ranks_at_once(s.threads)
     if s.backend == "gloo" and cluster.device.kind == "cpu":
-        out["cores_per_node"] = (f"this machine's {usable_cores()} cores / {s.threads} thread{'s' * (s.threads > 1)} per rank: "
+        out["cores_per_node"] = (f"this machine's {usable_cores()} cores / {s.threads} "
+                                 f"thread{'s' * (s.threads > 1)} per rank: "
                                  f"more ranks than {at_once} time-share the cores")
     else:
         at_once = None

@@ -42,7 +42,8 @@ def test_the_calibrations_ranks_per_core():
     assert ranks_per_core(two) == max(1.0, 2 / usable_cores())
     assert ranks_per_core(Settings.default(4, "gloo", quick=True, threads=1)) == max(1.0, 4 / usable_cores())
     # as the file's cores_per_node counts them: whole ranks of 2 threads on the cores (at least one)
-    assert ranks_per_core(Settings.default(2, "gloo", quick=True, threads=2)) == max(1.0, 2 / max(1, usable_cores() // 2))
+    two_threads = Settings.default(2, "gloo", quick=True, threads=2)
+    assert ranks_per_core(two_threads) == max(1.0, 2 / max(1, usable_cores() // 2))
     assert ranks_per_core(dataclasses.replace(two, backend="nccl")) == 1.0
 
 
