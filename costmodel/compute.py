@@ -33,6 +33,11 @@ batched matmuls at the matmul roofline (``compute`` or the compute curve at each
 FLOPs: an unfused kernel computes the masked half too) and its softmax / dropout passes over the
 scores at the memory roofline, whatever ``efficiency.attention`` says; one op overhead as before.
 
+Long softmax rows on CUDA (:func:`long_row_passes`): a loss over a vocabulary, or a softmax over a row
+that one block's shared memory cannot hold, runs kernels that read the row from memory several times;
+on a CUDA device such an op moves the passes ``CUDA_LONG_ROW_PASSES`` counts from the kernels' source
+instead of its traced bytes (a family the cluster file measured keeps its measured multiples).
+
 Executor overheads (``cluster.executor``, 0 unless calibrated): autoddl's executor runs
 every op, views included, as one call of its compiled local program. An op whose family
 ``autoddl calibrate`` measured (``executor.op_us`` / ``op_work`` for the op's compute dtype, else
@@ -67,6 +72,7 @@ from autoddl.attention import unfused_passes
 from autoddl.cluster import OPTIMIZER_KINDS, Cluster, OpCost
 from autoddl.op_families import MATMUL_LIKE, SDPA_OPS, ZERO_COST  # noqa: F401  (read from here too)
 from autoddl.graph import OpNode
+from autoddl.precision import itemsize
 from autoddl.program import work_divisor  # noqa: F401  (re-exported: the search prices with it)
 from autoddl.sbp import Signature
 
@@ -246,6 +252,54 @@ def recompute_overhead_s(node: OpNode, policy: str, phase: str, recomputed: bool
     return (block + (0.0 if node.op_name == "getitem" else per_op)) * 1e-6
 
 
+# CUDA's softmax kernels (aten/src/ATen/native/cuda/SoftMax.cu, ``host_softmax``): a row of more than
+# 1024 elements that one block's default shared memory (``sharedMemPerBlock``, 48 KB) cannot hold runs
+# ``cunn_SoftMaxForward``, which reads the row three times (its max, its sum of exponentials, the
+# output's epilogue) and writes it once; the backward, ``cunn_SoftMaxBackward``, reads the gradient twice
+# (its sum, the epilogue) and the output once and writes once. Such a row's bytes, forward and backward,
+# in passes over the op's first input (the traced bytes count one read of each input, one write of
+# each output, and the backward as much again):
+# - cross_entropy_loss of 2-D logits (N, C): log_softmax's 3 reads + 1 write of the log-probabilities;
+#   backward: nll_loss_backward's zero-filled (N, C) gradient (1 write) + log_softmax's backward (4);
+# - log_softmax: 4 and 4; softmax: 4 and 7 (its backward first forms grad * output: 2 reads, 1 write).
+# Rows the shared memory holds (one read, one write) keep their traced bytes; so does every op of a
+# family whose cost the cluster file measured (``executor.op_work``: multiples of the traced roofline).
+CUDA_LONG_ROW_PASSES = {"cross_entropy_loss": (4.0, 5.0), "log_softmax": (4.0, 4.0),
+                        "_log_softmax": (4.0, 4.0), "softmax": (4.0, 7.0), "_softmax": (4.0, 7.0),
+                        "_safe_softmax": (4.0, 7.0)}
+CUDA_SHARED_MEMORY_PER_BLOCK_BYTES = 48 * 1024
+CUDA_PERSISTENT_SOFTMAX_ELEMENTS = 1024      # host_softmax's one-warp-per-row kernel up to this row
+
+
+def long_row_passes(node: OpNode, cluster: Cluster) -> tuple[float, float] | None:
+    """(forward, backward) passes over ``node``'s first input when a CUDA softmax kernel reads its rows
+    from memory several times (``CUDA_LONG_ROW_PASSES``), else None: not on a CUDA device, another
+    op, a row that fits, a softmax over another dim, or a family the cluster measured."""
+    passes = CUDA_LONG_ROW_PASSES.get(node.op_name)
+    if passes is None or cluster.device.kind != "cuda" or executor_cost(node, cluster) is not None:
+        return None
+    rows = node.input_metas[0]
+    if node.op_name == "cross_entropy_loss":
+        last_dim = rows.ndim == 2
+    else:
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+        last_dim = isinstance(dim, int) and dim in (-1, rows.ndim - 1)
+    row = rows.shape[-1] if rows.ndim else 1
+    fits = row * itemsize(rows.dtype) <= CUDA_SHARED_MEMORY_PER_BLOCK_BYTES or row <= CUDA_PERSISTENT_SOFTMAX_ELEMENTS
+    return passes if last_dim and not fits else None
+
+
+def kernel_bytes(node: OpNode, divisor: float, cluster: Cluster, backward: bool) -> float:
+    """Bytes the kernels of ``node``'s local work move, forward or backward: its traced bytes (times
+    :func:`backward_factor` backward), or a long softmax row's passes (:func:`long_row_passes`)."""
+    passes = long_row_passes(node, cluster)
+    if passes is not None:
+        rows = node.input_metas[0]
+        return passes[backward] * rows.numel * itemsize(rows.dtype) / divisor
+    factor = backward_factor(node.op_name) if backward else 1.0
+    return factor * (node.bytes_read + node.bytes_written) / divisor
+
+
 def op_forward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster,
                       attention: str = "flash") -> float:
     if not node.is_op:
@@ -256,7 +310,8 @@ def op_forward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], c
     d = work_divisor(sig, mesh_shape)
     flops, nbytes = node.flops / d, (node.bytes_read + node.bytes_written) / d
     attn = _attention_work_s(node, d, flops, nbytes, cluster, False, attention)
-    work = attn if attn is not None else roofline_time_s(flops, nbytes, cluster, dtype=compute_dtype(node))
+    work = attn if attn is not None else roofline_time_s(flops, kernel_bytes(node, d, cluster, False), cluster,
+                                                         dtype=compute_dtype(node))
     return forward_time_s(node.op_name, compute_dtype(node), work, cluster, inputs=len(node.inputs)) * share
 
 
@@ -271,8 +326,8 @@ def op_backward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], 
     d = work_divisor(sig, mesh_shape)
     flops, nbytes, dtype = node.flops / d, (node.bytes_read + node.bytes_written) / d, compute_dtype(node)
     attn = _attention_work_s(node, d, flops, nbytes, cluster, True, attention)
-    work = attn if attn is not None else roofline_time_s(factor * flops, factor * nbytes, cluster,
-                                                         op_flops=flops, dtype=dtype)
+    work = attn if attn is not None else roofline_time_s(factor * flops, kernel_bytes(node, d, cluster, True),
+                                                         cluster, op_flops=flops, dtype=dtype)
     fam = executor_cost(node, cluster)
     if fam is not None:       # the work scale at the op's size: its forward roofline
         size_us = roofline_time_s(flops, nbytes, cluster, dtype=dtype) * 1e6

@@ -284,6 +284,37 @@ def test_backward_factor_per_family(a100):
     assert op_backward_time_s(mm, sig2, (8,), no_ov) == pytest.approx(2 * op_forward_time_s(mm, sig2, (8,), no_ov))
 
 
+def test_long_softmax_rows_on_cuda_move_the_kernels_passes(a100):
+    """A loss over a 128256-word vocabulary on a CUDA device (the A100 file: no measured op families):
+    forward 3 reads + 1 write of the (N, C) float32 logits, backward 5 passes (aten's cunn_SoftMaxForward /
+    cunn_SoftMaxBackward and nll_loss_backward's zero-filled gradient), each at the memory roofline; split
+    over 8 devices, an eighth. A row of 1000 classes, a softmax over dim 0 and a CPU cluster keep the
+    traced bytes (one read of the inputs, one write of the output)."""
+    n, v = 8192, 128256
+    logits, target = TensorMeta((n, v), "float32"), TensorMeta((n,), "int64")
+    loss = TensorMeta((), "float32")
+    node = _op("aten.cross_entropy_loss.default", [logits, target], [loss], 5 * n * v + n,
+               logits.nbytes + target.nbytes, loss.nbytes)
+    bw = a100.device.memory_bandwidth_gbps * 1e9 * a100.efficiency.memory
+    ov = a100.op_overhead_us * 1e-6
+    sig = Signature((nd(B), nd(B)), (nd(B),))
+    assert op_forward_time_s(node, sig, (8,), a100) == pytest.approx(4 * n * v * 4 / bw + ov)
+    assert op_backward_time_s(node, sig, (8,), a100) == pytest.approx(5 * n * v * 4 / bw + ov)
+    split = Signature((nd(S(0)), nd(S(0))), (nd(P),))
+    assert op_forward_time_s(node, split, (8,), a100) == pytest.approx(4 * n * v * 4 / 8 / bw + ov)
+    small = TensorMeta((n, 1000), "float32")
+    fits = _op("aten.cross_entropy_loss.default", [small, target], [loss], 0, small.nbytes + target.nbytes, 4)
+    assert op_forward_time_s(fits, sig, (8,), a100) == pytest.approx((small.nbytes + target.nbytes + 4) / bw + ov)
+    soft = _op("aten._softmax.default", [logits], [logits], 0, logits.nbytes, logits.nbytes)
+    one = Signature((nd(B),), (nd(B),))
+    last, first = dataclasses.replace(soft, args=(None, -1, False)), dataclasses.replace(soft, args=(None, 0, False))
+    assert op_forward_time_s(last, one, (8,), a100) == pytest.approx(4 * logits.nbytes / bw + ov)
+    assert op_backward_time_s(last, one, (8,), a100) == pytest.approx(7 * logits.nbytes / bw + ov)
+    assert op_forward_time_s(first, one, (8,), a100) == pytest.approx(2 * logits.nbytes / bw + ov)
+    cpu = dataclasses.replace(a100, device=dataclasses.replace(a100.device, kind="cpu"), backend="gloo")
+    assert op_forward_time_s(node, sig, (8,), cpu) == pytest.approx((logits.nbytes + target.nbytes + 4) / bw + ov)
+
+
 def _sdpa(batch, heads, seq, head_dim, causal):
     q = TensorMeta((batch, heads, seq, head_dim), "bfloat16")
     scores = batch * heads * seq * seq
