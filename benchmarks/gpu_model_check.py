@@ -8,7 +8,8 @@ results/gpu_model_check.csv, one row per comparison:
   beside the fraction the cluster file assumes (``efficiency.compute`` or its ``compute_curve`` at the
   product's FLOPs, ``efficiency.attention``, ``efficiency.memory``).
 - ``launch``: the measured per-op host cost (forward + backward) beside ``2 x op_overhead_us``.
-- ``optimizer``: AdamW (foreach) over 1e9 float32 parameters beside ``optimizer_time_s``.
+- ``optimizer``: AdamW (foreach) over 1e9 float32 parameters beside ``optimizer_time_s`` (in-sample for
+  configs/h100-4x8.yaml, whose ``executor.optimizer_ns`` is this measurement).
 - ``block``: one Llama-3-8B block's forward + backward (+ recompute) at micro-batch 1 x 8192 and the
   rest of the 1-layer model (embedding, norm, output layer, float32 loss), measured with attention
   pinned to the flash backend (the kernel ``efficiency.attention`` describes), beside the cost

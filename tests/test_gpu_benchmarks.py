@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from autoddl.cluster import Cluster  # noqa: E402
-from gpu_model_check import efficiency_rows, launch_rows  # noqa: E402
+from gpu_model_check import efficiency_rows, launch_rows, optimizer_rows  # noqa: E402
 
 
 def test_smoke_run_writes_every_row_with_its_rate(tmp_path):
@@ -75,3 +75,16 @@ def test_measured_rates_are_read_as_fractions_of_the_clusters_peaks():
     launch = rows["autograd chain forward+backward"]
     assert (launch["measured"], launch["predicted"]) == pytest.approx((41.1, 2 * h100.op_overhead_us))
     assert launch["measured_over_predicted"] == pytest.approx(41.1 / (2 * h100.op_overhead_us), abs=1e-3)
+
+
+def test_optimizer_row_prices_the_h100_files_measured_adamw_step():
+    """The H100 file carries AdamW (foreach) as measured there, 0.0306 ns per float32 element
+    (``executor.optimizer_ns``): 1e9 parameters are predicted 30.6 ms, beside a 30.634 ms measurement."""
+    h100 = Cluster.from_yaml(ROOT / "configs" / "h100-4x8.yaml")
+    assert h100.executor.optimizer_ns_per_element("adamw", 1e9) == pytest.approx(0.0306)
+    assert h100.executor.optimizer_ns_per_element("adamw", 1e6) == pytest.approx(0.0306)   # flat: one point
+    measured = pd.DataFrame([{"section": "optimizer", "name": "adamw foreach", "dtype": "float32",
+                              "shape": "32x31250000", "samples": 7, "median_us": 30634.0}])
+    (row,) = optimizer_rows(measured, h100)
+    assert (row["measured"], row["predicted"]) == pytest.approx((30.634, 30.6))
+    assert row["measured_over_predicted"] == pytest.approx(30.634 / 30.6, abs=1e-3)
