@@ -478,8 +478,8 @@ def nb01():
         the fastest setting that fits, as practitioners run it. Every
         number is a prediction from the cluster file's datasheet peaks and the efficiencies measured on
         an H100 (results/README.md, `gpu_components.csv`); beside TorchTitan's measurement of `fsdp=8`,
-        selective recompute (results/README.md, `published.csv`), the prediction is 1.12x the figure
-        in TorchTitan's paper (within the 15% target) and 1.22x the one in its repository (missed).
+        selective recompute (results/README.md, `published.csv`), the prediction is 1.11x the figure
+        in TorchTitan's paper (within the 15% target) and 1.21x the one in its repository (missed).
         """),
         _code(r"""
         fits = llama_variants[llama_variants.fits]
