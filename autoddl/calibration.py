@@ -253,7 +253,9 @@ def _measured_comments(meas: Measurements, base: Cluster, comp: ComputeSummary, 
                                 f"than measured)" if dpn > s.nproc else "")),
         "device.peak_tflops": (f"measured: best matmul rate per dtype over the same {len(comp.points)} shapes "
                                f"(per-op dispatch {meas.dispatch_us:.1f} us taken out), {_ranks_text(s, meas.launches)}"
-                               + "".join(f"; no {d} peak: {why}" for d, why in meas.dropped_dtypes.items())),
+                               + "".join(f"; no {d} peak: {why}" for d, why in meas.dropped_dtypes.items())
+                               + "".join(f"; {d} kept though slow (--keep-slow-dtypes): {why} at worst"
+                                         for d, why in meas.slow_dtypes.items())),
         "device.memory_gb": (f"measured: {_total_memory_gb():.1f} GB RAM / {dpn} devices"
                              if memory_gb != base.device.memory_gb or base.device.kind == "cpu" else "from base"),
         "device.memory_bandwidth_gbps": (

@@ -136,6 +136,7 @@ class Settings:
     kinds: tuple[str, ...] = FITTED_KINDS   # communication kinds timed (send_recv: on pairs of ranks)
     comm_only: bool = False           # time the communication kinds only (no compute, memory or executor)
     launches: int = 1                 # times every benchmark is launched; each timing: the median over them
+    keep_slow_dtypes: bool = False    # give a dtype a peak however slow (else: none past SLOW_DTYPE_FACTOR)
 
     def __post_init__(self) -> None:
         if isinstance(self.launches, bool) or not isinstance(self.launches, int) or self.launches < 1:
@@ -424,6 +425,7 @@ class Measurements:
     executor: ExecutorTimings | None = None                     # the executor's own fixed costs
     dtype_matmuls: dict[str, tuple[MatmulTiming, ...]] = field(default_factory=dict)   # other dtypes, same shapes
     dropped_dtypes: dict[str, str] = field(default_factory=dict)  # dtype -> why it got no peak (too slow)
+    slow_dtypes: dict[str, str] = field(default_factory=dict)     # dtype -> how slow, kept (--keep-slow-dtypes)
     families: tuple[FamilyTiming, ...] = ()                      # each op family per dtype and size
     recompute: tuple[RecomputeTiming, ...] = ()                  # checkpointed blocks against plain ones
     optimizer_s: dict[str, tuple[float, ...]] = field(default_factory=dict)   # kind -> a step at OPTIMIZER_NUMELS
@@ -591,7 +593,8 @@ def _combine(settings: Settings, ranks: list[dict], wall_s: float) -> Measuremen
         memory_gbps={k: mean(r["memory_gbps"][k] for r in ranks) for k in ranks[0].get("memory_gbps", {})},
         dispatch_us=mean(r.get("dispatch_us", 0.0) for r in ranks), tiny_op_us=mean(r.get("tiny_op_us", 0.0) for r in ranks),
         collectives=tuple(colls), seconds=seconds, machine=ranks[0]["machine"], executor=executor,
-        dtype_matmuls=dtype_matmuls, dropped_dtypes=dropped, **_combine_families(ranks, ranks_per_core(settings)))
+        dtype_matmuls=dtype_matmuls, dropped_dtypes=dropped, slow_dtypes=dict(ranks[0].get("matmul_slow", {})),
+        **_combine_families(ranks, ranks_per_core(settings)))
 
 
 def _combine_families(ranks: list[dict], sharing: float) -> dict[str, Any]:
@@ -954,11 +957,13 @@ class Bench:
     def matmuls(self) -> dict[str, Any]:
         """Each shape in float32, then in each other dtype still timed (the same shapes, one after the other,
         so both see the same load). A dtype whose median on a shape is more than SLOW_DTYPE_FACTOR times
-        float32's (agreed over ranks, so every rank drops it at once) is timed no further and gets no peak."""
+        float32's (agreed over ranks, so every rank drops it at once) is timed no further and gets no peak,
+        unless ``Settings.keep_slow_dtypes`` (``--keep-slow-dtypes``)."""
         extra = [d for d in self.s.matmul_dtypes if d != "float32"]
         times: list[float] = []
         by_dtype: dict[str, list[float]] = {d: [] for d in extra}
         dropped: dict[str, str] = {}
+        slow: dict[str, tuple[float, str]] = {}   # kept though slow (--keep-slow-dtypes): the slowest shape
         threads = f"{self.s.threads} thread{'s' * (self.s.threads > 1)}"
         for m, n, k in self.s.matmul_shapes:
             t32, reps = self._time_matmul(m, n, k, "float32")
@@ -972,11 +977,15 @@ class Bench:
                 self.say(f"{dtype} matmul ({m}x{k}) @ ({k}x{n}): {t * 1e3:.3f} ms, "
                          f"{2 * m * n * k / t / 1e9:.1f} GFLOP/s ({reps} reps, {threads}, rank 0)")
                 ratio = self.agree_max(t) / max(agreed32, 1e-12)
-                if ratio > SLOW_DTYPE_FACTOR:
+                if ratio > SLOW_DTYPE_FACTOR and self.s.keep_slow_dtypes:
+                    if ratio > slow.get(dtype, (0.0, ""))[0]:
+                        slow[dtype] = (ratio, f"{ratio:.0f}x float32's time on {m}x{k} @ {k}x{n}")
+                elif ratio > SLOW_DTYPE_FACTOR:
                     dropped[dtype] = (f"{ratio:.0f}x float32's time on {m}x{k} @ {k}x{n} (more than "
                                       f"{SLOW_DTYPE_FACTOR:g}x): not a dtype to train in on this machine")
                     self.say(f"{dtype} matmuls: {dropped[dtype]}; timed no further, no {dtype} peak")
-        return {"matmul": times, "matmul_dtypes": by_dtype, "matmul_dropped": dropped}
+        return {"matmul": times, "matmul_dtypes": by_dtype, "matmul_dropped": dropped,
+                "matmul_slow": {dtype: why for dtype, (_, why) in slow.items()}}
 
     def _time_matmul(self, m: int, n: int, k: int, dtype: str) -> tuple[float, int]:
         """Median seconds of ``(M, K) @ (K, N)`` in ``dtype`` (after 2 untimed calls: the first call of a

@@ -327,6 +327,35 @@ def test_slow_dtype_is_timed_no_further_and_gets_no_peak():
         Settings(matmul_dtypes=("float32", "int8"))
 
 
+def test_keep_slow_dtypes_times_them_through_and_says_how_slow():
+    """--keep-slow-dtypes: a dtype 9-36x float32's time keeps every shape's timing and a peak; the file's
+    comment names its slowest shape. --dtypes picks the dtypes timed besides float32."""
+    from autoddl.cli.calibrate import _dtype_settings
+    from executor.calibrate import Bench, _combine
+
+    shapes = ((64, 64, 64), (128, 128, 128), (256, 256, 256))
+    settings = Settings.default(2, quick=True, threads=1, matmul_shapes=shapes, keep_slow_dtypes=True,
+                                **_dtype_settings("float16"))
+    assert settings.matmul_dtypes == settings.family_dtypes == ("float32", "float16")
+    per_call = {"float32": 1e-3, "float16": 9e-3}
+    bench = object.__new__(Bench)
+    bench.s, bench.rank = settings, 0
+    bench.say = lambda text: None
+    bench.agree_max = lambda value, group=None: value
+    bench._time_matmul = lambda m, n, k, dtype: (per_call[dtype] * (m / 64) ** (2 if dtype == "float16" else 1), 3)
+    out = Bench.matmuls(bench)
+    assert out["matmul_dtypes"]["float16"] == pytest.approx([9e-3, 36e-3, 144e-3]) and not out["matmul_dropped"]
+    assert out["matmul_slow"] == {"float16": "36x float32's time on 256x256 @ 256x256"}
+    rank = dict(out, memory_gbps={"copy": 1.0}, dispatch_us=1.0, tiny_op_us=2.0, collectives_how={},
+                collectives={}, seconds={"matmul": 1.0}, machine="test")
+    meas = _combine(settings, [rank, rank], 1.0)
+    assert list(meas.dtype_matmuls) == ["float16"] and meas.slow_dtypes == out["matmul_slow"]
+    assert _dtype_settings(None) == {}
+    for bad in ("float32", "int8", "bfloat16,bfloat16"):
+        with pytest.raises(ValueError, match="name each of bfloat16, float16 at most once"):
+            _dtype_settings(bad)
+
+
 # -- the real thing, quick ---------------------------------------------------------------------
 SHARD_FIELDS = ("shard_forward_us", "shard_backward_us", "shard_param_us")
 

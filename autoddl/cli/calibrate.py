@@ -27,7 +27,7 @@ from autoddl.cli import common_options, register
 from autoddl.cluster import FITTED_KINDS, Backend, Cluster
 from autoddl.collective_kinds import CollectiveKind
 from autoddl.machine import calibrated_elsewhere
-from executor.calibrate import Settings
+from executor.calibrate import MATMUL_DTYPES, SLOW_DTYPE_FACTOR, Settings
 
 SHARD_RUNNER = "shard_runner"      # --only: the shard runner's fixed costs instead of communication kinds
 COLLECTIVE_CPU = "collective_cpu"      # --only: links.*.cpu_ns_per_byte (executor/calibrate_overlap.py)
@@ -66,10 +66,30 @@ def add_calibrate(subparsers: "argparse._SubParsersAction") -> None:
                         f"or {COLLECTIVE_CPU} alone: the host CPU a collective takes from its ranks' compute per "
                         "byte sent, written into --base as links.intra_node.cpu_ns_per_byte (with --across-hosts: "
                         "links.inter_node's), every other field and comment as it was")
+    p.add_argument("--dtypes", metavar="DTYPES",
+                   help="dtypes to time besides float32, each getting a peak and op-family costs (comma-separated, "
+                        f"of {', '.join(d for d in MATMUL_DTYPES if d != 'float32')}; default: all of them)")
+    p.add_argument("--keep-slow-dtypes", action="store_true",
+                   help=f"give a dtype its measured peak even where it runs more than {SLOW_DTYPE_FACTOR:g}x slower "
+                        "than float32 (a CPU without its instructions), so that plans in it are priced as slow as "
+                        "they run; by default such a dtype gets no peak and planning in it is refused")
     p.add_argument("--across-hosts", action="store_true", help="run as torchrun ranks on several hosts "
                    "(benchmarks/two_hosts.py -- -m autoddl calibrate --across-hosts): fit intra- and inter-host links; "
                    f"with --only {COLLECTIVE_CPU}: measure it with the all-reduces on the inter-host groups")
     p.set_defaults(func=run_calibrate)
+
+
+def _dtype_settings(dtypes: str | None) -> dict[str, tuple[str, ...]]:
+    """``--dtypes bfloat16`` -> the matmul and op-family dtypes float32 + those (empty: the defaults)."""
+    if dtypes is None:
+        return {}
+    names = tuple(d.strip() for d in dtypes.split(",") if d.strip())
+    bad = [d for d in names if d not in MATMUL_DTYPES or d == "float32"]
+    if bad or len(set(names)) != len(names):
+        raise ValueError(f"calibrate --dtypes {dtypes}: name each of "
+                         f"{', '.join(d for d in MATMUL_DTYPES if d != 'float32')} at most once "
+                         "(float32 is always timed)")
+    return {"matmul_dtypes": ("float32",) + names, "family_dtypes": ("float32",) + names}
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -94,7 +114,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         _note_other_machine(base)
     only = {"kinds": kinds, "comm_only": True} if args.only else {}
     settings = Settings.default(args.nproc, args.backend, quick=args.quick, threads=args.threads,
-                                launches=args.launches, **only)
+                                launches=args.launches, keep_slow_dtypes=args.keep_slow_dtypes or None,
+                                **_dtype_settings(args.dtypes), **only)
     print(f"calibrate: {settings.nproc} {settings.backend} ranks, {settings.threads} thread(s) each, "
           f"{'quick' if settings.quick else 'full'} settings, {settings.launches} launch(es)", file=sys.stderr,
           flush=True)
