@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from autoddl.cluster import (COLLECTIVE_KINDS, FITTED_KINDS, PEAK_DTYPES, SKEW_BASE_MS, ExecutorOverheads,
+from autoddl.cluster import (FITTED_KINDS, PEAK_DTYPES, SKEW_BASE_MS, ExecutorOverheads,
                              RecomputeCost)
 from autoddl.machine import usable_cores
 from executor.calibrate_models import (CHAIN_KINDS, CHAIN_WIDTH, PROBE_SIZES, block_model, broadcast_plan, chain_loss,
@@ -1124,7 +1124,7 @@ def with_executor_overheads(cluster: Any, comments: dict[str, str], meas: Measur
                                      "over kinds")
     if ex.optimizer_ns:
         out["executor.optimizer_ns"] = (
-            f"measured: torch's foreach step (executor/runtime.py torch_optimizer) over one float32 parameter of "
+            "measured: torch's foreach step (executor/runtime.py torch_optimizer) over one float32 parameter of "
             + ", ".join(f"{n >> 10}K" for n in OPTIMIZER_NUMELS) + f" elements, {s.nproc} ranks at once, "
             f"{s.threads} thread{'s' * (s.threads > 1)} each, median of {s.repeats} batches: "
             + "; ".join(f"{k} " + ", ".join(f"{t * 1e3:.3g}" for t in v) + " ms" for k, v in meas.optimizer_s.items())

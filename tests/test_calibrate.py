@@ -351,6 +351,10 @@ def test_keep_slow_dtypes_times_them_through_and_says_how_slow():
     meas = _combine(settings, [rank, rank], 1.0)
     assert list(meas.dtype_matmuls) == ["float16"] and meas.slow_dtypes == out["matmul_slow"]
     assert _dtype_settings(None) == {}
+    from autoddl.cli import build_parser
+    from autoddl.cli.calibrate import _command
+    args = build_parser().parse_args(["calibrate", "--out", "x.yaml", "--dtypes", "bfloat16", "--keep-slow-dtypes"])
+    assert _command(args).endswith("--out x.yaml --dtypes bfloat16 --keep-slow-dtypes")   # the file's header
     for bad in ("float32", "int8", "bfloat16,bfloat16"):
         with pytest.raises(ValueError, match="name each of bfloat16, float16 at most once"):
             _dtype_settings(bad)

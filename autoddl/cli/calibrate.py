@@ -227,4 +227,6 @@ def _command(args: argparse.Namespace) -> str:
     parts += [f"--launches {args.launches}"] if args.launches else []
     parts += [f"--devices-per-node {args.devices_per_node}"] if args.devices_per_node else []
     parts += [f"--only {args.only}"] if args.only else []
+    parts += [f"--dtypes {args.dtypes}"] if args.dtypes else []
+    parts += ["--keep-slow-dtypes"] if args.keep_slow_dtypes else []
     return " ".join(parts)
