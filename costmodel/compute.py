@@ -262,7 +262,8 @@ def recompute_overhead_s(node: OpNode, policy: str, phase: str, recomputed: bool
 # - cross_entropy_loss of 2-D logits (N, C): log_softmax's 3 reads + 1 write of the log-probabilities;
 #   backward: nll_loss_backward's zero-filled (N, C) gradient (1 write) + log_softmax's backward (4);
 # - log_softmax: 4 and 4; softmax: 4 and 7 (its backward first forms grad * output: 2 reads, 1 write).
-# Rows the shared memory holds (one read, one write) keep their traced bytes; so does every op of a
+# Rows the shared memory holds (one read, one write) keep their traced bytes (their backward, the same
+# cunn_SoftMaxBackward above 1024 elements, reads its gradient twice: left out); so does every op of a
 # family whose cost the cluster file measured (``executor.op_work``: multiples of the traced roofline).
 CUDA_LONG_ROW_PASSES = {"cross_entropy_loss": (4.0, 5.0), "log_softmax": (4.0, 4.0),
                         "_log_softmax": (4.0, 4.0), "softmax": (4.0, 7.0), "_softmax": (4.0, 7.0),
@@ -285,7 +286,8 @@ def long_row_passes(node: OpNode, cluster: Cluster) -> tuple[float, float] | Non
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
         last_dim = isinstance(dim, int) and dim in (-1, rows.ndim - 1)
     row = rows.shape[-1] if rows.ndim else 1
-    fits = row * itemsize(rows.dtype) <= CUDA_SHARED_MEMORY_PER_BLOCK_BYTES or row <= CUDA_PERSISTENT_SOFTMAX_ELEMENTS
+    fits = (row <= CUDA_PERSISTENT_SOFTMAX_ELEMENTS
+            or row * itemsize(rows.dtype) <= CUDA_SHARED_MEMORY_PER_BLOCK_BYTES)
     return passes if last_dim and not fits else None
 
 

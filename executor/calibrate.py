@@ -8,7 +8,8 @@ on all ranks at once, so each rank sees the contention it sees in training:
 - matmul ``(M, K) @ (K, N)`` over square and skinny shapes (median time per shape), in
   float32 and, on the same shapes, in each other dtype of ``Settings.matmul_dtypes``
   (bfloat16, float16) for that dtype's peak; a dtype running more than
-  ``SLOW_DTYPE_FACTOR`` times slower than float32 on a shape is left out (no peak);
+  ``SLOW_DTYPE_FACTOR`` times slower than float32 on a shape is left out (no peak), unless
+  ``Settings.keep_slow_dtypes`` (``--keep-slow-dtypes``: priced as slow as measured);
 - memory bandwidth: ``copy_`` and ``add(out=)`` over arrays far beyond the caches;
 - per-op overhead: ``add`` of 1-element tensors (without grad: the dispatch a
   benchmarked matmul pays too; with grad: plus the autograd recording a training
