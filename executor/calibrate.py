@@ -978,12 +978,15 @@ class Bench:
                 self.say(f"{dtype} matmul ({m}x{k}) @ ({k}x{n}): {t * 1e3:.3f} ms, "
                          f"{2 * m * n * k / t / 1e9:.1f} GFLOP/s ({reps} reps, {threads}, rank 0)")
                 ratio = self.agree_max(t) / max(agreed32, 1e-12)
-                if ratio > SLOW_DTYPE_FACTOR and self.s.keep_slow_dtypes:
+                if ratio <= SLOW_DTYPE_FACTOR:
+                    continue
+                slower = f"{ratio:.0f}x float32's time on {m}x{k} @ {k}x{n}"
+                if self.s.keep_slow_dtypes:
                     if ratio > slow.get(dtype, (0.0, ""))[0]:
-                        slow[dtype] = (ratio, f"{ratio:.0f}x float32's time on {m}x{k} @ {k}x{n}")
-                elif ratio > SLOW_DTYPE_FACTOR:
-                    dropped[dtype] = (f"{ratio:.0f}x float32's time on {m}x{k} @ {k}x{n} (more than "
-                                      f"{SLOW_DTYPE_FACTOR:g}x): not a dtype to train in on this machine")
+                        slow[dtype] = (ratio, slower)
+                else:
+                    dropped[dtype] = (f"{slower} (more than {SLOW_DTYPE_FACTOR:g}x): not a dtype to train in "
+                                      "on this machine")
                     self.say(f"{dtype} matmuls: {dropped[dtype]}; timed no further, no {dtype} peak")
         return {"matmul": times, "matmul_dtypes": by_dtype, "matmul_dropped": dropped,
                 "matmul_slow": {dtype: why for dtype, (_, why) in slow.items()}}

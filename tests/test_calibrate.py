@@ -330,7 +330,8 @@ def test_slow_dtype_is_timed_no_further_and_gets_no_peak():
 def test_keep_slow_dtypes_times_them_through_and_says_how_slow():
     """--keep-slow-dtypes: a dtype 9-36x float32's time keeps every shape's timing and a peak; the file's
     comment names its slowest shape. --dtypes picks the dtypes timed besides float32."""
-    from autoddl.cli.calibrate import _dtype_settings
+    from autoddl.cli import build_parser
+    from autoddl.cli.calibrate import _command, _dtype_settings
     from executor.calibrate import Bench, _combine
 
     shapes = ((64, 64, 64), (128, 128, 128), (256, 256, 256))
@@ -351,8 +352,6 @@ def test_keep_slow_dtypes_times_them_through_and_says_how_slow():
     meas = _combine(settings, [rank, rank], 1.0)
     assert list(meas.dtype_matmuls) == ["float16"] and meas.slow_dtypes == out["matmul_slow"]
     assert _dtype_settings(None) == {}
-    from autoddl.cli import build_parser
-    from autoddl.cli.calibrate import _command
     args = build_parser().parse_args(["calibrate", "--out", "x.yaml", "--dtypes", "bfloat16", "--keep-slow-dtypes"])
     assert _command(args).endswith("--out x.yaml --dtypes bfloat16 --keep-slow-dtypes")   # the file's header
     for bad in ("float32", "int8", "bfloat16,bfloat16"):

@@ -31,6 +31,7 @@ from executor.calibrate import MATMUL_DTYPES, SLOW_DTYPE_FACTOR, Settings
 
 SHARD_RUNNER = "shard_runner"      # --only: the shard runner's fixed costs instead of communication kinds
 COLLECTIVE_CPU = "collective_cpu"      # --only: links.*.cpu_ns_per_byte (executor/calibrate_overlap.py)
+OTHER_DTYPES = tuple(d for d in MATMUL_DTYPES if d != "float32")   # --dtypes: timed besides float32
 
 
 @register
@@ -68,7 +69,7 @@ def add_calibrate(subparsers: "argparse._SubParsersAction") -> None:
                         "links.inter_node's), every other field and comment as it was")
     p.add_argument("--dtypes", metavar="DTYPES",
                    help="dtypes to time besides float32, each getting a peak and op-family costs (comma-separated, "
-                        f"of {', '.join(d for d in MATMUL_DTYPES if d != 'float32')}; default: all of them)")
+                        f"of {', '.join(OTHER_DTYPES)}; default: all of them)")
     p.add_argument("--keep-slow-dtypes", action="store_true",
                    help=f"give a dtype its measured peak even where it runs more than {SLOW_DTYPE_FACTOR:g}x slower "
                         "than float32 (a CPU without its instructions), so that plans in it are priced as slow as "
@@ -84,10 +85,8 @@ def _dtype_settings(dtypes: str | None) -> dict[str, tuple[str, ...]]:
     if dtypes is None:
         return {}
     names = tuple(d.strip() for d in dtypes.split(",") if d.strip())
-    bad = [d for d in names if d not in MATMUL_DTYPES or d == "float32"]
-    if bad or len(set(names)) != len(names):
-        raise ValueError(f"calibrate --dtypes {dtypes}: name each of "
-                         f"{', '.join(d for d in MATMUL_DTYPES if d != 'float32')} at most once "
+    if not set(names) <= set(OTHER_DTYPES) or len(set(names)) != len(names):
+        raise ValueError(f"calibrate --dtypes {dtypes}: name each of {', '.join(OTHER_DTYPES)} at most once "
                          "(float32 is always timed)")
     return {"matmul_dtypes": ("float32",) + names, "family_dtypes": ("float32",) + names}
 
@@ -114,7 +113,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         _note_other_machine(base)
     only = {"kinds": kinds, "comm_only": True} if args.only else {}
     settings = Settings.default(args.nproc, args.backend, quick=args.quick, threads=args.threads,
-                                launches=args.launches, keep_slow_dtypes=args.keep_slow_dtypes or None,
+                                launches=args.launches, keep_slow_dtypes=args.keep_slow_dtypes,
                                 **_dtype_settings(args.dtypes), **only)
     print(f"calibrate: {settings.nproc} {settings.backend} ranks, {settings.threads} thread(s) each, "
           f"{'quick' if settings.quick else 'full'} settings, {settings.launches} launch(es)", file=sys.stderr,
