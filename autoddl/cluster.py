@@ -17,7 +17,9 @@ latency and bandwidth that make the cost model's formula for that kind fit the
 timings on this backend; used instead of ``links.intra_node`` for that kind on
 intra-node mesh axes) and ``compute_curve`` (``[[gflop, efficiency], ...]``:
 the fraction of ``peak_tflops`` a matmul of that many GFLOPs reaches,
-piecewise-linear in log(FLOPs); used instead of ``efficiency.compute``).
+piecewise-linear in log(FLOPs); used instead of ``efficiency.compute``); ``matmul_layouts``
+(``{dtype: [[m, k, n, nn_us, nt_us, tn_us], ...]}``: a dtype the device only emulates, whose matmuls'
+speed depends on the operands' layout; autoddl/matmul_layouts.py) prices a linear in that dtype.
 A third, ``executor``, holds the fixed costs of autoddl's own executor (Python,
 DTensor wrapping, per-parameter bookkeeping) that ``autoddl calibrate`` measures
 by timing the executor itself: per op forward / backward, per op input, per
@@ -88,6 +90,7 @@ import yaml
 
 from autoddl.atomic import write_text_atomic
 from autoddl.collective_points import CollectivePoints, parse_collective_points
+from autoddl.matmul_layouts import MatmulLayouts, parse_layouts
 from autoddl.op_families import (CAST_OPS, CONV_OPS, COPY_OPS, MATMUL_OPS, NORMS, REDUCTIONS, SDPA_OPS,
                                   VIEW_OPS)
 from autoddl.training import DTYPES
@@ -565,7 +568,8 @@ _EXECUTOR_FIELDS["collective_compute_share"] = ("a number from 0 to 1: the share
 _UNPRICED_WHEN_ZERO = ("param_sync_us", "param_gather_us", "shard_forward_us", "shard_backward_us",   # 0: left out
                        "shard_param_us", "collective_compute_share")
 _TOP_KEYS = ("name", "nodes", "devices_per_node", "device", "links", "backend", "efficiency",
-             "op_overhead_us", "collectives", "collective_points", "compute_curve", "executor", "cores_per_node",
+             "op_overhead_us", "collectives", "collective_points", "compute_curve", "matmul_layouts", "executor",
+             "cores_per_node",
              "comm_measured_ranks_per_node", "host_link", "host_memory_gb", "host_memory_bandwidth_gbps",
              "calibrated_on")
 HOST_FIELDS = {   # the host side of a node (module docstring): field -> what it is
@@ -868,6 +872,8 @@ def _parse_optional(d: dict, src: str, kw: dict[str, Any], errors: list[str]) ->
         kw["collective_points"] = parse_collective_points(src, d["collective_points"], errors, COLLECTIVE_KINDS)
     if d.get("compute_curve") is not None:
         kw["compute_curve"] = _compute_curve(src, d["compute_curve"], errors)
+    if d.get("matmul_layouts") is not None:
+        kw["matmul_layouts"] = parse_layouts(src, d["matmul_layouts"], errors, PEAK_DTYPES)
     if d.get("executor") is not None:
         kw["executor"] = _executor(src, d["executor"], errors)
 
@@ -1151,6 +1157,7 @@ class Cluster:
     collectives: CollectiveFits = CollectiveFits()
     collective_points: CollectivePoints = CollectivePoints()   # measured times by size (autoddl/collective_points.py)
     compute_curve: tuple[tuple[float, float], ...] = ()
+    matmul_layouts: MatmulLayouts = MatmulLayouts()   # emulated dtypes' matmuls (autoddl/matmul_layouts.py)
     executor: ExecutorOverheads = ExecutorOverheads()
     cores_per_node: int | None = None   # CPU: ranks a node runs at once at full speed; None: no sharing
     comm_measured_ranks_per_node: int | None = None   # ranks per node busy while links / collectives were measured
@@ -1175,6 +1182,7 @@ class Cluster:
             object.__setattr__(self, "collective_points", CollectivePoints())
         if self.compute_curve is None:
             object.__setattr__(self, "compute_curve", ())
+        object.__setattr__(self, "matmul_layouts", MatmulLayouts.of(self.matmul_layouts))   # {dtype: rows} too
         if self.executor is None:
             object.__setattr__(self, "executor", ExecutorOverheads())
         elif isinstance(self.executor, dict):
@@ -1243,6 +1251,7 @@ class Cluster:
                if self.collectives else {}),
             **({"collective_points": self.collective_points.to_dict()} if self.collective_points else {}),
             **({"compute_curve": [list(p) for p in self.compute_curve]} if self.compute_curve else {}),
+            **({"matmul_layouts": self.matmul_layouts.to_dict()} if self.matmul_layouts else {}),
             **({"executor": self.executor.to_dict()} if self.executor else {}),
             **({"cores_per_node": self.cores_per_node} if self.cores_per_node else {}),
             **({"comm_measured_ranks_per_node": self.comm_measured_ranks_per_node}
@@ -1377,6 +1386,7 @@ class Cluster:
                 + (f" | measured collective points: {len(self.collective_points.curves)} curves"
                    if self.collective_points else "")
                 + (f" | compute curve: {len(self.compute_curve)} points" if self.compute_curve else "")
+                + (" | matmul layouts: " + ", ".join(self.matmul_layouts.dtypes()) if self.matmul_layouts else "")
                 + (" | executor overheads: " + ", ".join(f"{k} {v:g}" for k, v in self.executor.scalars().items()
                                                          if v) if self.executor else "")
                 + (" | op families measured: " + ", ".join(f"{len(f)} {dt}" for dt, f in self.executor.op_us.items())

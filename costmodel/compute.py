@@ -38,6 +38,11 @@ that one block's shared memory cannot hold, runs kernels that read the row from 
 on a CUDA device such an op moves the passes ``CUDA_LONG_ROW_PASSES`` counts from the kernels' source
 instead of its traced bytes (a family the cluster file measured keeps its measured multiples).
 
+Emulated dtypes' linears (``cluster.matmul_layouts``, autoddl/matmul_layouts.py): a ``linear`` computing
+in a dtype the cluster file has a measured layout table for takes its three products' measured times
+(forward ``x @ W^T``; backward ``g @ W`` and ``g^T @ x``, on the device's share of M, K and N) instead of
+its roofline and its family's work multiples, plus the family's fixed cost (:func:`layout_linear_s`).
+
 Executor overheads (``cluster.executor``, 0 unless calibrated): autoddl's executor runs
 every op, views included, as one call of its compiled local program. An op whose family
 ``autoddl calibrate`` measured (``executor.op_us`` / ``op_work`` for the op's compute dtype, else
@@ -72,6 +77,7 @@ from autoddl.attention import unfused_passes
 from autoddl.cluster import OPTIMIZER_KINDS, Cluster, OpCost
 from autoddl.op_families import MATMUL_LIKE, SDPA_OPS, ZERO_COST  # noqa: F401  (read from here too)
 from autoddl.graph import OpNode
+from autoddl.matmul_layouts import linear_matmuls, local_linear_dims
 from autoddl.precision import itemsize
 from autoddl.program import work_divisor  # noqa: F401  (re-exported: the search prices with it)
 from autoddl.sbp import Signature
@@ -302,6 +308,19 @@ def kernel_bytes(node: OpNode, divisor: float, cluster: Cluster, backward: bool)
     return factor * (node.bytes_read + node.bytes_written) / divisor
 
 
+def layout_linear_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster,
+                    backward: bool) -> float | None:
+    """A ``linear``'s forward product, or its two backward products, read from the cluster's measured
+    layout table for its compute dtype (module docstring); None for any other op or dtype."""
+    table = cluster.matmul_layouts.get(compute_dtype(node)) if cluster.matmul_layouts else None
+    if table is None or node.op_name != "linear" or len(node.input_metas) < 2:
+        return None
+    x, w = node.input_metas[0].shape, node.input_metas[1].shape           # (..., K), (N, K)
+    placements = [(sig.inputs[0][axis], sig.inputs[1][axis]) for axis in range(len(mesh_shape))]
+    forward, *grads = linear_matmuls(*local_linear_dims(x, w, placements, mesh_shape))
+    return sum(table.time_s(*mm) for mm in (grads if backward else [forward]))
+
+
 def op_forward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster,
                       attention: str = "flash") -> float:
     if not node.is_op:
@@ -309,6 +328,10 @@ def op_forward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], c
     share = cluster.time_sharing(tuple(mesh_shape))
     if node.op_name in ZERO_COST:
         return executor_forward_s(node, cluster) * share
+    measured = layout_linear_s(node, sig, mesh_shape, cluster, backward=False)
+    if measured is not None:      # the products' measured time, the family's fixed cost (its work at 0)
+        return (measured + forward_time_s(node.op_name, compute_dtype(node), 0.0, cluster,
+                                          inputs=len(node.inputs))) * share
     d = work_divisor(sig, mesh_shape)
     flops, nbytes = node.flops / d, (node.bytes_read + node.bytes_written) / d
     attn = _attention_work_s(node, d, flops, nbytes, cluster, False, attention)
@@ -325,16 +348,20 @@ def op_backward_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], 
     share = cluster.time_sharing(tuple(mesh_shape))
     if factor == 0:
         return executor_backward_s(node, cluster) * share
+    fam = executor_cost(node, cluster)
+    fixed_s = executor_backward_s(node, cluster) + (0.0 if fam is not None else cluster.op_overhead_us * 1e-6)
+    measured = layout_linear_s(node, sig, mesh_shape, cluster, backward=True)
+    if measured is not None:
+        return (measured + fixed_s) * share
     d = work_divisor(sig, mesh_shape)
     flops, nbytes, dtype = node.flops / d, (node.bytes_read + node.bytes_written) / d, compute_dtype(node)
     attn = _attention_work_s(node, d, flops, nbytes, cluster, True, attention)
     work = attn if attn is not None else roofline_time_s(factor * flops, kernel_bytes(node, d, cluster, True),
                                                          cluster, op_flops=flops, dtype=dtype)
-    fam = executor_cost(node, cluster)
     if fam is not None:       # the work scale at the op's size: its forward roofline
         size_us = roofline_time_s(flops, nbytes, cluster, dtype=dtype) * 1e6
-        return (fam.work_at(size_us)[1] * work + executor_backward_s(node, cluster)) * share
-    return (work + cluster.op_overhead_us * 1e-6 + executor_backward_s(node, cluster)) * share
+        return (fam.work_at(size_us)[1] * work + fixed_s) * share
+    return (work + fixed_s) * share
 
 
 def op_compute_time_s(node: OpNode, sig: Signature, mesh_shape: Sequence[int], cluster: Cluster,

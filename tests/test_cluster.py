@@ -335,8 +335,8 @@ def test_unknown_top_level_key_suggests_closest(tmp_path):
     _, errors, _ = errors_of(tmp_path, dict(GOOD, zzz=1))
     assert errors == [f"{tmp_path / 'x.yaml'}: zzz: unknown key; known keys: name, nodes, devices_per_node, "
                       "device, links, backend, efficiency, op_overhead_us, collectives, collective_points, "
-                      "compute_curve, executor, cores_per_node, comm_measured_ranks_per_node, host_link, host_memory_gb, "
-                      "host_memory_bandwidth_gbps, calibrated_on"]
+                      "compute_curve, matmul_layouts, executor, cores_per_node, comm_measured_ranks_per_node, host_link, "
+                      "host_memory_gb, host_memory_bandwidth_gbps, calibrated_on"]
 
 
 def test_not_yaml_not_mapping_missing_file(tmp_path):
