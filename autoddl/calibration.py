@@ -23,6 +23,11 @@ turns the timings into a ``Cluster``:
   ping-pong between two ranks; ``M/b + a``), always written: it prices a send inside a node
   (``costmodel.collectives.send_recv_time_s``); it is not part of the link's median.
 
+- ``matmul_layouts``: for a dtype whose peak is more than ``SLOW_DTYPE_FACTOR`` below float32's (kept
+  by ``--keep-slow-dtypes``: the device emulates it), its matmuls by operand layout over a grid of
+  sizes (executor/calibrate_layouts.py; :func:`with_matmul_layouts`; ``--only matmul_layouts`` over
+  ``--base``: :func:`calibrate_matmul_layouts`).
+
 ``--only KINDS`` (``Settings.comm_only``) times those communication kinds alone and writes
 ``--base`` with their fits put into ``collectives`` (:func:`calibrate_fits`), its other fields,
 header and comments kept.
@@ -55,9 +60,10 @@ from autoddl.machine import this_machine
 from autoddl.pipeline import stages_from_cuts
 from autoddl.shard_program import BACKWARD, TaskKey, param_homes
 from costmodel.collectives import CollectiveFit, CollectiveKind, fit_collective
-from executor.calibrate import (LARGE_MATMUL_FLOPS, CollectiveTiming, ComputeSummary, Measurements, Settings,
-                                compute_summary, executor_glue_us, measure_launches, with_arrival_skew,
+from executor.calibrate import (LARGE_MATMUL_FLOPS, SLOW_DTYPE_FACTOR, CollectiveTiming, ComputeSummary, Measurements,
+                                Settings, compute_summary, executor_glue_us, measure_launches, with_arrival_skew,
                                 with_executor_overheads)
+from executor.calibrate_layouts import LAYOUT_SIZES, QUICK_LAYOUT_SIZES, measure_matmul_layouts
 from executor.calibrate_models import CHAIN_WIDTH, PROBE_SIZES
 from executor.calibrate_shards import SHARD_CHAIN, ShardTaskSample, fit_shard_runner, measure_shard_tasks
 from executor.shard_chain import WIDTH
@@ -512,8 +518,9 @@ def with_op_families(cluster: Cluster, comments: dict[str, str], meas: Measureme
                      for p, c in fit_recompute(meas.recompute).items()}
         lengths = sorted({t.ops for t in meas.recompute})
         out["executor.recompute"] = (
-            f"measured: blocks of {' and '.join(map(str, lengths))} element-wise ops and of as many matmuls "
-            f"({CHAIN_WIDTH}x{CHAIN_WIDTH}) run plainly and under the executor's checkpoint (full, selective); per op "
+            f"measured: blocks of {' and '.join(map(str, lengths))} element-wise ops and of as many linears "
+            f"({CHAIN_WIDTH} -> {CHAIN_WIDTH} with a bias, on 3-D inputs: 4 aten ops each) run plainly and under the "
+            "executor's checkpoint (full, selective); per op "
             "the slopes' differences (backward: beyond running the op again), per block the intercepts'")
     ex = dataclasses.replace(ex, op_us=op_us or ex.op_us, op_work=op_work or ex.op_work,
                              recompute=recompute or ex.recompute)
@@ -565,7 +572,53 @@ def calibrate(base: Cluster, settings: Settings, devices_per_node: int | None = 
                              f"{torch.cuda.device_count()} GPUs visible; use --backend gloo or a smaller --nproc")
     meas = measure_launches(settings)
     cal = calibrate_cluster(meas, base, devices_per_node, command, min_r2)
-    return meas, cal if settings.comm_only else with_shard_runner(cal, settings)
+    return meas, cal if settings.comm_only else with_matmul_layouts(with_shard_runner(cal, settings), settings)
+
+
+# -- an emulated dtype's matmuls by operand layout (autoddl/matmul_layouts.py) ------------------------
+def emulated_dtypes(cluster: Cluster) -> tuple[str, ...]:
+    """The dtypes whose peak is more than ``SLOW_DTYPE_FACTOR`` below float32's (kept by
+    ``--keep-slow-dtypes``): the device has no instructions for them."""
+    f32 = cluster.device.peak_tflops_for("float32")
+    return tuple(d for d, p in cluster.device.peaks_by_dtype if d != "float32" and p * SLOW_DTYPE_FACTOR < f32)
+
+
+def with_matmul_layouts(cal: Calibration, settings: Settings, dtypes: Sequence[str] | None = None) -> Calibration:
+    """``cal`` with ``matmul_layouts`` measured for ``dtypes`` (default :func:`emulated_dtypes`; unchanged
+    when there are none): executor/calibrate_layouts.py on ``settings.nproc`` ranks, ``settings.launches``
+    launches."""
+    dtypes = tuple(emulated_dtypes(cal.cluster) if dtypes is None else dtypes)
+    if not dtypes:
+        return cal
+    sizes = QUICK_LAYOUT_SIZES if settings.quick else LAYOUT_SIZES
+    rows = measure_matmul_layouts(dtypes, settings.nproc, settings.threads, sizes, settings.launches,
+                                  settings.timeout_s, settings.verbose)
+    cluster = dataclasses.replace(cal.cluster, matmul_layouts={**cal.cluster.matmul_layouts.to_dict(), **rows})
+    comments = {k: v for k, v in cal.comments.items() if k.split(".")[:2] not in [["matmul_layouts", d] for d in dtypes]}
+    comments["matmul_layouts"] = ("measured: matmuls of an emulated dtype by operand layout, rows [m, k, n, NN us, "
+                                  "NT us, TN us] of (m, k) @ (k, n), T a transposed view, per-call dispatch taken "
+                                  "out (executor/calibrate_layouts.py; priced: autoddl/matmul_layouts.py)")
+    for d in dtypes:
+        comments[f"matmul_layouts.{d}"] = (f"{_ranks_text(settings, settings.launches)}; median of single calls "
+                                           f"over >= 20 ms (3-30 calls); m, k, n each of {list(sizes)}")
+    return dataclasses.replace(cal, cluster=cluster, comments=comments)
+
+
+def calibrate_matmul_layouts(base_path: str | os.PathLike, settings: Settings, command: str = "",
+                             dtypes: Sequence[str] | None = None) -> Calibration:
+    """``autoddl calibrate --only matmul_layouts``: the cluster file at ``base_path`` with ``matmul_layouts``
+    measured for ``dtypes`` (default: its emulated ones), its header and every other comment kept."""
+    base = Calibration.of_file(base_path)
+    dtypes = tuple(emulated_dtypes(base.cluster) if dtypes is None else dtypes)
+    if not dtypes:
+        raise ValueError(f"calibrate --only matmul_layouts: {base_path} gives no dtype a peak more than "
+                         f"{SLOW_DTYPE_FACTOR:g}x below float32's (an emulated one); name the dtypes with --dtypes, "
+                         "or calibrate one in first with --dtypes DTYPE --keep-slow-dtypes")
+    note = (f"matmul_layouts: measured by `{command or 'autoddl calibrate --only matmul_layouts'}` on "
+            f"{time.strftime('%Y-%m-%d %H:%M')}, only this field.")
+    header = "\n".join([line for line in base.header.splitlines() if not line.startswith("matmul_layouts:")]
+                       + [note])
+    return with_matmul_layouts(dataclasses.replace(base, header=header), settings, dtypes)
 
 
 # -- the shard runner (``autoddl schedule --run``): its own fixed costs ------------------------------

@@ -860,3 +860,41 @@ def test_a_calibration_takes_each_timing_as_the_median_of_its_launches():
     with pytest.raises(ValueError, match="--launches must be a positive integer"):
         Settings.default(2, launches=0)
     assert Settings.default(2).launches == 3 and Settings.default(2, quick=True).launches == 1
+
+
+def test_emulated_dtypes_are_those_more_than_the_slow_factor_below_float32():
+    from autoddl.calibration import emulated_dtypes
+    from executor.calibrate import SLOW_DTYPE_FACTOR
+
+    base = Cluster.from_yaml(CPU_CLUSTER_PATH)
+
+    def with_peaks(**peaks):
+        return dataclasses.replace(base, device=dataclasses.replace(base.device, peak_tflops=peaks))
+
+    assert emulated_dtypes(with_peaks(float32=1.0, bfloat16=0.99 / SLOW_DTYPE_FACTOR, float16=0.5)) == ("bfloat16",)
+    assert emulated_dtypes(with_peaks(float32=1.0, bfloat16=1.01 / SLOW_DTYPE_FACTOR)) == ()
+    assert emulated_dtypes(base) == ()
+
+
+def test_calibrate_only_matmul_layouts_times_the_emulated_dtype_over_the_base(tmp_path, capfd):
+    """A real --only matmul_layouts run on 2 gloo ranks over the bf16 CPU file (bfloat16 emulated there):
+    a table over the quick grid 32, 64 (every time positive; not compared, the machine is shared), every
+    other field as in the base, the header saying what was measured; a base with no emulated dtype is
+    refused with what to do."""
+    base_path = CONFIG_DIR.parent / "results" / "bf16-cpu" / "cluster.yaml"
+    out = tmp_path / "layouts.yaml"
+    assert cli.main(["calibrate", "--nproc", "2", "--quick", "--only", "matmul_layouts", "--base", str(base_path),
+                     "--out", str(out)]) == 0
+    c, base = Cluster.from_yaml(out), Cluster.from_yaml(base_path)
+    table = c.matmul_layouts.get("bfloat16")
+    assert c.matmul_layouts.dtypes() == ("bfloat16",) and table.sizes == (32, 64)
+    assert [r[:3] for r in table.rows] == [(m, k, n) for m in (32, 64) for k in (32, 64) for n in (32, 64)]
+    assert all(math.isfinite(t) and t > 0 for r in table.rows for t in r[3:])
+    assert dataclasses.replace(c, matmul_layouts=base.matmul_layouts) == base
+    text = out.read_text()
+    assert "# matmul_layouts: measured by `autoddl calibrate --nproc 2 --backend gloo --base" in text
+    assert "  bfloat16:  # 2 ranks at once, 1 thread each; median of single calls" in text
+    assert "calibrate: bfloat16 matmul layouts over 2^3 shapes" in capfd.readouterr().err
+    assert cli.main(["calibrate", "--nproc", "2", "--quick", "--only", "matmul_layouts", "--base",
+                     str(CPU_CLUSTER_PATH)]) == 2
+    assert "gives no dtype a peak more than 8x below float32's (an emulated one)" in capfd.readouterr().err

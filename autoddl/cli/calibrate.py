@@ -6,6 +6,8 @@
         # the shard runner's executor.shard_* fields over --base, its comments kept
     autoddl calibrate --nproc 2 --only collective_cpu --base configs/local-cpu.yaml --out configs/local-cpu.yaml
         # links.intra_node.cpu_ns_per_byte (executor/calibrate_overlap.py) over --base, its comments kept
+    autoddl calibrate --nproc 2 --only matmul_layouts --base results/bf16-cpu/cluster.yaml --out /tmp/x.yaml
+        # an emulated dtype's matmuls by operand layout (autoddl/matmul_layouts.py) over --base
     python benchmarks/two_hosts.py --rate-mbit 1000 -- -m autoddl calibrate --across-hosts --only collective_cpu \
         --base configs/two-hosts.yaml --out configs/two-hosts.yaml   # links.inter_node's, the all-reduces across the link
 
@@ -22,7 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from autoddl.calibration import DEFAULT_BASE, MIN_R2, Calibration, calibrate, calibrate_shard_runner, write_raw
+from autoddl.calibration import (DEFAULT_BASE, MIN_R2, Calibration, calibrate, calibrate_matmul_layouts,
+                                 calibrate_shard_runner, write_raw)
 from autoddl.cli import common_options, register
 from autoddl.cluster import FITTED_KINDS, Backend, Cluster
 from autoddl.collective_kinds import CollectiveKind
@@ -31,6 +34,7 @@ from executor.calibrate import MATMUL_DTYPES, SLOW_DTYPE_FACTOR, Settings
 
 SHARD_RUNNER = "shard_runner"      # --only: the shard runner's fixed costs instead of communication kinds
 COLLECTIVE_CPU = "collective_cpu"      # --only: links.*.cpu_ns_per_byte (executor/calibrate_overlap.py)
+MATMUL_LAYOUTS = "matmul_layouts"      # --only: an emulated dtype's matmuls by layout (executor/calibrate_layouts.py)
 OTHER_DTYPES = tuple(d for d in MATMUL_DTYPES if d != "float32")   # --dtypes: timed besides float32
 
 
@@ -66,7 +70,9 @@ def add_calibrate(subparsers: "argparse._SubParsersAction") -> None:
                         "with its executor.shard_* fields, every other field and comment as it was; "
                         f"or {COLLECTIVE_CPU} alone: the host CPU a collective takes from its ranks' compute per "
                         "byte sent, written into --base as links.intra_node.cpu_ns_per_byte (with --across-hosts: "
-                        "links.inter_node's), every other field and comment as it was")
+                        "links.inter_node's), every other field and comment as it was; "
+                        f"or {MATMUL_LAYOUTS} alone: the matmuls of --base's emulated dtypes (or --dtypes) by "
+                        "operand layout, written into --base as matmul_layouts")
     p.add_argument("--dtypes", metavar="DTYPES",
                    help="dtypes to time besides float32, each getting a peak and op-family costs (comma-separated, "
                         f"of {', '.join(OTHER_DTYPES)}; default: all of them)")
@@ -102,12 +108,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
                          f"{COLLECTIVE_CPU} alone; leave --only out to fit both links")
     if args.devices_per_node is not None and args.devices_per_node < 1:
         raise ValueError(f"--devices-per-node must be a positive integer, got {args.devices_per_node}")
-    alone = [k for k in (SHARD_RUNNER, COLLECTIVE_CPU) if k in kinds]      # measured apart, written over --base
+    apart = {SHARD_RUNNER: _calibrate_shard_runner, COLLECTIVE_CPU: _calibrate_collective_cpu,
+             MATMUL_LAYOUTS: _calibrate_matmul_layouts}
+    alone = [k for k in apart if k in kinds]      # measured apart, written over --base
     if alone and kinds != (alone[0],):
         raise ValueError(f"calibrate --only {args.only}: {alone[0]} is timed alone; give --only {alone[0]} "
                          "and the communication kinds in another run")
     if alone:
-        return (_calibrate_shard_runner if alone[0] == SHARD_RUNNER else _calibrate_collective_cpu)(args)
+        return apart[alone[0]](args)
     base = Cluster.from_yaml(args.base)
     if args.only:
         _note_other_machine(base)
@@ -172,6 +180,18 @@ def _calibrate_shard_runner(args: argparse.Namespace) -> int:
         ex = cal.cluster.executor
         print(f"wrote {args.out}: executor.shard_forward_us {ex.shard_forward_us:g}, shard_backward_us "
               f"{ex.shard_backward_us:g}, shard_param_us {ex.shard_param_us:g}")
+    return 0
+
+
+def _calibrate_matmul_layouts(args: argparse.Namespace) -> int:
+    """``--only matmul_layouts`` (``autoddl.calibration.calibrate_matmul_layouts``)."""
+    _note_other_machine(Cluster.from_yaml(args.base))
+    dtypes = _dtype_settings(args.dtypes).get("matmul_dtypes", ("float32",))[1:] or None
+    settings = Settings.default(args.nproc, args.backend, quick=args.quick, threads=args.threads,
+                                launches=args.launches)
+    cal = calibrate_matmul_layouts(args.base, settings, _command(args), dtypes)
+    if _write(cal, args.out):
+        print(f"wrote {args.out}: matmul_layouts for " + ", ".join(cal.cluster.matmul_layouts.dtypes()))
     return 0
 
 
