@@ -58,8 +58,8 @@ from typing import Any, Callable, Sequence
 from autoddl.cluster import (FITTED_KINDS, PEAK_DTYPES, SKEW_BASE_MS, ExecutorOverheads,
                              RecomputeCost)
 from autoddl.machine import usable_cores
-from executor.calibrate_models import (CHAIN_KINDS, CHAIN_WIDTH, PROBE_SIZES, block_model, broadcast_plan, chain_loss,
-                                       chain_model, probe_ops, zero1_plan, zero3_plan)
+from executor.calibrate_models import (CHAIN_KINDS, CHAIN_WIDTH, PROBE_SIZES, block_input, block_model, broadcast_plan,
+                                       chain_loss, chain_model, probe_ops, zero1_plan, zero3_plan)
 from executor.calibrate_optimizer import OPTIMIZER_NUMELS, fit_optimizer_ns, time_optimizer_steps
 from executor.calibrate_skew import (SKEW_BYTES, SKEW_COMPUTE_MS, SKEW_REPEAT_FACTOR, fit_skew_us, skew_points,
                                     time_arrival_skew)
@@ -906,7 +906,7 @@ class Bench:
             for n in self.s.recompute_chains:
                 torch.manual_seed(0)
                 body = block_model(kind, n).to(self.device)
-                x = torch.randn(CHAIN_WIDTH, CHAIN_WIDTH, device=self.device, requires_grad=True)
+                x = block_input(torch, self.device)                     # (B, T, C)
                 for policy in ("none", "full", "selective"):
                     block = body if policy == "none" else Checkpointed(body, policy, lambda phase: None)
 
