@@ -63,7 +63,7 @@ from costmodel.collectives import CollectiveFit, CollectiveKind, fit_collective
 from executor.calibrate import (LARGE_MATMUL_FLOPS, SLOW_DTYPE_FACTOR, CollectiveTiming, ComputeSummary, Measurements,
                                 Settings, compute_summary, executor_glue_us, measure_launches, with_arrival_skew,
                                 with_executor_overheads)
-from executor.calibrate_layouts import LAYOUT_SIZES, QUICK_LAYOUT_SIZES, measure_matmul_layouts
+from executor.calibrate_layouts import LAYOUT_SIZES, MIN_TIME_S, QUICK_LAYOUT_SIZES, measure_matmul_layouts
 from executor.calibrate_models import CHAIN_WIDTH, PROBE_SIZES
 from executor.calibrate_shards import SHARD_CHAIN, ShardTaskSample, fit_shard_runner, measure_shard_tasks
 from executor.shard_chain import WIDTH
@@ -600,7 +600,8 @@ def with_matmul_layouts(cal: Calibration, settings: Settings, dtypes: Sequence[s
                                   "out (executor/calibrate_layouts.py; priced: autoddl/matmul_layouts.py)")
     for d in dtypes:
         comments[f"matmul_layouts.{d}"] = (f"{_ranks_text(settings, settings.launches)}; median of single calls "
-                                           f"over >= 20 ms (3-30 calls); m, k, n each of {list(sizes)}")
+                                           f"over >= {MIN_TIME_S * 1e3:g} ms (3-30 calls); m, k, n each of "
+                                           f"{list(sizes)}")
     return dataclasses.replace(cal, cluster=cluster, comments=comments)
 
 
