@@ -8,8 +8,9 @@ second a transposed view ("NT": a linear's forward ``x @ W^T``) at 4-9, with the
 2026-11-29, the same spread in the calibration's own table). One peak and a FLOP-efficiency curve
 price a linear's three matmuls at one rate, so bf16 linears whose outputs are wider than their inputs
 (a 64 -> 512 output layer: 4.6 ms forward and backward, priced 2.5) were priced short. Float32, and
-any dtype a device runs in hardware, comes from a tuned BLAS that does not care (this table is only
-written for a dtype slower than float32 by ``executor.calibrate.SLOW_DTYPE_FACTOR``).
+any dtype a device runs in hardware, comes from a tuned BLAS that hardly cares (float32 on the same
+VM: the three layouts within 0.9-1.3x of each other at 64 to 512), so this table is only written for
+a dtype slower than float32 by ``executor.calibrate.SLOW_DTYPE_FACTOR``.
 
 What. Per dtype, rows ``[m, k, n, nn_us, nt_us, tn_us]``: the microseconds of an ``(m, k) @ (k, n)``
 product in each layout (the per-call dispatch taken out), over a full grid (every combination of the
