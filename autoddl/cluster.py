@@ -569,9 +569,8 @@ _UNPRICED_WHEN_ZERO = ("param_sync_us", "param_gather_us", "shard_forward_us", "
                        "shard_param_us", "collective_compute_share")
 _TOP_KEYS = ("name", "nodes", "devices_per_node", "device", "links", "backend", "efficiency",
              "op_overhead_us", "collectives", "collective_points", "compute_curve", "matmul_layouts", "executor",
-             "cores_per_node",
-             "comm_measured_ranks_per_node", "host_link", "host_memory_gb", "host_memory_bandwidth_gbps",
-             "calibrated_on")
+             "cores_per_node", "comm_measured_ranks_per_node", "host_link", "host_memory_gb",
+             "host_memory_bandwidth_gbps", "calibrated_on")
 HOST_FIELDS = {   # the host side of a node (module docstring): field -> what it is
     "host_link": "{bandwidth_gbps: GB/s per device one direction, latency_us: microseconds per copy} "
                  "(a GPU's PCIe link to host memory)",

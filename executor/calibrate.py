@@ -620,6 +620,17 @@ def _combine_families(ranks: list[dict], sharing: float) -> dict[str, Any]:
     return out
 
 
+def per_call_s(fn: Callable[[], Any], calls: int, sync: Callable[[], None] = lambda: None) -> float:
+    """Seconds per call of ``calls`` back-to-back calls of ``fn``, ``sync`` before and after (an
+    accelerator's queue drained)."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / calls
+
+
 def _bench_rank(settings: Settings, probes: dict | None = None) -> dict:
     """One rank's benchmarks (run by :func:`executor.local_ranks.run_ranks`, which sets RANK)."""
     return Bench(settings, int(os.environ["RANK"]), probes or {}).run()
@@ -654,13 +665,8 @@ class Bench:
         return float(t.item())
 
     def time_calls(self, fn: Callable[[], Any], calls: int) -> float:
-        """Seconds per call of ``calls`` back-to-back calls of ``fn``."""
-        self.sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        self.sync()
-        return (time.perf_counter() - t0) / calls
+        """Seconds per call of ``calls`` back-to-back calls of ``fn`` (:func:`per_call_s`)."""
+        return per_call_s(fn, calls, self.sync)
 
     def run(self) -> dict[str, Any]:
         out: dict[str, Any] = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "

@@ -17,11 +17,11 @@ from __future__ import annotations
 import math
 import statistics
 import sys
-import time
 from datetime import timedelta
 from typing import Any, Sequence
 
 from autoddl.matmul_layouts import LAYOUTS
+from executor.calibrate import per_call_s
 
 LAYOUT_SIZES = (32, 128, 512)       # m, k and n each: 27 shapes; the largest NN bf16 product ~0.2 s on Zen 3
 QUICK_LAYOUT_SIZES = (32, 64)
@@ -87,24 +87,13 @@ def time_product(torch: Any, barrier: Any, layout: str, m: int, k: int, n: int, 
     a, b = layout_operands(torch, layout, m, k, n, getattr(torch, dtype))
     out = torch.empty(m, n, dtype=a.dtype)                                                  # (m, n)
     barrier()
-    t0 = time.perf_counter()
-    torch.mm(a, b, out=out)
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(int(min(30, max(3, math.ceil(MIN_TIME_S / max(first, 1e-9)))))):
-        t0 = time.perf_counter()
-        torch.mm(a, b, out=out)
-        times.append(time.perf_counter() - t0)
-    t = statistics.median(times)
+    first = per_call_s(lambda: torch.mm(a, b, out=out), 1)
+    reps = int(min(30, max(3, math.ceil(MIN_TIME_S / max(first, 1e-9)))))
+    t = statistics.median(per_call_s(lambda: torch.mm(a, b, out=out), 1) for _ in range(reps))
     return max(t - dispatch_s, 0.5 * t)
 
 
 def _dispatch_s(torch: Any) -> float:
+    """An ``add`` of 1-element tensors: the median of 5 batches of 100 calls."""
     a0, b0 = torch.zeros(1), torch.zeros(1)
-    batches = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(100):
-            torch.add(a0, b0)
-        batches.append((time.perf_counter() - t0) / 100)
-    return statistics.median(batches)
+    return statistics.median(per_call_s(lambda: torch.add(a0, b0), 100) for _ in range(5))
