@@ -15,7 +15,7 @@ from autoddl.cluster import (
     LinkSpec, available_configs, bundled_config,
 )
 
-BUNDLED = ["dgx-a100-8", "h100-4x8", "v100-16x1", "local-cpu"]
+BUNDLED = ["dgx-a100-8", "h100-4x8", "h100-96gb-500w", "v100-16x1", "local-cpu"]
 
 GOOD = {
     "name": "toy-2x4",
@@ -109,6 +109,7 @@ def test_bundled_hardware_numbers():
 
 @pytest.mark.parametrize("name, assumed", [("dgx-a100-8", {"op_overhead_us"}),
                                             ("h100-4x8", set()),
+                                            ("h100-96gb-500w", set()),
                                             ("v100-16x1", {"op_overhead_us"})])
 def test_gpu_configs_cite_every_efficiency(name, assumed):
     """Each derating number and the per-op overhead has a comment beside it (the source above it); the ones no
@@ -116,7 +117,7 @@ def test_gpu_configs_cite_every_efficiency(name, assumed):
     lines = bundled_config(name).read_text().splitlines()
     said = set()
     optional = tuple(k for k in ("attention",) if any(line.strip().startswith(f"{k}:") for line in lines))
-    assert optional == (("attention",) if name in ("dgx-a100-8", "h100-4x8") else ())
+    assert optional == (("attention",) if name in ("dgx-a100-8", "h100-4x8", "h100-96gb-500w") else ())
     for key in ("compute", "memory", "network", "op_overhead_us") + optional:
         at = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{key}:"))
         assert "  # " in lines[at], (name, key)
@@ -570,8 +571,8 @@ def test_executor_op_families_and_recompute_errors(tmp_path):
 # -- the host side of a node (spilling to host memory) ------------------------------------------------
 
 def test_host_fields_load_round_trip_and_are_optional(tmp_path):
-    """Every bundled file describes its host; an old file without the fields loads, and asking it for
-    the host names each missing field and what to add."""
+    """Every bundled file describes its host but h100-96gb-500w (TorchTitan's text gives no host figures); an
+    old file without the fields loads, and asking it for the host names each missing field and what to add."""
     a100 = Cluster.from_yaml(bundled_config("dgx-a100-8"))
     assert a100.host_link == LinkSpec(31.5, 10.0) and a100.host_memory_gb == 2000
     assert a100.host_memory_bandwidth_gbps == 409.6
@@ -580,7 +581,8 @@ def test_host_fields_load_round_trip_and_are_optional(tmp_path):
     assert Cluster.from_yaml(bundled_config("h100-4x8")).host_link.bandwidth_gbps == 63.0      # PCIe 5.0 x16
     assert Cluster.from_yaml(bundled_config("v100-16x1")).host_link.bandwidth_gbps == 15.75    # PCIe 3.0 x16
     for name in [*BUNDLED, "two-hosts"]:
-        assert Cluster.from_yaml(bundled_config(name)).host_link is not None, name
+        described = Cluster.from_yaml(bundled_config(name)).host_link is not None
+        assert described == (name != "h100-96gb-500w"), name
     d = Cluster.from_yaml(bundled_config("two-hosts")).to_dict()
     for key in ("host_link", "host_memory_gb", "host_memory_bandwidth_gbps"):
         del d[key]
