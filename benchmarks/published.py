@@ -37,6 +37,13 @@ same job beside it. The cluster files' efficiencies come from component measurem
   405B on 128 H100 (96 GB), FSDP 16 x TP 8, local batch 2, full AC: 109 tokens/s/GPU; 70B on 64
   A100 80 GB, FSDP 64, local batch 1, full AC: 331 tokens/s/GPU.
 
+Every TorchTitan job is priced three times: on ``h100-4x8`` (DGX H100: 700 W SXM5, 80 GB HBM3, the
+hardware whose components were measured) and on the hardware TorchTitan describes,
+``h100-96gb-500w`` (96 GB HBM2e at 2.4 TB/s, 500 W), at both ends of the peak its benchmark's footnote
+bounds ("between SXM and NVL"): the SXM5 datasheet's in the file, then the H100 NVL datasheet's
+(``NVL_PEAKS_TFLOPS``; the ``cluster`` column reads ``h100-96gb-500w nvl-peak``). The found plan is
+searched on the first only.
+
 Jobs without ``search`` price the given configuration only (the found plan of a 256- to
 512-device job is issue 12's 3-D search, benchmarks/search_bench.py).
 
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -72,17 +80,22 @@ TITAN_2024 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (c
 TITAN_DOCS = "pytorch/torchtitan docs/performance.md (commit 9dec370), seq 8192:"
 # TorchTitan's loss upcasts the bf16 logits: cross_entropy(pred.flatten(0, 1).float(), ...) (train.py at 9dec370)
 TITAN_ARGS = {"float_logits": True}
+# TorchTitan's H100s (configs/h100-96gb-500w.yaml): its benchmark's footnote puts their peak "between SXM and NVL".
+# The file holds the SXM5 datasheet's peaks; these are the H100 NVL datasheet's (NVIDIA H100 product page and
+# datasheet: BF16 and FP16 Tensor Core 1,671 TFLOPS with sparsity = 835.5 dense; FP32 60 TFLOPS).
+TITAN_HARDWARE = "h100-96gb-500w"
+NVL_PEAKS_TFLOPS = {"float32": 60.0, "bfloat16": 835.5, "float16": 835.5}
 
 JOBS = [
     {"job": "llama3-8b seq 8192", "model": "examples/llama.py", "args": TITAN_ARGS | {"preset": "llama3-8b"},
-     "cluster": "h100-4x8", "devices": 8, "batch": 8, "micro_batches": 1,
+     "cluster": "h100-4x8", "titan_hardware": True, "devices": 8, "batch": 8, "micro_batches": 1,
      "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="selective"), "degrees": "fsdp=8",
      "metric": "tokens_per_s_per_gpu",
      "published": [("TorchTitan paper", 6258, "TorchTitan paper (arXiv:2410.06511): FSDP 8 H100, selective AC, "
                                               "as quoted in issue 10"),
                    ("TorchTitan repository", 5762, "TorchTitan repository benchmark, as quoted in issue 10")]},
     {"job": "llama3-8b seq 8192, local batch 2", "model": "examples/llama.py", "args": TITAN_ARGS | {"preset": "llama3-8b"},
-     "cluster": "h100-4x8", "devices": 8, "batch": 16, "micro_batches": 1, "memory_gb": 96,
+     "cluster": "h100-4x8", "titan_hardware": True, "devices": 8, "batch": 16, "micro_batches": 1, "memory_gb": 96,
      "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="selective"), "degrees": "fsdp=8",
      "metric": "tokens_per_s_per_gpu",
      "published": [("TorchTitan repository, Table 1", 5762, TITAN_2024 + " Table 1: Llama 3.1 8B, 8 H100, FSDP, "
@@ -105,26 +118,26 @@ JOBS = [
                                               "unfused as Megatron-LM ran it then (baddbmm, FusedScaleMaskSoftmax, "
                                               "bmm); the traced GPT has no attention dropout (Megatron's had 0.1)")]},
     {"job": "llama3.1-70b fsdp x tp", "model": "examples/llama.py", "args": TITAN_ARGS | {"preset": "llama3-70b"},
-     "cluster": "h100-4x8", "devices": 256, "batch": 512, "micro_batches": 1, "memory_gb": 96,
+     "cluster": "h100-4x8", "titan_hardware": True, "devices": 256, "batch": 512, "micro_batches": 1, "memory_gb": 96,
      "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"), "degrees": "fsdp=32,sp=8",
      "metric": "tokens_per_s_per_gpu", "search": False,
      "published": [("TorchTitan repository, Table 4 (2D)", 829, TITAN_2024 + " Table 4: Llama 3.1 70B, 256 H100, "
                     "FSDP 32 x TP 8, local batch 16, full AC; torch.compile + Float8 (not modelled)")]},
     {"job": "llama3.1-405b fsdp x tp x pp, 1f1b", "model": "examples/llama.py", "args": TITAN_ARGS | {"preset": "llama3.1-405b"},
-     "cluster": "h100-4x8", "devices": 512, "batch": 32, "micro_batches": 8, "memory_gb": 96,
+     "cluster": "h100-4x8", "titan_hardware": True, "devices": 512, "batch": 32, "micro_batches": 8, "memory_gb": 96,
      "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"), "degrees": "pp=8,fsdp=8,sp=8",
      "schedule": "1f1b", "metric": "tokens_per_s_per_gpu", "search": False,
      "published": [("TorchTitan repository, Table 5 (1F1B)", 100, TITAN_2024 + " Table 5: Llama 3.1 405B, 512 H100, "
                     "FSDP 8 x TP 8 x PP 8, local batch 32, full AC; torch.compile + Float8 + AsyncTP (not modelled)")]},
     {"job": "llama3.1-405b fsdp x tp x pp, interleaved", "model": "examples/llama.py",
-     "args": TITAN_ARGS | {"preset": "llama3.1-405b"}, "cluster": "h100-4x8", "devices": 512, "batch": 32, "micro_batches": 8,
+     "args": TITAN_ARGS | {"preset": "llama3.1-405b"}, "cluster": "h100-4x8", "titan_hardware": True, "devices": 512, "batch": 32, "micro_batches": 8,
      "memory_gb": 96, "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"),
      "degrees": "pp=8,fsdp=8,sp=8", "schedule": "interleaved", "virtual_stages": 2,
      "metric": "tokens_per_s_per_gpu", "search": False,
      "published": [("TorchTitan repository, Table 5 (interleaved 1F1B)", 128, TITAN_2024 + " Table 5: as 1F1B, "
                     "interleaved 1F1B (2 stages per rank); torch.compile + Float8 + AsyncTP (not modelled)")]},
     {"job": "llama3.1-405b fsdp x tp, bf16", "model": "examples/llama.py", "args": TITAN_ARGS | {"preset": "llama3.1-405b"},
-     "cluster": "h100-4x8", "devices": 128, "batch": 32, "micro_batches": 1, "memory_gb": 96,
+     "cluster": "h100-4x8", "titan_hardware": True, "devices": 128, "batch": 32, "micro_batches": 1, "memory_gb": 96,
      "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"), "degrees": "fsdp=16,sp=8",
      "metric": "tokens_per_s_per_gpu", "search": False,
      "published": [("TorchTitan docs/performance.md", 109, TITAN_DOCS + " Llama 3.1 405B, 128 H100, FSDP 16 x TP 8, "
@@ -138,11 +151,11 @@ JOBS = [
 ]
 
 
-def row(job: dict, scheme: str, plan, bd, graph, seconds: float) -> dict:
+def row(job: dict, cluster_label: str, scheme: str, plan, bd, graph, seconds: float) -> dict:
     tokens = job["batch"] * job["micro_batches"] * graph.nodes_of(NodeKind.INPUT)[0].outputs[0].shape[1]
     forward = graph.total_flops * job["micro_batches"]
     recomputes = 4 if job["training"].get("recompute") == "full" else 3
-    return {"job": job["job"], "cluster": job["cluster"], "devices": job["devices"],
+    return {"job": job["job"], "cluster": cluster_label, "devices": job["devices"],
             "precision": job["training"]["param_dtype"], "recompute": job["training"].get("recompute", "none"),
             "attention": job["training"].get("attention", "flash"),
             "micro_batches": job["micro_batches"], "scheme": scheme, "mesh": "x".join(map(str, plan.mesh.shape)),
@@ -154,29 +167,47 @@ def row(job: dict, scheme: str, plan, bd, graph, seconds: float) -> dict:
             "plan_s": round(seconds, 1)}
 
 
+def load_cluster(name: str, devices: int) -> Cluster:
+    return Cluster.from_yaml(ROOT / "configs" / f"{name}.yaml").resized(devices)
+
+
+def job_clusters(job: dict) -> list[tuple[str, Cluster]]:
+    """(label, cluster) pairs the job's configuration is priced on: its own cluster file, then for
+    TorchTitan's jobs the hardware it ran, at the SXM and the NVL end of its peak (module docstring)."""
+    clusters = [(job["cluster"], load_cluster(job["cluster"], job["devices"]))]
+    if job.get("titan_hardware"):
+        titan = load_cluster(TITAN_HARDWARE, job["devices"])
+        nvl = dataclasses.replace(titan, device=dataclasses.replace(titan.device, peak_tflops=NVL_PEAKS_TFLOPS))
+        clusters += [(TITAN_HARDWARE, titan), (f"{TITAN_HARDWARE} nvl-peak", nvl)]
+    return clusters
+
+
 def price_job(job: dict) -> list[dict]:
-    """The job's rows: its --degrees configuration beside each published figure, then the found plan."""
-    t0 = time.perf_counter()
+    """The job's rows: its --degrees configuration on each of its clusters beside each published figure,
+    then the found plan on its own cluster."""
     training = Training(micro_batches=job["micro_batches"], **job["training"])
     mf = load_model_file(ROOT / job["model"], **job["args"]).with_batch_size(job["batch"])
     graph = mf.trace(training.param_dtype)
-    cluster = Cluster.from_yaml(ROOT / "configs" / f"{job['cluster']}.yaml").resized(job["devices"])
-    given = price_degrees(graph, cluster, parse_degrees(job["degrees"]), model_name=graph.model_name,
-                          training=training, memory_gb=job.get("memory_gb"),
-                          schedule=job.get("schedule", "1f1b"), virtual_stages=job.get("virtual_stages", 1))
     label = job["degrees"] + (f" {job['schedule']}" if "schedule" in job else "")
-    given_row = row(job, label, given.plan, given.breakdown, graph, time.perf_counter() - t0)
-    rows = [{**given_row, "published": name, "published_value": value,
-             "predicted_over_published": round(given_row[job["metric"]] / value, 3), "source": source}
-            for name, value, source in job["published"]]
-    found_text = ""
+    rows, clusters = [], job_clusters(job)
+    for cluster_label, cluster in clusters:
+        t0 = time.perf_counter()
+        given = price_degrees(graph, cluster, parse_degrees(job["degrees"]), model_name=graph.model_name,
+                              training=training, memory_gb=job.get("memory_gb"),
+                              schedule=job.get("schedule", "1f1b"), virtual_stages=job.get("virtual_stages", 1))
+        given_row = row(job, cluster_label, label, given.plan, given.breakdown, graph, time.perf_counter() - t0)
+        rows += [{**given_row, "published": name, "published_value": value,
+                  "predicted_over_published": round(given_row[job["metric"]] / value, 3), "source": source}
+                 for name, value, source in job["published"]]
+        print(f"{job['job']} on {cluster_label}: {label} {given_row[job['metric']]} ({job['metric']}, "
+              f"{given_row['memory_gb']} GB, fits {given_row['fits']}); published "
+              f"{[v for _, v, _ in job['published']]}", flush=True)
     if job.get("search", True):
         t1 = time.perf_counter()
-        found = search(graph, cluster, model_name=graph.model_name, training=training, memory_gb=job.get("memory_gb"))
-        rows.append(row(job, "found", found.found, found.found_breakdown, graph, time.perf_counter() - t1))
-        found_text = f", found {rows[-1][job['metric']]}"
-    print(f"{job['job']}: {label} {given_row[job['metric']]} ({job['metric']}, {given_row['memory_gb']} GB, "
-          f"fits {given_row['fits']}){found_text}; published {[v for _, v, _ in job['published']]}", flush=True)
+        found = search(graph, clusters[0][1], model_name=graph.model_name, training=training,
+                       memory_gb=job.get("memory_gb"))
+        rows.append(row(job, job["cluster"], "found", found.found, found.found_breakdown, graph, time.perf_counter() - t1))
+        print(f"{job['job']} on {job['cluster']}: found {rows[-1][job['metric']]}", flush=True)
     return rows
 
 
