@@ -479,7 +479,10 @@ def nb01():
         number is a prediction from the cluster file's datasheet peaks and the efficiencies measured on
         an H100 (results/README.md, `gpu_components.csv`); beside TorchTitan's measurement of `fsdp=8`,
         selective recompute (results/README.md, `published.csv`), the prediction is 1.11x the figure
-        in TorchTitan's paper (within the 15% target) and 1.21x the one in its repository (missed).
+        in TorchTitan's paper and 1.21x the one in its repository. Those were measured on 96 GB HBM2e
+        H100s at 500 W, whose peak TorchTitan puts between the SXM and NVL datasheets': priced on
+        `configs/h100-96gb-500w.yaml` at both ends the same plan is 0.93-1.04x the paper's figure and
+        1.01-1.13x the repository's (within the 15% target at both ends).
         """),
         _code(r"""
         fits = llama_variants[llama_variants.fits]
