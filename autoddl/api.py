@@ -101,8 +101,11 @@ def schemes_frame(outcome) -> pd.DataFrame:
 
 
 def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor] | None = None,
-                loss_fn: Callable[..., torch.Tensor] | None = None) -> nn.Module:
-    """Inside a torchrun process: a module whose forward runs ``plan`` on this rank's shards."""
+                loss_fn: Callable[..., torch.Tensor] | None = None, *, keep_freed_memory: bool = True) -> nn.Module:
+    """Inside a torchrun process: a module whose forward runs ``plan`` on this rank's shards. On CPU the
+    process keeps the memory its steps free for the next (executor/allocator.py), as ``autoddl run``'s
+    ranks do; ``keep_freed_memory=False`` leaves the C library's heap alone."""
     from executor.runtime import parallelize as _parallelize
 
-    return _parallelize(model, plan, example_inputs=example_inputs, loss_fn=loss_fn)
+    return _parallelize(model, plan, example_inputs=example_inputs, loss_fn=loss_fn,
+                        keep_freed_memory=keep_freed_memory)

@@ -16,10 +16,11 @@ others: the time of a step depended on the plans timed before it in the process.
 ceiling glibc itself would raise it to, and the trim threshold out of reach, so that a step's freed
 blocks serve the next step's. Tensors above 32 MiB are still mapped and unmapped each time. Every
 process that runs or measures a step calls it first (executor/worker.py, executor/local_ranks.py: the
-calibration ranks), so the cost model is calibrated as the plans run. The memory kept is free for the
+calibration ranks; ``autoddl.parallelize`` on CPU in a user's own script, unless told not to), so the
+cost model is calibrated as the plans run. The memory kept is free for the
 process to reuse, not lost; :func:`release_freed_memory` (``malloc_trim``) gives it back, as
 ``PeakMemory.start`` does before it takes the resident set a measurement starts from. Elsewhere than
-glibc both are no-ops. A user's own script with ``autoddl.parallelize`` may call it too.
+glibc both are no-ops.
 """
 
 from __future__ import annotations

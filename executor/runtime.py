@@ -48,6 +48,7 @@ from autoddl.plan import Plan
 from autoddl.precision import cast_forward_inputs, torch_dtype, working_copy
 from autoddl.program import StepProgram, grad_storage_of, lower, optimizer_storage_of
 from autoddl.sbp import NdSbp
+from executor import allocator
 from executor.audit import CommRecord, CommRecorder
 from executor.compiled import LocalStep, ProgramCompiler
 from executor.gradsync import GradSync
@@ -656,7 +657,7 @@ class ParallelModule(DistributedModel):
 
 def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor] | None = None,
                 loss_fn: Callable | None = None, *, device: str = "cpu",
-                timeout_s: float = 120.0) -> ParallelModule:
+                timeout_s: float = 120.0, keep_freed_memory: bool = True) -> ParallelModule:
     """Inside a torchrun process: ``model`` laid out as ``plan`` says, as a ParallelModule.
 
     Initialises the process group (gloo, or nccl with ``device="cuda"``) if it is not, and the
@@ -666,6 +667,11 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     match the plan's graph hash. Parameters are DTensors by their storage NdSbp; pass
     ``module.parameters()`` to any torch optimizer. Every rank must pass the same full model
     (same seed) and, at each step, the same full batch.
+
+    On CPU the process then keeps the memory its steps free for the next ones
+    (executor/allocator.py ``keep_freed_memory``: glibc's thresholds), as the ranks of ``autoddl
+    run`` and the calibration do, so the steps run as the cost model was calibrated;
+    ``keep_freed_memory=False`` leaves the C library's heap as it was.
     """
     if pipeline_degree(plan) > 1:
         raise ValueError(f"parallelize: plan {plan.name!r} has pipeline stages (pp={pipeline_degree(plan)}), which run "
@@ -683,6 +689,8 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     from autoddl.trace import trace
 
     graph = trace(model, example_inputs, loss_fn, name=type(model).__name__, param_dtype=plan.training.param_dtype)
+    if keep_freed_memory and device == "cpu":
+        allocator.keep_freed_memory()
     owns_group = not dist.is_initialized()
     mesh = init_mesh(plan, device, timeout_s=timeout_s)
     if owns_group:                      # ours to start, so ours to shut down when the script ends
