@@ -130,9 +130,9 @@ JOBS = [
      "published": [("TorchTitan repository, Table 5 (1F1B)", 100, TITAN_2024 + " Table 5: Llama 3.1 405B, 512 H100, "
                     "FSDP 8 x TP 8 x PP 8, local batch 32, full AC; torch.compile + Float8 + AsyncTP (not modelled)")]},
     {"job": "llama3.1-405b fsdp x tp x pp, interleaved", "model": "examples/llama.py",
-     "args": TITAN_ARGS | {"preset": "llama3.1-405b"}, "cluster": "h100-4x8", "titan_hardware": True, "devices": 512, "batch": 32, "micro_batches": 8,
-     "memory_gb": 96, "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"),
-     "degrees": "pp=8,fsdp=8,sp=8", "schedule": "interleaved", "virtual_stages": 2,
+     "args": TITAN_ARGS | {"preset": "llama3.1-405b"}, "cluster": "h100-4x8", "titan_hardware": True, "devices": 512,
+     "batch": 32, "micro_batches": 8, "memory_gb": 96,
+     "training": dict(param_dtype="bf16", reduce_dtype="fp32", recompute="full"), "degrees": "pp=8,fsdp=8,sp=8", "schedule": "interleaved", "virtual_stages": 2,
      "metric": "tokens_per_s_per_gpu", "search": False,
      "published": [("TorchTitan repository, Table 5 (interleaved 1F1B)", 128, TITAN_2024 + " Table 5: as 1F1B, "
                     "interleaved 1F1B (2 stages per rank); torch.compile + Float8 + AsyncTP (not modelled)")]},
