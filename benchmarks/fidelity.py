@@ -270,7 +270,9 @@ def run_plans(model: str, kwargs: dict[str, Any], nproc: int, items: list[dict[s
     res = launch(LaunchSpec(nproc, omp_num_threads=1, timeout_s=timeout_s), worker_args)
     results = worker_results(items, out_dir, res.describe() if not res.ok else "no result written")
     if not res.ok:
-        print(f"  launch failed: {res.describe()}\n  " + "\n  ".join(res.stderr_tail[-15:]), flush=True)
+        root = res.failures[0].traceback if res.failures else ""    # a rank killed by a signal: its stack
+        print(f"  launch failed: {res.describe()}\n  " + "\n  ".join((root.splitlines() if root else [])[:40]
+                                                                   + res.stderr_tail[-15:]), flush=True)
     return results
 
 

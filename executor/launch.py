@@ -10,7 +10,9 @@ rank that raises or dies ends the run within seconds; a rank blocked in a
 collective on a peer that is alive but stuck fails after the worker's
 process-group timeout. Each failing worker also writes ``<error_dir>/rank<R>.json``
 with its exception, which ``LaunchResult.failures`` merges with torchrun's
-records: the message names the rank and the error.
+records: the message names the rank and the error. A rank killed by a fatal signal raises no
+exception; :func:`record_fatal_signals`, which workers call first, has the fault handler write every
+thread's Python stack to ``<error_dir>/fault<R>.txt`` then, and that is the rank's traceback.
 
 Worker stdout (rank 0's progress) is passed through as it comes; stderr
 (torchrun's logs, tracebacks) is kept and its tail returned, to print on failure.
@@ -19,6 +21,7 @@ Worker stdout (rank 0's progress) is passed through as it comes; stderr
 from __future__ import annotations
 
 import collections
+import faulthandler
 import json
 import os
 import re
@@ -193,6 +196,29 @@ def _kill_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
             continue
 
 
+_FAULT_FILE: IO[str] | None = None     # open for the process's life: the fault handler writes into it when it dies
+
+
+def record_fatal_signals(error_dir: str) -> None:
+    """In a launched rank: on a fatal signal (SIGSEGV, SIGABRT: glibc aborts a process whose heap it finds
+    corrupted, SIGBUS, SIGFPE, SIGILL) every thread's Python stack goes to ``<error_dir>/fault<R>.txt``,
+    which :func:`_failures` reports as the rank's traceback. Nothing without ``error_dir``."""
+    global _FAULT_FILE
+    if not error_dir:
+        return
+    Path(error_dir).mkdir(parents=True, exist_ok=True)
+    _FAULT_FILE = open(Path(error_dir) / f"fault{os.environ.get('RANK', '-1')}.txt", "w")
+    faulthandler.enable(file=_FAULT_FILE, all_threads=True)
+
+
+def _fault_text(error_dir: Path, rank: int) -> str:
+    """What the fault handler wrote when rank ``rank`` died of a signal ("" when it did not)."""
+    try:
+        return (error_dir / f"fault{rank}.txt").read_text()
+    except OSError:
+        return ""
+
+
 def _exit_text(code: int | None) -> str:
     if code is None:
         return "exited without an exit code"
@@ -225,8 +251,9 @@ def _failures(failures_json: Path, error_dir: Path) -> list[RankFailure]:
     for rank in set(errors) | set(agent):
         e, a = errors.get(rank, {}), agent.get(rank, {})
         exitcode = a.get("exitcode")
-        out.append(RankFailure(rank, exitcode, e.get("error") or _exit_text(exitcode), e.get("traceback", ""),
-                               e.get("host", "")))
+        died = not e and exitcode is not None and exitcode < 0
+        out.append(RankFailure(rank, exitcode, e.get("error") or _exit_text(exitcode),
+                               _fault_text(error_dir, rank) if died else e.get("traceback", ""), e.get("host", "")))
     # root causes first (in the order their errors happened; a rank that died reported no time),
     # then the ranks that only stopped because of them
     when = {r: errors.get(r, {}).get("time", "") for r in errors}

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from autoddl.atomic import write_text_atomic
 from autoddl.loader import load_model_file
 from autoddl.shard_program import FORWARD, ScheduledTask, device_order, task_from_dict, transfers
+from executor.launch import record_fatal_signals
 from executor.shard_runner import ShardedModel
 from executor.worker import _report_failure
 
@@ -138,6 +139,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    record_fatal_signals(args.error_dir)
     try:
         dist.init_process_group("gloo")
         rank = dist.get_rank()

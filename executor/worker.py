@@ -31,7 +31,8 @@ graph, a shape error) gets ``{"plan": ..., "error": ...}`` and the next plan run
 costs 10-15 s of process start, import and tracing on a small machine, which this shares. A rank that fails writes
 ``<--error-dir>/rank<R>.json`` (rank, error, traceback) before exiting non-zero, which is how
 ``autoddl run`` names the rank that failed. Test hook: ``AUTODDL_TEST_FAIL_RANK=R`` makes rank R
-fail at its first timed step (``AUTODDL_TEST_FAIL_MODE``: ``raise``, default, or ``kill``, a SIGKILL).
+fail at its first timed step (``AUTODDL_TEST_FAIL_MODE``: ``raise``, default, ``kill``, a SIGKILL, or
+``abort``, a SIGABRT).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from autoddl.precision import check_rtol
 from autoddl.trace import trace
 from executor.allocator import keep_freed_memory
 from executor.audit import summarize
+from executor.launch import record_fatal_signals
 from executor.measure import PeakMemory, Share, job_step_times, steps_for_min_time, time_steps
 from executor.references import REFERENCES, build_reference, reference_step
 from executor.runtime import (audit_records, audit_step, build_optimizer, close_process_group, distributed_model,
@@ -136,12 +138,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _test_fail_hook(rank: int) -> None:
-    """Test-only: make rank ``$AUTODDL_TEST_FAIL_RANK`` fail here (raise, or die by SIGKILL)."""
+    """Test-only: make rank ``$AUTODDL_TEST_FAIL_RANK`` fail here (raise, die by SIGKILL, or abort: SIGABRT,
+    as glibc aborts a process whose heap it finds corrupted)."""
     want = os.environ.get(FAIL_RANK_ENV, "")
     if want == "" or int(want) != rank:
         return
-    if os.environ.get(FAIL_MODE_ENV, "raise") == "kill":
+    mode = os.environ.get(FAIL_MODE_ENV, "raise")
+    if mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "abort":
+        os.abort()
     raise RuntimeError(f"{FAIL_RANK_ENV}={want}: test failure injected on rank {rank}")
 
 
@@ -461,6 +467,7 @@ def _report_failure(args: argparse.Namespace, exc: BaseException) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    record_fatal_signals(args.error_dir)    # a rank killed by a signal still says where it was
     keep_freed_memory()                     # each step's freed tensors serve the next (executor/allocator.py)
     try:
         if args.plans:

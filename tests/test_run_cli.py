@@ -274,6 +274,7 @@ def test_failed_check_exits_1_and_is_recorded(setup, tmp_path, capsys, monkeypat
 @pytest.mark.parametrize("mode,rank,error", [
     ("raise", 1, "rank 1 on .* failed: RuntimeError: AUTODDL_TEST_FAIL_RANK=1: test failure injected on rank 1"),
     ("kill", 0, "rank 0 failed: killed by SIGKILL"),
+    ("abort", 1, "rank 1 failed: killed by SIGABRT"),
 ])
 def test_failing_rank_stops_every_rank(setup, tmp_path, capsys, monkeypatch, mode, rank, error):
     import re
@@ -294,6 +295,8 @@ def test_failing_rank_stops_every_rank(setup, tmp_path, capsys, monkeypatch, mod
     assert "the run failed" in err and re.search(error, err), err
     assert err.index(f"rank {rank}") < err.index(f"rank {1 - rank}")  # the root cause comes first
     assert out.read_text() == "time,plan\nearlier,kept\n"
+    if mode == "abort":     # the aborted rank's Python stack, from the fault handler the launch turns on
+        assert "Fatal Python error: Aborted" in err and "in _test_fail_hook" in err, err
 
 
 NODE = "import sys; from autoddl.cli import main; sys.exit(main(sys.argv[1:]))"
