@@ -29,6 +29,7 @@ cost; every other op as before.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -51,8 +52,7 @@ class MatmulLayoutTable:
         if min(m, k, n) <= 0:
             return 0.0
         col = 3 + LAYOUTS.index(layout)
-        logs = [math.log(s) for s in self.sizes]
-        corners = [_bracket(logs, math.log(v)) for v in (m, k, n)]     # per dim: (i, i + 1, weight of i + 1)
+        corners = [_bracket(self._log_sizes, math.log(v)) for v in (m, k, n)]     # per dim: (i, i + 1, weight of i + 1)
         log_rate = 0.0
         for ci in range(8):
             weight, idx = 1.0, []
@@ -63,6 +63,11 @@ class MatmulLayoutTable:
             if weight:
                 log_rate += weight * math.log(self._rate(idx, col))
         return 2.0 * m * k * n / math.exp(log_rate)
+
+    @functools.cached_property
+    def _log_sizes(self) -> tuple[float, ...]:
+        """log of each grid size, computed once (the search reads a table for every linear it prices)."""
+        return tuple(math.log(s) for s in self.sizes)
 
     def _rate(self, idx: Sequence[int], col: int) -> float:
         """FLOP/s of the grid point at indices ``idx`` (of m, k, n) in column ``col``."""

@@ -64,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autoddl.atomic import write_csv_atomic  # noqa: E402
-from autoddl.cluster import Cluster  # noqa: E402
+from autoddl.cluster import Cluster, bundled_config  # noqa: E402
 from autoddl.graph import NodeKind  # noqa: E402
 from autoddl.loader import load_model_file  # noqa: E402
 from autoddl.training import Training  # noqa: E402
@@ -168,7 +168,7 @@ def row(job: dict, cluster_label: str, scheme: str, plan, bd, graph, seconds: fl
 
 
 def load_cluster(name: str, devices: int) -> Cluster:
-    return Cluster.from_yaml(ROOT / "configs" / f"{name}.yaml").resized(devices)
+    return Cluster.from_yaml(bundled_config(name)).resized(devices)
 
 
 def job_clusters(job: dict) -> list[tuple[str, Cluster]]:

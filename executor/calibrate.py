@@ -631,6 +631,14 @@ def per_call_s(fn: Callable[[], Any], calls: int, sync: Callable[[], None] = lam
     return (time.perf_counter() - t0) / calls
 
 
+def tiny_add_s(torch: Any, calls: int, device: Any = "cpu", grad: bool = False,
+               sync: Callable[[], None] = lambda: None) -> float:
+    """Seconds of an ``add`` of 1-element tensors (needing a gradient when ``grad``: autograd's cost too):
+    the median of 5 batches of ``calls`` back-to-back calls (:func:`per_call_s`)."""
+    a, b = (torch.ones(1, device=device, requires_grad=grad) for _ in range(2))
+    return statistics.median(per_call_s(lambda: torch.add(a, b), calls, sync) for _ in range(5))
+
+
 def _bench_rank(settings: Settings, probes: dict | None = None) -> dict:
     """One rank's benchmarks (run by :func:`executor.local_ranks.run_ranks`, which sets RANK)."""
     return Bench(settings, int(os.environ["RANK"]), probes or {}).run()
@@ -685,13 +693,8 @@ class Bench:
         return out
 
     def overhead(self) -> dict[str, float]:
-        torch = self.torch
-        a = torch.ones(1, device=self.device, requires_grad=True)
-        b = torch.ones(1, device=self.device, requires_grad=True)
-        a0, b0 = a.detach(), b.detach()
         calls = 300 if self.s.quick else 2000
-        dispatch = statistics.median(self.time_calls(lambda: torch.add(a0, b0), calls) for _ in range(5))
-        tiny = statistics.median(self.time_calls(lambda: torch.add(a, b), calls) for _ in range(5))
+        dispatch, tiny = (tiny_add_s(self.torch, calls, self.device, grad, self.sync) for grad in (False, True))
         self.say(f"per-op overhead: add of 1-element tensors {dispatch * 1e6:.1f} us ({tiny * 1e6:.1f} us with "
                  "grad) (rank 0)")
         return {"dispatch_us": dispatch * 1e6, "tiny_op_us": tiny * 1e6}

@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import Any, Sequence
 
 from autoddl.matmul_layouts import LAYOUTS
-from executor.calibrate import per_call_s
+from executor.calibrate import per_call_s, tiny_add_s
 
 LAYOUT_SIZES = (32, 128, 512)       # m, k and n each: 27 shapes; the largest NN bf16 product ~0.2 s on Zen 3
 QUICK_LAYOUT_SIZES = (32, 64)
@@ -56,7 +56,7 @@ def _rank(dtypes: tuple[str, ...], sizes: tuple[int, ...], nproc: int, verbose: 
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=nproc, timeout=timedelta(seconds=300))
-    dispatch_s = _dispatch_s(torch)
+    dispatch_s = tiny_add_s(torch, 100)
     out: dict[str, list[list[float]]] = {}
     for dtype in dtypes:
         out[dtype] = []
@@ -91,9 +91,3 @@ def time_product(torch: Any, barrier: Any, layout: str, m: int, k: int, n: int, 
     reps = int(min(30, max(3, math.ceil(MIN_TIME_S / max(first, 1e-9)))))
     t = statistics.median(per_call_s(lambda: torch.mm(a, b, out=out), 1) for _ in range(reps))
     return max(t - dispatch_s, 0.5 * t)
-
-
-def _dispatch_s(torch: Any) -> float:
-    """An ``add`` of 1-element tensors: the median of 5 batches of 100 calls."""
-    a0, b0 = torch.zeros(1), torch.zeros(1)
-    return statistics.median(per_call_s(lambda: torch.add(a0, b0), 100) for _ in range(5))
